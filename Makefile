@@ -1,0 +1,26 @@
+# Set-up needs only python3 and make: the first target that needs the venv builds it.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: run test bench clean
+
+$(BIN)/lockstep: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: $(BIN)/lockstep
+	$(BIN)/lockstep sim
+
+test: $(BIN)/lockstep
+	$(BIN)/python -m pytest
+
+bench: $(BIN)/lockstep
+	$(BIN)/python benchmarks/bench_scheduler.py
+	$(BIN)/python benchmarks/bench_admission.py
+	$(BIN)/python benchmarks/bench_sim.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Triton kernels, each above its launcher and next to a torch reference."""

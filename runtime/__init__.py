@@ -1,0 +1,1 @@
+"""Runtime processes: the ``Runtime`` protocol, its registry and the model definitions."""

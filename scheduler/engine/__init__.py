@@ -1,0 +1,1 @@
+"""The trio actors that drive the sans-I/O policies in real time (see DESIGN.md)."""

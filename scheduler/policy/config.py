@@ -1,0 +1,46 @@
+"""Scheduler limits: the knobs of one SchedulerCore (one DP rank)."""
+
+from __future__ import annotations
+
+import attrs
+
+POLICIES = ("fcfs", "priority")
+
+
+class ConfigError(ValueError):
+    """A configuration value out of range; the message names the field and what is allowed."""
+
+
+def _positive(inst, attribute, value):
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"scheduler.{attribute.name} must be an integer >= 1, got {value!r}")
+
+
+def _non_negative(inst, attribute, value):
+    if not isinstance(value, int) or value < 0:
+        raise ConfigError(f"scheduler.{attribute.name} must be an integer >= 0, got {value!r}")
+
+
+@attrs.frozen
+class SchedulerConfig:
+    num_blocks: int = attrs.field(default=4096, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=_positive)
+    max_num_seqs: int = attrs.field(default=256, validator=_positive)
+    max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive)
+    max_model_len: int = attrs.field(default=131072, validator=_positive)
+    enable_prefix_caching: bool = True
+    policy: str = "fcfs"
+    # Admission caps: 0 means no cap. KV loads are requests whose KV arrives from elsewhere.
+    max_new_prefills_per_step: int = attrs.field(default=0, validator=_non_negative)
+    max_kv_loads_per_step: int = attrs.field(default=4, validator=_non_negative)
+    num_spec_tokens: int = attrs.field(default=0, validator=_non_negative)
+    async_scheduling: bool = True
+    watermark: float = 0.01  # share of blocks kept free when admitting new requests
+
+    def __attrs_post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"scheduler.policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.block_size % 2:
+            raise ConfigError(f"scheduler.block_size must be even, got {self.block_size}")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"scheduler.watermark must be in [0, 1), got {self.watermark!r}")

@@ -1,0 +1,638 @@
+"""SchedulerCore: continuous batching for one DP rank, sans-I/O.
+
+``schedule(now) -> StepPlan`` decides the next step; ``update(plan, result, now) ->
+StepOutputs`` applies what the runtime did. With async scheduling the shell calls
+``schedule`` for step N+1 before step N's result arrives: the core counts one placeholder
+token per running request (``Request.num_known``) and reconciles in ``update``, where
+results for requests that finished or were preempted meanwhile are dropped by checking the
+slot's owner.
+
+Decode is kept off the per-request Python path: running requests sit in stable batch slots
+whose counters are numpy arrays, so a decode step is a handful of vector operations; Python
+work per request happens only at events (admission, a block boundary, finishing).
+``advance(k, tokens)`` applies k identical decode steps at once for the simulator.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from .admission import AdmissionCaps
+from .block_pool import BlockPool
+from .config import SchedulerConfig
+from .hashing import BlockHasher
+from .request import FinishReason, Request, RequestError, RequestState
+from .step import PLACEHOLDER, StepOutputs, StepPlan, StepResult
+
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+
+
+class SchedulerCore:
+    def __init__(self, config: SchedulerConfig, hasher: BlockHasher):
+        if hasher.block_size != config.block_size:
+            raise ValueError("hasher and scheduler disagree on block_size")
+        self.config = config
+        self.hasher = hasher
+        self.bs = config.block_size
+        self.pool = BlockPool(config.num_blocks, enable_prefix_cache=config.enable_prefix_caching)
+        self.caps = AdmissionCaps(config)
+        self.requests: dict[int, Request] = {}
+        self._waiting: list[tuple[tuple[int, int], Request]] = []
+        self._seq = 0
+        self._step = 0
+        self.num_preemptions = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which were cached
+        self._to_drop: list[int] = []
+        self._preempted_this_step = False  # tell the runtime: forget these requests
+        n = config.max_num_seqs
+        self._free_slots = list(range(n - 1, -1, -1))
+        self.s_req: list[Request | None] = [None] * n
+        self.s_rid = np.full(n, -1, dtype=np.int64)
+        self.s_active = np.zeros(n, dtype=bool)
+        self.s_decodable = np.zeros(n, dtype=bool)  # RUNNING (not waiting for KV)
+        self.s_ncomp = np.zeros(n, dtype=np.int64)
+        self.s_nknown = np.zeros(n, dtype=np.int64)
+        self.s_nout = np.zeros(n, dtype=np.int64)
+        self.s_nblocks = np.zeros(n, dtype=np.int64)
+        self.s_maxtotal = np.zeros(n, dtype=np.int64)
+        self.s_maxout = np.zeros(n, dtype=np.int64)
+        self.s_stop = np.full(n, -2, dtype=np.int64)  # eos id, or -2 when ignored
+        self.s_tail = np.zeros((n, self.bs), dtype=np.int32)  # tokens of the open block
+
+    # -- intake --------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.id in self.requests:
+            raise RequestError(f"request id {req.id} is already queued")
+        if req.max_total > self.config.max_model_len:
+            raise RequestError(
+                f"request {req.id}: prompt ({req.prompt_len}) + max_tokens "
+                f"({req.params.max_tokens}) exceeds max_model_len {self.config.max_model_len}"
+            )
+        if len(req.block_hashes) != req.prompt_len // self.bs:
+            req.block_hashes, req.hash_acc = self.hasher.hash_prompt(req.prompt, req.cache_salt)
+        req.seq = self._seq
+        self._seq += 1
+        req.state = RequestState.WAITING
+        req.output = np.empty(req.params.max_tokens, dtype=np.int32)
+        self.requests[req.id] = req
+        self._push_waiting(req)
+
+    def abort(self, req_id: int) -> bool:
+        req = self.requests.get(req_id)
+        if req is None:
+            return False
+        if req.slot >= 0:
+            self._release(req)
+        else:
+            self._waiting = [e for e in self._waiting if e[1] is not req]
+            heapq.heapify(self._waiting)
+            self.pool.free(req.blocks[::-1])
+            req.blocks = []
+        self._finish(req, FinishReason.ABORT)
+        return True
+
+    # -- queries -------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return int(self.s_active.sum())
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting) or bool(self.s_active.any())
+
+    def load(self) -> int:
+        """Tokens this rank still has to hold: for least-loaded routing."""
+        return int((self.s_nknown[self.s_active]).sum()) + sum(
+            r.prompt_len for _, r in self._waiting
+        )
+
+    # -- schedule ------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        entries: list[tuple] = []  # (req, n_new, tokens, new_blocks, block_start)
+        dec_slots, new_blocks = self._schedule_decodes(budget)
+        dec_rids = self.s_rid[dec_slots]
+        budget -= len(dec_slots)
+        budget = self._schedule_prefills(budget, entries)
+        loads = self._admit_waiting(budget, entries, now)
+        if len(dec_slots) and self._preempted_this_step:
+            dec_slots = dec_slots[self.s_rid[dec_slots] == dec_rids]
+        self._preempted_this_step = False
+        return self._build_plan(dec_slots, new_blocks, entries, loads)
+
+    def _schedule_decodes(self, budget: int) -> tuple[np.ndarray, dict[int, list[int]]]:
+        ready = self.s_decodable & (self.s_nknown - self.s_ncomp == 1)
+        ready &= self.s_nknown < self.s_maxtotal
+        slots = np.flatnonzero(ready)[:budget]
+        if len(slots) == 0:
+            return slots, {}
+        need = (self.s_ncomp[slots] + 1 + self.bs - 1) // self.bs > self.s_nblocks[slots]
+        grow = slots[need]
+        new_blocks: dict[int, list[int]] = {}
+        if len(grow):
+            while len(grow) > self.pool.num_free:
+                victim = self._pick_victim()
+                self._preempt(victim)
+                keep = self.s_active[slots]
+                slots, grow = slots[keep], grow[self.s_active[grow]]
+            got = self.pool.allocate(len(grow))
+            for slot, block in zip(grow.tolist(), got):
+                self.s_req[slot].blocks.append(block)
+                new_blocks[slot] = [block]
+            self.s_nblocks[grow] += 1
+        self.s_ncomp[slots] += 1
+        self.s_nknown[slots] += 1
+        return slots, new_blocks
+
+    def _schedule_prefills(self, budget: int, entries: list) -> int:
+        partial = self.s_decodable & (self.s_nknown - self.s_ncomp > 1)
+        for slot in np.flatnonzero(partial).tolist():
+            if budget <= 0:
+                break
+            req = self.s_req[slot]
+            if req is None:  # preempted while scheduling this step
+                continue
+            n = min(budget, req.num_known - req.num_computed)
+            start = len(req.blocks)
+            if not self._grow_blocks(req, req.num_computed + n, preempt=True):
+                continue
+            entries.append(self._prefill_entry(req, n, start))
+            budget -= n
+        return budget
+
+    def _admit_waiting(self, budget: int, entries: list, now: float) -> list[int]:
+        loads: list[int] = []
+        self.caps.start_step()
+        while self._waiting and self._free_slots:
+            req = self._waiting[0][1]
+            if req.remote_kv_tokens and req.num_cached_tokens < 0:
+                if not self.caps.may_start_kv_load():
+                    break
+                if not self._start_kv_load(req):
+                    break
+                loads.append(req.id)
+                continue
+            if budget <= 0 or not self.caps.may_start_prefill():
+                break
+            n = self._admit_one(req, budget)
+            if n == 0:
+                break
+            entries.append(self._prefill_entry(req, n, 0))
+            budget -= n
+        return loads
+
+    def _admit_one(self, req: Request, budget: int) -> int:
+        """Match the prefix cache and take blocks for the first chunk; 0 if it cannot start."""
+        hit, n, need = self._admission_need(req, budget)
+        if n == 0:
+            return 0
+        heapq.heappop(self._waiting)
+        if req.num_cached_tokens < 0:  # count each request once, as vLLM does
+            self.prefix_queries += req.num_known
+            self.prefix_hits += len(hit) * self.bs
+        self.pool.touch(hit)
+        req.blocks = hit + self.pool.allocate(need)
+        req.num_computed = len(hit) * self.bs
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = req.num_computed
+        self._take_slot(req)
+        self.caps.note_prefill()
+        return n
+
+    def _admission_need(self, req: Request, budget: int) -> tuple[list[int], int, int]:
+        """(cached blocks, tokens of the first chunk, new blocks); chunk 0 if it cannot start."""
+        bs = self.bs
+        max_hit = (req.num_known - 1) // bs  # the last token must be computed for logits
+        hit = self.pool.match_prefix(req.block_hashes[:max_hit])
+        n = min(budget, req.num_known - len(hit) * bs)
+        need = -(-(len(hit) * bs + n) // bs) - len(hit)
+        reserve = int(self.config.watermark * self.pool.num_blocks)
+        evictable_hits = sum(1 for b in hit if self.pool.ref[b] == 0)
+        if need + evictable_hits + reserve > self.pool.num_free:
+            return hit, 0, 0
+        return hit, n, need
+
+    def _start_kv_load(self, req: Request) -> bool:
+        need = -(-req.remote_kv_tokens // self.bs)
+        if need > self.pool.num_free:
+            return False
+        heapq.heappop(self._waiting)
+        req.blocks = self.pool.allocate(need)
+        req.num_cached_tokens = 0
+        req.state = RequestState.WAITING_FOR_KV
+        self._take_slot(req)
+        self.s_decodable[req.slot] = False
+        self.caps.note_kv_load()
+        return True
+
+    def _grow_blocks(self, req: Request, upto_tokens: int, *, preempt: bool) -> bool:
+        need = -(-upto_tokens // self.bs) - len(req.blocks)
+        while need > self.pool.num_free:
+            victim = self._pick_victim(worse_than=req) if preempt else None
+            if victim is None:
+                return False
+            self._preempt(victim)
+        if need > 0:
+            req.blocks.extend(self.pool.allocate(need))
+            self.s_nblocks[req.slot] = len(req.blocks)
+        return True
+
+    def _prefill_entry(self, req: Request, n: int, block_start: int) -> tuple:
+        start = req.num_computed
+        tokens = self._known_tokens(req, start, start + n)
+        req.num_computed += n
+        slot = req.slot
+        self.s_ncomp[slot] = req.num_computed
+        self._publish_prompt_blocks(req, start)
+        sampled = req.num_computed == req.num_known
+        if sampled:
+            req.num_known += 1
+            self.s_nknown[slot] = req.num_known
+        return (req, n, start, tokens, req.blocks[block_start:], block_start, sampled)
+
+    def _publish_prompt_blocks(self, req: Request, old_computed: int) -> None:
+        lo, hi = old_computed // self.bs, req.num_computed // self.bs
+        if hi > lo and self.config.enable_prefix_caching:
+            hashes = self._known_hashes(req)
+            hi = min(hi, len(hashes))
+            self.pool.cache(req.blocks[lo:hi], hashes[lo:hi])
+
+    # -- plan assembly -------------------------------------------------------------------
+    def _build_plan(self, dec_slots, new_blocks, entries, loads) -> StepPlan:
+        n_dec, n_pre = len(dec_slots), len(entries)
+        n = n_dec + n_pre + len(loads)
+        self._step += 1
+        req_ids = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.int32)
+        num_new = np.zeros(n, dtype=np.int32)
+        start_pos = np.zeros(n, dtype=np.int32)
+        samples = np.zeros(n, dtype=bool)
+        block_start = np.zeros(n, dtype=np.int32)
+        req_ids[:n_dec] = self.s_rid[dec_slots]
+        slots[:n_dec] = dec_slots
+        num_new[:n_dec] = 1
+        start_pos[:n_dec] = self.s_ncomp[dec_slots] - 1
+        samples[:n_dec] = True
+        block_start[:n_dec] = self.s_nblocks[dec_slots] - 1
+        tok_parts = [np.full(n_dec, PLACEHOLDER, dtype=np.int32)]
+        counts = np.zeros(n, dtype=np.int64)
+        blk_parts: list[list[int]] = []
+        if new_blocks:
+            grown = np.fromiter((s in new_blocks for s in dec_slots.tolist()), bool, n_dec)
+            counts[:n_dec] = grown
+            blk_parts.append([new_blocks[s][0] for s in dec_slots.tolist() if s in new_blocks])
+        for i, (req, k, start, toks, blks, bstart, sampled) in enumerate(entries, n_dec):
+            req_ids[i], slots[i], num_new[i], start_pos[i] = req.id, req.slot, k, start
+            samples[i], block_start[i], counts[i] = sampled, bstart, len(blks)
+            tok_parts.append(toks)
+            blk_parts.append(blks)
+        for i, rid in enumerate(loads, n_dec + n_pre):
+            req = self.requests[rid]
+            req_ids[i], slots[i], counts[i] = rid, req.slot, len(req.blocks)
+            blk_parts.append(req.blocks)
+        tok_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=tok_offsets[1:])
+        blk_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=blk_offsets[1:])
+        flat_blocks = [b for part in blk_parts for b in part]
+        dropped, self._to_drop = self._to_drop, []
+        total = int(tok_offsets[-1])
+        return StepPlan(
+            step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,
+            start_pos=start_pos, samples=samples,
+            token_ids=np.concatenate(tok_parts) if len(tok_parts) > 1 else tok_parts[0],
+            token_offsets=tok_offsets, block_start=block_start,
+            block_ids=np.asarray(flat_blocks, dtype=np.int32), block_offsets=blk_offsets,
+            kv_load_req_ids=np.asarray(loads, dtype=np.int64),
+            finished_req_ids=np.asarray(dropped, dtype=np.int64),
+            num_tokens=total, num_padded_tokens=total,
+        )
+
+    # -- update --------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result for step {result.step_id} applied to plan {plan.step_id}")
+        for rid in result.kv_loads_done.tolist():
+            self._kv_load_finished(rid, ok=True)
+        for rid in result.kv_loads_failed.tolist():
+            self._kv_load_finished(rid, ok=False)
+        slots = plan.slots.astype(np.int64)
+        ns = result.num_sampled
+        live = (self.s_rid[slots] == plan.req_ids) & plan.samples & (ns > 0)
+        if live.all() and len(result.token_ids) == len(slots):
+            return self._confirm(slots, result.token_ids, plan.req_ids)
+        idx = np.flatnonzero(live)
+        offs = np.zeros(len(ns) + 1, dtype=np.int64)
+        np.cumsum(ns, out=offs[1:])
+        if (ns[idx] == 1).all():
+            return self._confirm(slots[idx], result.token_ids[offs[idx]], plan.req_ids[idx])
+        return self._confirm_columns(slots[idx], plan.req_ids[idx], ns[idx], result, offs[idx])
+
+    def _confirm_columns(self, slots, req_ids, ns, result, offs) -> StepOutputs:
+        """Several tokens per request (accepted speculative tokens): one column at a time."""
+        parts, finished = [], []
+        for j in range(int(ns.max())):
+            keep = (ns > j) & (self.s_rid[slots] == req_ids)
+            out = self._confirm(slots[keep], result.token_ids[offs[keep] + j], req_ids[keep])
+            parts.append(out)
+            finished.extend(out.finished)
+        return StepOutputs(
+            req_ids=np.concatenate([o.req_ids for o in parts]),
+            num_tokens=np.concatenate([o.num_tokens for o in parts]),
+            token_ids=np.concatenate([o.token_ids for o in parts]),
+            finished=tuple(finished),
+            first_token_ids=np.concatenate([o.first_token_ids for o in parts]),
+        )
+
+    def _confirm(self, slots: np.ndarray, tokens: np.ndarray, req_ids: np.ndarray) -> StepOutputs:
+        """One confirmed token for each slot (the fast path)."""
+        nout = self.s_nout[slots]
+        pos = self.s_nknown_confirmed(slots)
+        self.s_tail[slots, pos % self.bs] = tokens
+        nout += 1
+        self.s_nout[slots] = nout
+        first = req_ids[nout == 1]
+        full = slots[(pos + 1) % self.bs == 0]
+        if len(full):
+            self._close_blocks(full)
+        done = (nout >= self.s_maxout[slots]) | (tokens == self.s_stop[slots])
+        finished = ()
+        if done.any():
+            finished = self._finish_slots(slots[done], tokens[done])
+        return StepOutputs(
+            req_ids=req_ids, num_tokens=np.ones(len(slots), dtype=np.int32),
+            token_ids=tokens, finished=finished, first_token_ids=first,
+        )
+
+    def s_nknown_confirmed(self, slots: np.ndarray) -> np.ndarray:
+        """Position of the next confirmed token: prompt length + confirmed outputs."""
+        return self.s_maxtotal[slots] - self.s_maxout[slots] + self.s_nout[slots]
+
+    def _close_blocks(self, slots: np.ndarray) -> None:
+        """Blocks just filled by confirmed output: save their tokens, hash and publish them."""
+        reqs = [self.s_req[s] for s in slots.tolist()]
+        ends = self.s_nknown_confirmed(slots)
+        for req, slot, end in zip(reqs, slots.tolist(), ends.tolist()):
+            lo = max(end - self.bs, req.prompt_len)
+            req.output[lo - req.prompt_len : end - req.prompt_len] = self.s_tail[slot, lo % self.bs :]
+        if self.config.enable_prefix_caching:
+            self._publish_generated(reqs, ends // self.bs - 1, self.s_tail[slots])
+
+    def _parent_acc(self, req: Request, index: int) -> np.ndarray:
+        if index == 0 or len(req.hash_acc) < index:
+            return self.hasher.initial(req.cache_salt) if index == 0 else np.zeros(2, np.uint64)
+        return req.hash_acc[index - 1]
+
+    def _finish_slots(self, slots: np.ndarray, tokens: np.ndarray) -> tuple:
+        out = []
+        for slot, tok in zip(slots.tolist(), tokens.tolist()):
+            req = self.s_req[slot]
+            reason = FinishReason.STOP if tok == self.s_stop[slot] else FinishReason.LENGTH
+            if self.s_nout[slot] >= self.s_maxout[slot]:
+                reason = FinishReason.LENGTH
+            self._release(req)
+            self._finish(req, reason)
+            out.append((req.id, reason))
+        return tuple(out)
+
+    def _kv_load_finished(self, rid: int, *, ok: bool) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.state is not RequestState.WAITING_FOR_KV:
+            return
+        req.state = RequestState.RUNNING
+        req.num_computed = min(req.remote_kv_tokens, req.num_known - 1) if ok else 0
+        self.s_ncomp[req.slot] = req.num_computed
+        self.s_decodable[req.slot] = True
+
+    # -- advance: k identical decode steps -----------------------------------------------
+    def identical_decode_steps(self) -> int:
+        """How many upcoming steps repeat the in-flight decode-only batch (0: none).
+
+        Valid right after ``schedule`` produced a decode-only plan: every active slot is
+        decoding, nothing waiting can start (blocks only shrink while nobody finishes), and
+        no request reaches its last token sooner.
+        """
+        act = self.s_active
+        if not act.any() or not (self.s_decodable[act]).all():
+            return 0
+        if ((self.s_nknown - self.s_ncomp)[act] != 1).any() or (self.s_stop[act] != -2).any():
+            return 0
+        if self._waiting and self._free_slots and self._could_admit_head():
+            return 0
+        k = int((self.s_maxtotal - self.s_nknown)[act].min())
+        if k <= 0:
+            return 0
+        return self._steps_blocks_allow(np.flatnonzero(act), k)
+
+    def _could_admit_head(self) -> bool:
+        req = self._waiting[0][1]
+        if req.remote_kv_tokens and req.num_cached_tokens < 0:
+            return True
+        budget = self.config.max_num_batched_tokens - self.num_running
+        return budget > 0 and self._admission_need(req, budget)[1] > 0
+
+    def _steps_blocks_allow(self, slots: np.ndarray, k: int) -> int:
+        free = self.pool.num_free
+        ncomp, nblk = self.s_ncomp[slots], self.s_nblocks[slots]
+        lo, hi = 0, k  # largest j <= k whose allocations fit in the free blocks
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int((-(-(ncomp + mid) // self.bs) - nblk).clip(0).sum()) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def advance(self, k: int, tokens: np.ndarray) -> tuple[StepOutputs, StepPlan]:
+        """Apply k identical decode steps at once (async mode, one decode plan in flight).
+
+        Equal to k rounds of: schedule the next plan, then update the in-flight one with
+        ``tokens[:, j]`` (shape (n_active, k), slots ascending). Returns the tokens confirmed
+        and the plan left in flight. Cost grows with block boundaries, not with k.
+        """
+        slots = np.flatnonzero(self.s_active)
+        ncomp0, nblk0 = self.s_ncomp[slots].copy(), self.s_nblocks[slots].copy()
+        extra = (-(-(ncomp0 + k) // self.bs) - nblk0).clip(0)
+        last_new = self._allocate_in_step_order(slots, ncomp0, nblk0, extra, k)
+        self.s_ncomp[slots] += k
+        self.s_nknown[slots] += k
+        self._step += k - 1
+        nout0 = self.s_nout[slots].copy()
+        rids = self.s_rid[slots].copy()
+        pos0 = self.s_nknown_confirmed(slots)
+        reqs = [self.s_req[s] for s in slots.tolist()]
+        for req, a, row in zip(reqs, nout0.tolist(), tokens):
+            req.output[a : a + k] = row
+        self.s_nout[slots] += k
+        end = pos0 + k
+        self.s_tail[slots, :] = 0
+        self._refill_tails(slots, reqs, end)
+        self._close_range(reqs, pos0 // self.bs, end // self.bs)
+        done = self.s_nout[slots] >= self.s_maxout[slots]
+        finished = self._finish_slots(slots[done], tokens[done, -1]) if done.any() else ()
+        out = StepOutputs(
+            req_ids=rids, num_tokens=np.full(len(slots), k, np.int32), token_ids=tokens.ravel(),
+            finished=finished, first_token_ids=rids[nout0 == 0],
+        )
+        live = slots[~done]
+        plan = self._build_plan(live, {s: [b] for s, b in last_new.items() if self.s_active[s]}, [], [])
+        return out, plan
+
+    def _refill_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
+        for slot, req, e in zip(slots.tolist(), reqs, end.tolist()):
+            lo = e - e % self.bs
+            self.s_tail[slot, : e - lo] = self._known_tokens(req, lo, e)
+
+    def _close_range(self, reqs: list[Request], lo: np.ndarray, hi: np.ndarray) -> None:
+        """Hash and publish blocks lo..hi-1 of each request, one round per block depth."""
+        if not self.config.enable_prefix_caching:
+            return
+        lo, hi = lo.copy(), hi.copy()
+        while (lo < hi).any():
+            rows = np.flatnonzero(lo < hi)
+            sel = [reqs[i] for i in rows.tolist()]
+            index = lo[rows]
+            blocks = np.stack([
+                self._known_tokens(r, i * self.bs, (i + 1) * self.bs)
+                for r, i in zip(sel, index.tolist())
+            ])
+            self._publish_generated(sel, index, blocks)
+            lo[rows] += 1
+
+    def _publish_generated(self, reqs: list[Request], index: np.ndarray, blocks: np.ndarray) -> None:
+        parents = np.stack([self._parent_acc(r, int(i)) for r, i in zip(reqs, index.tolist())])
+        hashes, accs = self.hasher.extend(parents, blocks, index)
+        for r, i, h, a in zip(reqs, index.tolist(), hashes, accs):
+            if i < len(r.blocks):
+                self.pool.cache([r.blocks[i]], h[None])
+            if i >= len(r.block_hashes):
+                r.block_hashes = np.concatenate([r.block_hashes[:i], h[None]])
+                r.hash_acc = np.concatenate([r.hash_acc[:i], a[None]])
+
+    def _allocate_in_step_order(self, slots, ncomp0, nblk0, extra, k) -> dict[int, int]:
+        """Take the blocks k decode steps need, in the order k single steps take them
+        (step by step, slots ascending); returns the blocks the last step took, per slot."""
+        total = int(extra.sum())
+        if total == 0:
+            return {}
+        owner = np.repeat(np.arange(len(slots)), extra)
+        first = np.cumsum(extra) - extra
+        block_no = np.repeat(nblk0, extra) + np.arange(total) - np.repeat(first, extra)
+        step = block_no * self.bs - np.repeat(ncomp0, extra) + 1  # step feeding its first slot
+        order = np.lexsort((owner, step))
+        got = self.pool.allocate(total)
+        last: dict[int, int] = {}
+        for idx, block in zip(order.tolist(), got):
+            slot = int(slots[owner[idx]])
+            self.s_req[slot].blocks.append(block)
+            if step[idx] == k:
+                last[slot] = block
+        self.s_nblocks[slots] += extra
+        return last
+
+    # -- slots, preemption, finishing ----------------------------------------------------
+    def _take_slot(self, req: Request) -> None:
+        slot = self._free_slots.pop()
+        req.slot = slot
+        req.state = RequestState.RUNNING
+        self.s_req[slot] = req
+        self.s_rid[slot] = req.id
+        self.s_active[slot] = True
+        self.s_decodable[slot] = True
+        self.s_ncomp[slot] = req.num_computed
+        self.s_nknown[slot] = req.num_known
+        self.s_nout[slot] = req.num_output
+        self.s_nblocks[slot] = len(req.blocks)
+        self.s_maxout[slot] = req.params.max_tokens
+        self.s_maxtotal[slot] = req.max_total
+        ignore = req.params.ignore_eos or req.eos_token_id < 0
+        self.s_stop[slot] = -2 if ignore else req.eos_token_id
+        known = req.prompt_len + req.num_output
+        lo = known - known % self.bs
+        self.s_tail[slot, : known - lo] = self._known_tokens(req, lo, known)
+
+    def _release(self, req: Request) -> None:
+        """Give back the slot and blocks; keep confirmed output in the request."""
+        slot = req.slot
+        req.num_output = int(self.s_nout[slot])
+        known = req.prompt_len + req.num_output
+        lo = max(known - known % self.bs, req.prompt_len)
+        req.output[lo - req.prompt_len : req.num_output] = self.s_tail[
+            slot, lo % self.bs : lo % self.bs + known - lo
+        ]
+        self.pool.free(req.blocks[::-1])
+        req.blocks = []
+        self.s_req[slot] = None
+        self.s_rid[slot] = -1
+        self.s_active[slot] = False
+        self.s_decodable[slot] = False
+        self._free_slots.append(slot)
+        req.slot = -1
+        self._to_drop.append(req.id)
+
+    def _pick_victim(self, worse_than: Request | None = None) -> Request | None:
+        best = None
+        for slot in np.flatnonzero(self.s_active & self.s_decodable).tolist():
+            req = self.s_req[slot]
+            if best is None or self._key(req) > self._key(best):
+                best = req
+        if worse_than is not None and (best is None or self._key(best) <= self._key(worse_than)):
+            return None
+        if best is None:
+            raise RuntimeError("out of KV blocks with nothing to preempt")
+        return best
+
+    def _preempt(self, req: Request) -> None:
+        self._preempted_this_step = True
+        self._release(req)
+        req.num_computed = 0
+        req.num_known = req.prompt_len + req.num_output
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.state = RequestState.WAITING
+        self._push_waiting(req)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        self.requests.pop(req.id, None)
+
+    def _key(self, req: Request) -> tuple[int, int]:
+        prio = req.priority if self.config.policy == "priority" else 0
+        return (prio, req.seq)
+
+    def _push_waiting(self, req: Request) -> None:
+        heapq.heappush(self._waiting, (self._key(req), req))
+
+    # -- token and hash views --------------------------------------------------------------
+    def _known_tokens(self, req: Request, lo: int, hi: int) -> np.ndarray:
+        p = req.prompt_len
+        if hi <= p:
+            return req.prompt[lo:hi]
+        head = req.prompt[lo:p] if lo < p else req.prompt[:0]
+        return np.concatenate([head, req.output[max(lo - p, 0) : hi - p]])
+
+    def _known_hashes(self, req: Request) -> np.ndarray:
+        return req.block_hashes
+
+    # -- invariants ------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        refs = np.zeros(self.pool.num_blocks, dtype=np.int64)
+        for slot in np.flatnonzero(self.s_active).tolist():
+            req = self.s_req[slot]
+            assert req is not None and req.slot == slot and self.s_rid[slot] == req.id
+            assert self.s_nblocks[slot] == len(req.blocks)
+            assert len(req.blocks) * self.bs >= self.s_ncomp[slot], "tokens without KV blocks"
+            assert self.s_ncomp[slot] <= self.s_nknown[slot] <= self.s_maxtotal[slot]
+            np.add.at(refs, req.blocks, 1)
+        assert (refs == self.pool.ref).all(), "block refcounts do not match request tables"
+        assert len(self._free_slots) + self.num_running == self.config.max_num_seqs
+        for _, req in self._waiting:
+            assert req.slot == -1 and not req.blocks

@@ -1,0 +1,77 @@
+"""The step contract: StepPlan (scheduler -> runtime) and StepResult (runtime -> scheduler).
+
+Both are structures of arrays indexed by batch position, never lists of per-request objects,
+so a 256-request plan encodes, crosses the shared-memory ring and decodes in microseconds.
+Ragged per-request data (token ids, new block ids, speculative tokens) is a flat array plus
+an offsets array of length n + 1.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+PLACEHOLDER = -1  # token id: "the token this request sampled in the previous step"
+
+
+def _i32(n: int = 0) -> np.ndarray:
+    return np.zeros(n, dtype=np.int32)
+
+
+def _i64(n: int = 0) -> np.ndarray:
+    return np.zeros(n, dtype=np.int64)
+
+
+@attrs.frozen
+class StepPlan:
+    step_id: int
+    req_ids: np.ndarray  # int64 (n,)
+    slots: np.ndarray  # int32 (n,): the core's stable batch slot of each request
+    num_new: np.ndarray  # int32 (n,): tokens fed this step (chunk, or 1 + spec)
+    start_pos: np.ndarray  # int32 (n,): position of the first fed token
+    samples: np.ndarray  # bool (n,): whether this step samples for the request
+    token_ids: np.ndarray  # int32 flat; PLACEHOLDER for last step's sampled token
+    token_offsets: np.ndarray  # int64 (n + 1,)
+    block_start: np.ndarray  # int32 (n,): table index where the new block ids go
+    block_ids: np.ndarray  # int32 flat: new block ids per request
+    block_offsets: np.ndarray  # int64 (n + 1,)
+    spec_tokens: np.ndarray = attrs.field(factory=_i32)  # int32 flat, draft tokens to verify
+    spec_offsets: np.ndarray = attrs.field(factory=_i64)  # int64 (n + 1,) or empty
+    kv_load_req_ids: np.ndarray = attrs.field(factory=_i64)  # loads to start this step
+    kv_send_req_ids: np.ndarray = attrs.field(factory=_i64)  # finished prefills to hold/send
+    finished_req_ids: np.ndarray = attrs.field(factory=_i64)  # runtime may drop their state
+    num_tokens: int = 0
+    num_padded_tokens: int = 0  # set by the DP sync; == num_tokens without DP
+    is_dummy: bool = False
+    placement_gen: int = 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def is_empty(self) -> bool:
+        return self.num_reqs == 0 and len(self.kv_load_req_ids) == 0 and not self.is_dummy
+
+
+@attrs.frozen
+class StepResult:
+    step_id: int
+    num_sampled: np.ndarray  # int32 (n,): tokens sampled per plan entry (1 + accepted, or 0)
+    token_ids: np.ndarray  # int32 flat, in plan order
+    kv_loads_done: np.ndarray = attrs.field(factory=_i64)
+    kv_loads_failed: np.ndarray = attrs.field(factory=_i64)
+    expert_counts: np.ndarray | None = None  # (layers, experts) int32, for EPLB
+    host_s: float = 0.0
+    gpu_s: float = 0.0
+    sync_s: float = 0.0
+
+
+@attrs.frozen
+class StepOutputs:
+    """What one update tells the caller: tokens per request and who finished."""
+
+    req_ids: np.ndarray  # int64 (m,): requests that got tokens, in plan order
+    num_tokens: np.ndarray  # int32 (m,)
+    token_ids: np.ndarray  # int32 flat
+    finished: tuple  # ((req_id, FinishReason), ...)
+    first_token_ids: np.ndarray  # int64: requests whose first output token is in this step

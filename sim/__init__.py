@@ -1,0 +1,1 @@
+"""The discrete-event simulator: replays traces against the same policy objects as the engine."""

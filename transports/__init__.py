@@ -1,0 +1,1 @@
+"""Moving bytes between processes: shared-memory rings, TCP framing, KV transfer."""
