@@ -1,0 +1,44 @@
+"""The `lockstep` command: `sim` today; `generate` and `serve` arrive with the engine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lockstep", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sim", help="replay a trace against a deployment in virtual time")
+    s.add_argument("--trace", help="trace file (Mooncake JSONL or Azure CSV); default: synthetic agentic")
+    s.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"])
+    s.add_argument("--deployment", help="deployment TOML; default: the built-in (examples/default.toml)")
+    s.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
+    s.add_argument("--limit", type=int, help="replay only the first N requests")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
+    s.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, seconds")
+    s.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    s.add_argument("--plot", metavar="PATH", help="write latency CDFs, throughput and KV use as PNG")
+    s.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows (counted)")
+    s.add_argument("--no-advance", action="store_true", help="step one by one (for checking)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "sim":
+        from lockstep.policy.config import ConfigError
+        from lockstep.sim.run import run_sim
+        from lockstep.sim.traces import TraceFormatError
+
+        try:
+            return run_sim(args)
+        except (ConfigError, TraceFormatError, ValueError, NotImplementedError) as e:
+            print(f"lockstep sim: error: {e}", file=sys.stderr)
+            return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,308 @@
+"""The one Deployment schema (TOML) that the simulator, the engine and the server all read.
+
+A deployment names models (shape, context length), hardware, pools (colocated, prefill,
+decode) with their instance count and DEP size, and scheduler limits. Presets fill in
+known shapes; any field can be overridden. Errors name the file, the table and the field.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import attrs
+
+from .config import ConfigError, SchedulerConfig
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@attrs.frozen
+class ModelSpec:
+    name: str
+    num_layers: int
+    num_dense_layers: int  # leading layers with a dense MLP instead of MoE
+    hidden_size: int
+    num_routed_experts: int
+    num_shared_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    dense_params: float  # parameters outside routed experts (attention, dense MLPs, shared, embeddings)
+    kv_bytes_per_token: int  # all layers
+    context_length: int
+    vocab_size: int
+    bytes_per_param: float = 1.0  # FP8 weights
+    attn_flops_per_pair: float = 0.0  # per layer, per (query token, context token)
+    eos_token_id: int = 1
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+    @property
+    def expert_bytes(self) -> float:
+        """Bytes of one routed expert in one layer (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size * self.bytes_per_param
+
+    @property
+    def routed_bytes(self) -> float:
+        return self.expert_bytes * self.num_routed_experts * self.moe_layers
+
+    @property
+    def dense_bytes(self) -> float:
+        return self.dense_params * self.bytes_per_param
+
+
+@attrs.frozen
+class HardwareSpec:
+    name: str
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes/s actually reachable (copy bandwidth)
+    flops: float  # dense FLOP/s at the weights' precision
+    link_bandwidth: float  # bytes/s per GPU per direction inside the scale-up domain
+    gpus_per_node: int
+    host_overhead_s: float = 0.0015  # per step: scheduling, dispatch, sync (see issue 5)
+    gpu_memory_utilization: float = 0.9
+
+
+@attrs.frozen
+class PoolSpec:
+    name: str
+    role: str
+    model: str
+    instances: int = 1
+    dep: int = 1
+
+    @property
+    def num_gpus(self) -> int:
+        return self.instances * self.dep
+
+
+@attrs.frozen
+class CostSpec:
+    """Knobs of the analytic cost model that are not hardware facts."""
+
+    expert_balancedness: float = 0.8  # mean/max tokens per GPU in the MoE layers
+    a2a_overlap: float = 0.5  # share of all-to-all time hidden behind compute
+
+
+@attrs.frozen
+class Deployment:
+    name: str
+    models: tuple[ModelSpec, ...]
+    hardware: HardwareSpec
+    pools: tuple[PoolSpec, ...]
+    scheduler: SchedulerConfig
+    cost: CostSpec = CostSpec()
+    hash_secret: str = "lockstep"
+    seed: int = 0
+    source: str = "<built-in>"
+
+    def model(self, name: str) -> ModelSpec:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise ConfigError(f"{self.source}: no model named {name!r} (have {[m.name for m in self.models]})")
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(p.num_gpus for p in self.pools)
+
+    def kv_blocks_per_rank(self, pool: PoolSpec) -> int:
+        """KV blocks one rank holds: memory left after its share of the weights."""
+        m, hw = self.model(pool.model), self.hardware
+        weights = m.dense_bytes + m.routed_bytes / pool.dep
+        free = hw.hbm_bytes * hw.gpu_memory_utilization - weights
+        per_block = m.kv_bytes_per_token * self.scheduler.block_size
+        blocks = int(free // per_block)
+        if blocks < 16:
+            raise ConfigError(
+                f"{self.source}: pool {pool.name!r}: {m.name} needs {weights / 1e9:.1f} GB of "
+                f"weights per GPU at DEP{pool.dep}, leaving room for only {max(blocks, 0)} KV "
+                f"blocks on {hw.name}; raise dep or pick bigger hardware"
+            )
+        return blocks
+
+    def scheduler_for(self, pool: PoolSpec) -> SchedulerConfig:
+        m = self.model(pool.model)
+        return attrs.evolve(
+            self.scheduler,
+            num_blocks=self.kv_blocks_per_rank(pool),
+            max_model_len=min(self.scheduler.max_model_len, m.context_length),
+        )
+
+
+# -- presets ----------------------------------------------------------------------------------
+def _mla_kv_bytes(layers: int, kv_lora: int = 512, rope: int = 64, dtype_bytes: float = 2) -> int:
+    return int(layers * (kv_lora + rope) * dtype_bytes)
+
+
+MODEL_PRESETS: dict[str, dict] = {
+    "deepseek-v3": dict(
+        num_layers=61, num_dense_layers=3, hidden_size=7168, num_routed_experts=256,
+        num_shared_experts=1, top_k=8, moe_intermediate_size=2048, dense_params=17.0e9,
+        kv_bytes_per_token=_mla_kv_bytes(61), context_length=131072, vocab_size=129280,
+        bytes_per_param=1.0, attn_flops_per_pair=4 * 128 * 576, eos_token_id=1,
+    ),
+    # DeepSeek-V2-Lite's shape (~15.7B parameters, bf16): the GPU runtime's target.
+    "v2-lite": dict(
+        num_layers=27, num_dense_layers=1, hidden_size=2048, num_routed_experts=64,
+        num_shared_experts=2, top_k=6, moe_intermediate_size=1408, dense_params=1.6e9,
+        kv_bytes_per_token=_mla_kv_bytes(27), context_length=32768, vocab_size=102400,
+        bytes_per_param=2.0, attn_flops_per_pair=4 * 16 * 576, eos_token_id=100001,
+    ),
+    # A DeepSeek-V3-sized model with a compact KV layout: cross-layer sharing + FP4.
+    "compact-kv": dict(
+        num_layers=61, num_dense_layers=3, hidden_size=7168, num_routed_experts=256,
+        num_shared_experts=1, top_k=8, moe_intermediate_size=2048, dense_params=17.0e9,
+        kv_bytes_per_token=890, context_length=1048576, vocab_size=129280,
+        bytes_per_param=1.0, attn_flops_per_pair=4 * 128 * 576, eos_token_id=1,
+    ),
+    "tiny": dict(
+        num_layers=4, num_dense_layers=1, hidden_size=64, num_routed_experts=8,
+        num_shared_experts=1, top_k=2, moe_intermediate_size=32, dense_params=0.2e6,
+        kv_bytes_per_token=_mla_kv_bytes(4, 32, 16, 4), context_length=4096, vocab_size=512,
+        bytes_per_param=4.0, attn_flops_per_pair=4 * 4 * 48, eos_token_id=1,
+    ),
+}
+
+HARDWARE_PRESETS: dict[str, dict] = {
+    # Copy bandwidth measured on an H200 (4.19 TB/s); dense FP8 peak; NVLink 4 per direction.
+    "h200": dict(hbm_bytes=141e9, hbm_bandwidth=4.19e12, flops=1979e12,
+                 link_bandwidth=450e9, gpus_per_node=8),
+    # GB300 NVL72: 288 GB HBM3e, one 72-GPU NVLink domain, NVLink 5 per direction.
+    "gb300": dict(hbm_bytes=288e9, hbm_bandwidth=7.0e12, flops=5000e12,
+                  link_bandwidth=900e9, gpus_per_node=72),
+}
+
+
+# -- loading ----------------------------------------------------------------------------------
+def load_deployment(path: str | Path) -> Deployment:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"deployment file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    return deployment_from_dict(data, source=str(path))
+
+
+def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
+    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost"}
+    _no_unknown(data, known, source, "top level")
+    models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
+    if not models:
+        raise ConfigError(f"{source}: [[models]] must list at least one model")
+    hardware = _hardware(data.get("hardware", {"preset": "h200"}), source)
+    sched = _build(SchedulerConfig, data.get("scheduler", {}), source, "[scheduler]")
+    cost = _build(CostSpec, data.get("cost", {}), source, "[cost]")
+    pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
+    if not pools:
+        raise ConfigError(f"{source}: [[pools]] must list at least one pool")
+    dep = Deployment(
+        name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
+        pools=pools, scheduler=sched, cost=cost, hash_secret=str(data.get("hash_secret", "lockstep")),
+        seed=int(data.get("seed", 0)), source=source,
+    )
+    for pool in pools:
+        dep.kv_blocks_per_rank(pool)  # fail now if the weights do not fit
+    return dep
+
+
+def _list(data: dict, key: str, source: str) -> list:
+    value = data.get(key, [])
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: {key} must be an array of tables ([[{key}]])")
+    return value
+
+
+def _no_unknown(table: dict, allowed: set, source: str, where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ConfigError(f"{source}: {where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _build(cls, table: dict, source: str, where: str):
+    _no_unknown(table, {f.name for f in attrs.fields(cls)}, source, where)
+    try:
+        return cls(**table)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {where}: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"{source}: {where}: {e}") from None
+
+
+def _model(table: dict, source: str, i: int) -> ModelSpec:
+    table = dict(table)
+    preset = table.pop("preset", None)
+    where = f"[[models]] #{i + 1}"
+    if preset is not None:
+        if preset not in MODEL_PRESETS:
+            raise ConfigError(f"{source}: {where}: preset must be one of {sorted(MODEL_PRESETS)}, got {preset!r}")
+        table = {**MODEL_PRESETS[preset], "name": preset, **table}
+    missing = [f.name for f in attrs.fields(ModelSpec)
+               if f.default is attrs.NOTHING and f.name not in table]
+    if missing:
+        raise ConfigError(f"{source}: {where}: missing field(s) {missing} (or give a preset)")
+    spec = _build(ModelSpec, table, source, where)
+    if spec.top_k > spec.num_routed_experts or spec.num_dense_layers > spec.num_layers:
+        raise ConfigError(f"{source}: {where}: top_k must be <= num_routed_experts and "
+                          "num_dense_layers <= num_layers")
+    return spec
+
+
+def _hardware(table: dict, source: str) -> HardwareSpec:
+    table = dict(table)
+    preset = table.pop("preset", None)
+    if preset is not None:
+        if preset not in HARDWARE_PRESETS:
+            raise ConfigError(f"{source}: [hardware]: preset must be one of {sorted(HARDWARE_PRESETS)}, got {preset!r}")
+        table = {**HARDWARE_PRESETS[preset], "name": preset, **table}
+    return _build(HardwareSpec, table, source, "[hardware]")
+
+
+def _pool(table: dict, source: str, i: int, models: tuple[ModelSpec, ...]) -> PoolSpec:
+    where = f"[[pools]] #{i + 1}"
+    table = {"name": f"pool{i}", "model": models[0].name, **table}
+    pool = _build(PoolSpec, table, source, where)
+    if pool.role not in ROLES:
+        raise ConfigError(f"{source}: {where}: role must be one of {ROLES}, got {pool.role!r}")
+    if pool.instances < 1 or pool.dep < 1:
+        raise ConfigError(f"{source}: {where}: instances and dep must be >= 1")
+    if pool.model not in {m.name for m in models}:
+        raise ConfigError(f"{source}: {where}: model {pool.model!r} is not in [[models]]")
+    return pool
+
+
+DEFAULT_DEPLOYMENT_TOML = """\
+# lockstep's built-in default deployment: what `lockstep sim` uses without --deployment.
+# DeepSeek-V3 (FP8) on one 8-GPU H200 node as one DEP8 instance.
+name = "default"
+seed = 0
+hash_secret = "lockstep-default"
+
+[[models]]
+preset = "deepseek-v3"
+
+[hardware]
+preset = "h200"
+
+[[pools]]
+name = "main"
+role = "colocated"
+model = "deepseek-v3"
+instances = 1
+dep = 8
+
+[scheduler]
+block_size = 16
+max_num_seqs = 256
+max_num_batched_tokens = 8192
+enable_prefix_caching = true
+max_kv_loads_per_step = 4
+"""
+
+
+def default_deployment() -> Deployment:
+    return deployment_from_dict(tomllib.loads(DEFAULT_DEPLOYMENT_TOML), source="<built-in default>")

@@ -1,0 +1,29 @@
+"""Routing a request to one data-parallel rank: least loaded, with prefix affinity.
+
+Each rank has its own prefix cache, so sending a request where its leading blocks already
+live saves their prefill; sending everything there would overload that rank. The rule
+(close to SGLang's cache-aware router): among ranks whose load is within ``slack`` of the
+least loaded, take the one caching the longest prefix; ties go to the least loaded.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .block_pool import BlockPool
+
+
+class PrefixAffinityRouter:
+    def __init__(self, slack_tokens: int = 32768):
+        self.slack_tokens = slack_tokens
+
+    def choose(self, hashes: np.ndarray, pools: list[BlockPool], loads: list[int]) -> int:
+        least = min(loads)
+        best, best_key = 0, None
+        for rank, (pool, load) in enumerate(zip(pools, loads)):
+            if load > least + self.slack_tokens:
+                continue
+            key = (pool.cached_prefix_len(hashes), -load, -rank)
+            if best_key is None or key > best_key:
+                best, best_key = rank, key
+        return best

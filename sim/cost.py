@@ -1,0 +1,68 @@
+"""Analytic step-time model for one DEP instance: what a step costs on the GPU, without one.
+
+For rank r of a DEPn instance in one step (all ranks step together, so the instance's step
+time is the slowest rank's):
+
+    T         = tokens of the step summed over the n ranks (every token visits top_k experts)
+    distinct  = E * (1 - (1 - k/E) ** T)          expected distinct experts touched per layer
+    experts_r = distinct / n / balancedness        experts the busiest rank reads per layer
+    bytes_r   = dense_bytes                        attention, dense MLPs, shared experts
+              + moe_layers * experts_r * expert_bytes
+              + kv_bytes_per_token * ctx_r         KV the rank's attention reads
+              + kv_bytes_per_token * tokens_r      KV it writes
+    flops_r   = 2 * tokens_r * dense_params
+              + 2 * (T * k / n / balancedness) * 3 * hidden * moe_inter * moe_layers
+              + attn_flops_per_pair * pairs_r * num_layers
+    a2a_r     = moe_layers * tokens_r * k * hidden * 3 bytes / link_bandwidth   (n > 1 only:
+                FP8 dispatch + BF16 combine), of which ``a2a_overlap`` hides behind compute
+    t_r       = max(bytes_r / hbm_bandwidth, flops_r / flops) + (1 - overlap) * a2a_r
+              + host_overhead_s
+
+``ctx_r`` is the context each fed token attends to, summed; ``pairs_r`` the (query, key)
+pairs, which for a chunk of c tokens after s cached ones is c*s + c*(c+1)/2.
+Everything is vectorized over steps so ``advance(k)`` costs one call for k steps.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from lockstep.policy.deployment import CostSpec, HardwareSpec, ModelSpec
+
+
+@attrs.frozen
+class StepLoad:
+    """Per-rank load of one step (arrays over ranks, or over ranks x steps)."""
+
+    tokens: np.ndarray  # tokens fed
+    ctx: np.ndarray  # sum over fed tokens of the context they attend to
+    pairs: np.ndarray  # attention (query, key) pairs
+
+
+class AnalyticCost:
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, cost: CostSpec, dep: int):
+        self.m, self.hw, self.c, self.dep = model, hw, cost, dep
+
+    def step_time(self, load: StepLoad) -> np.ndarray:
+        """Step time of the instance; ``load`` arrays are (n_ranks,) or (n_ranks, k)."""
+        m, hw, c, n = self.m, self.hw, self.c, self.dep
+        tokens = np.asarray(load.tokens, dtype=np.float64)
+        total = tokens.sum(axis=0)
+        e, k = m.num_routed_experts, m.top_k
+        distinct = e * (1.0 - (1.0 - k / e) ** total)
+        experts_r = distinct / n / c.expert_balancedness
+        moe_bytes = m.moe_layers * experts_r * m.expert_bytes
+        kv = m.kv_bytes_per_token * (np.asarray(load.ctx, np.float64) + tokens)
+        bytes_r = m.dense_bytes + moe_bytes + kv
+        moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
+        flops_r = (
+            2 * tokens * m.dense_params
+            + moe_flops * m.moe_layers
+            + m.attn_flops_per_pair * np.asarray(load.pairs, np.float64) * m.num_layers
+        )
+        t = np.maximum(bytes_r / hw.hbm_bandwidth, flops_r / hw.flops)
+        if n > 1:
+            a2a = m.moe_layers * tokens * k * m.hidden_size * 3 / hw.link_bandwidth
+            t = t + (1 - c.a2a_overlap) * a2a
+        return t.max(axis=0) + hw.host_overhead_s

@@ -1,0 +1,148 @@
+"""Metrics the simulator collects and the report it writes (DESIGN.md's `lockstep sim --json`).
+
+Per-request times live in numpy arrays indexed by request id, so recording a step is a few
+vector operations. Inter-token latencies are kept as (value, weight) pairs: ``advance(k)``
+adds k-1 step durations with the batch size as weight instead of one sample per token.
+Nothing here reads a wall clock: same inputs, same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _stats(values: np.ndarray, weights: np.ndarray | None = None) -> dict:
+    if len(values) == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    if weights is None:
+        p50, p90, p99 = np.percentile(values, [50, 90, 99])
+        return {"mean": float(values.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+    order = np.argsort(values, kind="stable")
+    v, w = values[order], weights[order]
+    cum = np.cumsum(w)
+    total = cum[-1]
+    pick = lambda q: float(v[min(np.searchsorted(cum, q * total), len(v) - 1)])  # noqa: E731
+    return {"mean": float((v * w).sum() / total), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+class Metrics:
+    def __init__(self, n_requests: int, total_blocks: int):
+        self.arrival = np.full(n_requests, np.nan)
+        self.first = np.full(n_requests, np.nan)
+        self.last = np.full(n_requests, np.nan)
+        self.finish = np.full(n_requests, np.nan)
+        self.ntok = np.zeros(n_requests, dtype=np.int64)
+        self.rejected: dict[str, int] = {}
+        self._itl_v: list[np.ndarray] = []
+        self._itl_w: list[np.ndarray] = []
+        self._tok_t: list[np.ndarray] = []
+        self._tok_n: list[np.ndarray] = []
+        self._kv_t: list[float] = []
+        self._kv_use: list[float] = []
+        self.total_blocks = total_blocks
+        self.steps = 0
+
+    def reject(self, rid: int, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+    def tokens(self, rids: np.ndarray, t: float) -> None:
+        """One token for each request in ``rids`` at time t."""
+        if len(rids) == 0:
+            return
+        had = self.ntok[rids] > 0
+        gaps = t - self.last[rids[had]]
+        self._itl_v.append(gaps)
+        self._itl_w.append(np.ones(len(gaps)))
+        self.first[rids[~had]] = t
+        self.last[rids] = t
+        self.ntok[rids] += 1
+        self._tok_t.append(np.array([t]))
+        self._tok_n.append(np.array([len(rids)]))
+
+    def token_run(self, rids: np.ndarray, ends: np.ndarray) -> None:
+        """k tokens for each request, at step ends ``ends`` (k,)."""
+        self.tokens(rids, float(ends[0]))
+        if len(ends) > 1:
+            durations = np.diff(ends)
+            self._itl_v.append(durations)
+            self._itl_w.append(np.full(len(durations), float(len(rids))))
+            self.last[rids] = ends[-1]
+            self.ntok[rids] += len(ends) - 1
+            self._tok_t.append(ends[1:])
+            self._tok_n.append(np.full(len(ends) - 1, len(rids)))
+
+    def kv_sample(self, t: float, used_blocks: int) -> None:
+        self._kv_t.append(t)
+        self._kv_use.append(used_blocks / self.total_blocks)
+
+    # -- the report --------------------------------------------------------------------------
+    def report(self, *, num_gpus: int, slo_ttft: float, slo_tpot: float, prefix: tuple[int, int],
+               preemptions: int, extra: dict) -> dict:
+        done = ~np.isnan(self.finish)
+        ttft = (self.first - self.arrival)[done]
+        e2e = (self.finish - self.arrival)[done]
+        n = self.ntok[done]
+        multi = n > 1
+        tpot = ((self.last - self.first)[done][multi]) / (n[multi] - 1)
+        itl_v = np.concatenate(self._itl_v) if self._itl_v else np.zeros(0)
+        itl_w = np.concatenate(self._itl_w) if self._itl_w else np.zeros(0)
+        start = float(np.nanmin(self.arrival)) if done.any() else 0.0
+        end = float(np.nanmax(self.finish)) if done.any() else 0.0
+        span = max(end - start, 1e-9)
+        out_tokens = int(n.sum())
+        tpot_all = np.zeros(done.sum())
+        tpot_all[multi] = tpot
+        good = (ttft <= slo_ttft) & (tpot_all <= slo_tpot)
+        queries, hits = prefix
+        kv_mean, kv_max = self._kv_stats()
+        rejected = sum(self.rejected.values())
+        return {
+            **extra,
+            "requests": {
+                "total": int(len(self.arrival)), "completed": int(done.sum()),
+                "rejected": int(rejected), "rejected_reasons": dict(sorted(self.rejected.items())),
+            },
+            "ttft_s": _stats(ttft), "tpot_s": _stats(tpot), "itl_s": _stats(itl_v, itl_w),
+            "e2e_s": _stats(e2e),
+            "output_tokens": out_tokens,
+            "duration_s": span,
+            "output_tokens_per_s": out_tokens / span,
+            "output_tokens_per_s_per_gpu": out_tokens / span / num_gpus,
+            "goodput": {
+                "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
+                "requests": int(good.sum()), "fraction": float(good.mean()) if len(good) else None,
+                "requests_per_s": float(good.sum() / span),
+            },
+            "prefix_cache": {"queries": int(queries), "hits": int(hits),
+                             "hit_rate": hits / queries if queries else 0.0},
+            "preemptions": int(preemptions),
+            "kv_cache_use": {"mean": kv_mean, "max": kv_max},
+            "steps": int(self.steps),
+        }
+
+    def _kv_stats(self) -> tuple[float, float]:
+        if len(self._kv_t) < 2:
+            return (self._kv_use[0], self._kv_use[0]) if self._kv_use else (0.0, 0.0)
+        t, u = np.asarray(self._kv_t), np.asarray(self._kv_use)
+        dt = np.diff(t)
+        mean = float((u[:-1] * dt).sum() / dt.sum()) if dt.sum() > 0 else float(u.mean())
+        return mean, float(u.max())
+
+    def series(self) -> dict:
+        """Time series for plots: token throughput and KV use."""
+        tok_t = np.concatenate(self._tok_t) if self._tok_t else np.zeros(0)
+        tok_n = np.concatenate(self._tok_n) if self._tok_n else np.zeros(0)
+        return {"tok_t": tok_t, "tok_n": tok_n, "kv_t": np.asarray(self._kv_t),
+                "kv_use": np.asarray(self._kv_use), "ttft": self.first - self.arrival,
+                "e2e": self.finish - self.arrival}
+
+
+def clean(obj):
+    """JSON-safe: NaN and inf become null."""
+    if isinstance(obj, dict):
+        return {k: clean(v) for k, v in obj.items()}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj

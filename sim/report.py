@@ -1,0 +1,80 @@
+"""Presenting a simulation: a rich table for people, JSON for tools, a PNG of the curves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:,.1f}"
+
+
+def print_table(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    r = report["requests"]
+    head = Table(title=f"lockstep sim: {report.get('deployment', '')} ({report.get('num_gpus')} GPUs)")
+    head.add_column("metric")
+    head.add_column("value", justify="right")
+    reasons = ", ".join(f"{k}: {v}" for k, v in r["rejected_reasons"].items()) or "none"
+    head.add_row("requests", f"{r['total']:,} total, {r['completed']:,} completed, {r['rejected']:,} rejected ({reasons})")
+    head.add_row("output tokens/s", f"{report['output_tokens_per_s']:,.0f} ({report['output_tokens_per_s_per_gpu']:,.0f} per GPU)")
+    g = report["goodput"]
+    frac = "-" if g["fraction"] is None else f"{g['fraction']:.1%}"
+    head.add_row("goodput", f"{frac} of requests within TTFT {g['slo_ttft_s']} s, TPOT {g['slo_tpot_s'] * 1e3:.0f} ms ({g['requests_per_s']:.2f} req/s)")
+    pc = report["prefix_cache"]
+    head.add_row("prefix cache", f"{pc['hit_rate']:.1%} of {pc['queries']:,} prompt tokens hit")
+    head.add_row("preemptions", f"{report['preemptions']:,}")
+    kv = report["kv_cache_use"]
+    head.add_row("KV cache use", f"mean {kv['mean']:.1%}, max {kv['max']:.1%}")
+    head.add_row("simulated time", f"{report['duration_s']:,.1f} s in {report['steps']:,} steps")
+    console.print(head)
+    lat = Table(title="latency (ms)")
+    for col in ("", "mean", "p50", "p90", "p99"):
+        lat.add_column(col, justify="right")
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "end-to-end")):
+        s = report[key]
+        lat.add_row(name, *(_ms(s[q]) for q in ("mean", "p50", "p90", "p99")))
+    console.print(lat)
+
+
+def plot(series: dict, path: str | Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for key, name in (("ttft", "TTFT"), ("e2e", "end-to-end")):
+        v = np.sort(series[key][~np.isnan(series[key])])
+        if len(v):
+            axes[0].plot(v, np.arange(1, len(v) + 1) / len(v), label=name)
+    axes[0].set_xscale("log")
+    axes[0].set_xlabel("seconds")
+    axes[0].set_ylabel("CDF")
+    axes[0].legend()
+    axes[0].set_title("latency CDFs")
+    t, n = series["tok_t"], series["tok_n"]
+    if len(t):
+        bins = np.arange(0, t.max() + 10, 10.0)
+        hist, edges = np.histogram(t, bins=bins, weights=n)
+        axes[1].plot(edges[:-1], hist / 10.0)
+    axes[1].set_xlabel("time (s)")
+    axes[1].set_ylabel("output tokens/s (10 s bins)")
+    axes[1].set_title("throughput")
+    axes[2].step(series["kv_t"], series["kv_use"] * 100, where="post")
+    axes[2].set_xlabel("time (s)")
+    axes[2].set_ylabel("KV cache use (%)")
+    axes[2].set_title("KV cache")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,59 @@
+"""`lockstep sim`: load a workload and a deployment, simulate, report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import attrs
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from lockstep.policy.deployment import Deployment, default_deployment, load_deployment
+
+from .report import plot, print_table, write_json
+from .simulator import Simulator
+from .traces import TraceRequest, agentic_workload, read_trace
+
+
+def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, limit: int | None,
+                  skip_bad_rows: bool, console: Console) -> tuple[list[TraceRequest], str]:
+    if rate_scale <= 0:
+        raise ValueError(f"--rate-scale must be > 0, got {rate_scale}")
+    if trace is None:
+        reqs, name = agentic_workload(seed=seed), "synthetic agentic (built-in)"
+    else:
+        load = read_trace(trace, fmt, skip_bad_rows=skip_bad_rows)
+        if load.skipped:
+            console.print(f"[yellow]skipped {load.skipped} bad rows of {trace}[/]")
+        reqs, name = load.requests, f"{Path(trace).name} ({load.format})"
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {limit}")
+        reqs = reqs[:limit]
+    if rate_scale != 1.0:  # rate x2 = arrivals twice as dense
+        reqs = [attrs.evolve(r, arrival_s=r.arrival_s / rate_scale) for r in reqs]
+    return reqs, name
+
+
+def run_sim(args) -> int:
+    console = Console(stderr=True)
+    deployment: Deployment = load_deployment(args.deployment) if args.deployment else default_deployment()
+    workload, name = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
+                                   limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
+    sim = Simulator(deployment, workload, seed=args.seed, slo_ttft=args.slo_ttft,
+                    slo_tpot=args.slo_tpot, use_advance=not args.no_advance)
+    show = len(workload) >= 2000 and sys.stderr.isatty()
+    with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not show) as bar:
+        task = bar.add_task("sim", total=len(workload))
+        report = sim.run(progress=(lambda n: bar.update(task, completed=n)) if show else None)
+    report["workload"] = name
+    print_table(report, Console())
+    if args.json:
+        write_json(report, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        plot(sim.metrics.series(), args.plot, title=f"{name} on {deployment.name}")
+        console.print(f"wrote {args.plot}")
+    return 0
