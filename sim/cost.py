@@ -5,21 +5,23 @@ time is the slowest rank's):
 
     T         = tokens of the step summed over the n ranks (every token visits top_k experts)
     distinct  = E * (1 - (1 - k/E) ** T)          expected distinct experts touched per layer
-    experts_r = distinct / n / balancedness        experts the busiest rank reads per layer
+    experts_r = min(distinct / n / balancedness, E / n)   experts the busiest rank reads per layer
     bytes_r   = dense_bytes                        attention, dense MLPs, shared experts
               + moe_layers * experts_r * expert_bytes
               + kv_bytes_per_token * ctx_r         KV the rank's attention reads
               + kv_bytes_per_token * tokens_r      KV it writes
-    flops_r   = 2 * tokens_r * dense_params
+    gemm_r    = 2 * tokens_r * dense_params
               + 2 * (T * k / n / balancedness) * 3 * hidden * moe_inter * moe_layers
-              + attn_flops_per_pair * pairs_r * num_layers
+    attn_r    = attn_flops_per_pair * pairs_r * num_layers    (BF16; GEMMs run at 2x with FP8)
     a2a_r     = moe_layers * tokens_r * k * hidden * 3 bytes / link_bandwidth   (n > 1 only:
                 FP8 dispatch + BF16 combine), of which ``a2a_overlap`` hides behind compute
-    t_r       = max(bytes_r / hbm_bandwidth, flops_r / flops) + (1 - overlap) * a2a_r
+    t_r       = max(bytes_r / hbm_bandwidth, gemm_r / gemm_flops + attn_r / flops)
+              + (1 - overlap) * a2a_r
               + host_overhead_s
 
-``ctx_r`` is the context each fed token attends to, summed; ``pairs_r`` the (query, key)
-pairs, which for a chunk of c tokens after s cached ones is c*s + c*(c+1)/2.
+``ctx_r`` is the KV the rank's attention reads: each scheduled request's context (s + c for
+a chunk of c tokens after s), read once per step; ``pairs_r`` the (query, key) pairs, which
+for that chunk is c*s + c*(c+1)/2.
 Everything is vectorized over steps so ``advance(k)`` costs one call for k steps.
 """
 
@@ -36,7 +38,7 @@ class StepLoad:
     """Per-rank load of one step (arrays over ranks, or over ranks x steps)."""
 
     tokens: np.ndarray  # tokens fed
-    ctx: np.ndarray  # sum over fed tokens of the context they attend to
+    ctx: np.ndarray  # KV tokens attention reads: each request's context, once
     pairs: np.ndarray  # attention (query, key) pairs
 
 
@@ -51,17 +53,15 @@ class AnalyticCost:
         total = tokens.sum(axis=0)
         e, k = m.num_routed_experts, m.top_k
         distinct = e * (1.0 - (1.0 - k / e) ** total)
-        experts_r = distinct / n / c.expert_balancedness
+        experts_r = np.minimum(distinct / n / c.expert_balancedness, e / n)  # it holds only E/n
         moe_bytes = m.moe_layers * experts_r * m.expert_bytes
         kv = m.kv_bytes_per_token * (np.asarray(load.ctx, np.float64) + tokens)
         bytes_r = m.dense_bytes + moe_bytes + kv
         moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
-        flops_r = (
-            2 * tokens * m.dense_params
-            + moe_flops * m.moe_layers
-            + m.attn_flops_per_pair * np.asarray(load.pairs, np.float64) * m.num_layers
-        )
-        t = np.maximum(bytes_r / hw.hbm_bandwidth, flops_r / hw.flops)
+        gemm = 2 * tokens * m.dense_params + moe_flops * m.moe_layers
+        attn = m.attn_flops_per_pair * np.asarray(load.pairs, np.float64) * m.num_layers
+        gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)  # FP8 GEMMs run 2x
+        t = np.maximum(bytes_r / hw.hbm_bandwidth, gemm / gemm_rate + attn / hw.flops)
         if n > 1:
             a2a = m.moe_layers * tokens * k * m.hidden_size * 3 / hw.link_bandwidth
             t = t + (1 - c.a2a_overlap) * a2a

@@ -224,8 +224,8 @@ class Simulator:
             if p.num_reqs:
                 c = p.num_new.astype(np.float64)
                 s = p.start_pos.astype(np.float64)
-                ctx[r] = float((c * s + c * (c + 1) / 2).sum())
-                pairs[r] = ctx[r]
+                ctx[r] = float((s + c).sum())
+                pairs[r] = float((c * s + c * (c + 1) / 2).sum())
         return StepLoad(tokens=tokens, ctx=ctx, pairs=pairs)
 
     def _decode_loads(self, inst: Instance, k: int) -> StepLoad:

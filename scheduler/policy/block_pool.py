@@ -12,8 +12,6 @@ one Python int per block.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 
 
@@ -27,17 +25,25 @@ class BlockPool:
         self._hash = np.zeros((num_blocks, 2), dtype=np.uint64)
         self._hashed = np.zeros(num_blocks, dtype=bool)
         self._table: dict[int, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Free blocks without a hash: a stack (reused first, most recently freed on top).
+        self._stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)
+        self._n_stack = num_blocks
+        # Free blocks with a hash: a FIFO ring in free order. A touched block leaves it
+        # lazily: its entry stays but no longer matches ``_ring_pos``.
+        self._ring = np.zeros(2 * num_blocks + 16, dtype=np.int64)
+        self._head = self._tail = 0
+        self._ring_pos = np.full(num_blocks, -1, dtype=np.int64)
+        self._n_ring = 0
 
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (free, including cached-but-unused ones)."""
-        return len(self._free)
+        return self._n_stack + self._n_ring
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def usage(self) -> float:
         return self.num_used / self.num_blocks
@@ -46,13 +52,17 @@ class BlockPool:
         """Block ids holding the longest cached prefix of ``hashes`` ((n, 2) uint64)."""
         if not self.enable_prefix_cache or len(hashes) == 0:
             return []
-        table, lane1 = self._table, self._hash[:, 1]
+        table = self._table
         found: list[int] = []
-        for i, key in enumerate(hashes[:, 0].tolist()):
+        for key in hashes[:, 0].tolist():
             block = table.get(key)
-            if block is None or lane1[block] != hashes[i, 1]:
+            if block is None:
                 break
             found.append(block)
+        if found:  # the second lane must match too
+            ok = self._hash[found, 1] == hashes[: len(found), 1]
+            if not ok.all():
+                found = found[: int(np.argmin(ok))]
         return found
 
     def cached_prefix_len(self, hashes: np.ndarray) -> int:
@@ -70,47 +80,100 @@ class BlockPool:
 
     # -- commands ------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take n free blocks (evicting cached ones, least recently freed first)."""
-        if n > len(self._free):
-            raise RuntimeError(f"allocate({n}) with only {len(self._free)} free blocks")
-        out = [self._free.popitem(last=False)[0] for _ in range(n)]
-        for block in out:
-            if self._hashed[block]:
-                self._evict(block)
+        """Take n free blocks: unhashed ones first, then cached ones least recently freed."""
+        if n > self.num_free:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
+        take = min(n, self._n_stack)
+        out = self._stack[self._n_stack - take : self._n_stack][::-1]
+        self._n_stack -= take
+        if take < n:
+            out = np.concatenate([out, self._pop_ring(n - take)])
         self.ref[out] = 1
+        return out.tolist()
+
+    def _pop_ring(self, n: int) -> np.ndarray:
+        parts, got = [], 0
+        while got < n:
+            hi = min(self._head + (n - got), self._tail)
+            chunk = self._ring[self._head : hi]
+            live = chunk[self._ring_pos[chunk] == np.arange(self._head, hi)]
+            self._head = hi
+            parts.append(live)
+            got += len(live)
+        out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        self._ring_pos[out] = -1
+        self._n_ring -= len(out)
+        table = self._table
+        for key in self._hash[out, 0].tolist():
+            del table[key]
+        self._hashed[out] = False
         return out
 
     def touch(self, blocks: list[int]) -> None:
         """Take a reference on cached blocks found by ``match_prefix``."""
-        for block in blocks:
-            if self.ref[block] == 0:
-                del self._free[block]
-            self.ref[block] += 1
+        if not blocks:
+            return
+        idx = np.asarray(blocks, dtype=np.int64)
+        idle = idx[self.ref[idx] == 0]
+        self._ring_pos[idle] = -1  # leave the ring lazily
+        self._n_ring -= len(idle)
+        self.ref[idx] += 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference on each block; pass a request's blocks tail first."""
-        for block in blocks:
-            self.ref[block] -= 1
-            if self.ref[block] == 0:
-                self._free[block] = None
-                if not self._hashed[block]:
-                    self._free.move_to_end(block, last=False)
+        if not blocks:
+            return
+        idx = np.asarray(blocks, dtype=np.int64)
+        self.ref[idx] -= 1
+        zero = idx[self.ref[idx] == 0]
+        hashed = self._hashed[zero]
+        plain = zero[~hashed]
+        self._stack[self._n_stack : self._n_stack + len(plain)] = plain
+        self._n_stack += len(plain)
+        cached = zero[hashed]
+        if len(cached):
+            self._push_ring(cached)
+
+    def _push_ring(self, blocks: np.ndarray) -> None:
+        if self._tail + len(blocks) > len(self._ring):
+            live = self._ring[self._head : self._tail]
+            live = live[self._ring_pos[live] == np.arange(self._head, self._tail)]
+            self._ring[: len(live)] = live
+            self._ring_pos[live] = np.arange(len(live))
+            self._head, self._tail = 0, len(live)
+        pos = np.arange(self._tail, self._tail + len(blocks))
+        self._ring[pos] = blocks
+        self._ring_pos[blocks] = pos
+        self._tail += len(blocks)
+        self._n_ring += len(blocks)
 
     def cache(self, blocks: list[int], hashes: np.ndarray) -> None:
         """Publish full blocks under their hashes; a hash already present keeps its block."""
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or not blocks:
             return
         table = self._table
-        for block, key, h in zip(blocks, hashes[:, 0].tolist(), hashes):
-            if key in table or self._hashed[block]:
-                continue
-            table[key] = block
-            self._hash[block] = h
-            self._hashed[block] = True
+        unhashed = (~self._hashed[np.asarray(blocks)]).tolist()
+        fresh = []
+        for i, (block, key, free_slot) in enumerate(zip(blocks, hashes[:, 0].tolist(), unhashed)):
+            if free_slot and key not in table:
+                table[key] = block
+                fresh.append(i)
+        if fresh:
+            idx = np.asarray(blocks)[fresh]
+            self._hash[idx] = hashes[fresh]
+            self._hashed[idx] = True
 
     def reset_prefix_cache(self) -> None:
-        for block in list(self._table.values()):
-            self._evict(block)
+        """Forget every cached hash (free cached blocks become plain free blocks)."""
+        live = self._ring[self._head : self._tail]
+        live = live[self._ring_pos[live] == np.arange(self._head, self._tail)]
+        self._ring_pos[live] = -1
+        self._n_ring = 0
+        self._head = self._tail = 0
+        self._stack[self._n_stack : self._n_stack + len(live)] = live
+        self._n_stack += len(live)
+        self._table.clear()
+        self._hashed[:] = False
 
     # -- internals -----------------------------------------------------------------------
     def _lookup(self, h: np.ndarray) -> int | None:
@@ -119,15 +182,19 @@ class BlockPool:
             return None
         return block
 
-    def _evict(self, block: int) -> None:
-        del self._table[int(self._hash[block, 0])]
-        self._hashed[block] = False
+    def free_blocks(self) -> np.ndarray:
+        live = self._ring[self._head : self._tail]
+        live = live[self._ring_pos[live] == np.arange(self._head, self._tail)]
+        return np.concatenate([self._stack[: self._n_stack], live])
 
     def check_integrity(self) -> None:
+        free_list = self.free_blocks()
+        assert len(np.unique(free_list)) == len(free_list), "a block is free twice"
         free = np.zeros(self.num_blocks, dtype=bool)
-        free[list(self._free)] = True
+        free[free_list] = True
         assert (self.ref >= 0).all(), "negative refcount"
         assert ((self.ref == 0) == free).all(), "free list and refcounts disagree"
+        assert not self._hashed[self._stack[: self._n_stack]].any(), "hashed block on the plain stack"
         assert len(self._table) == int(self._hashed.sum()), "hash table and flags disagree"
         for key, block in self._table.items():
             assert self._hashed[block] and int(self._hash[block, 0]) == key, "stale table entry"

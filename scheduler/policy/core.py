@@ -51,6 +51,8 @@ class SchedulerCore:
         self._free_slots = list(range(n - 1, -1, -1))
         self.s_req: list[Request | None] = [None] * n
         self.s_rid = np.full(n, -1, dtype=np.int64)
+        self.s_epoch = np.zeros(n, dtype=np.int64)  # bumped when a slot is taken or released
+        self._plan_epochs: dict[int, np.ndarray] = {}  # step id -> s_epoch of its slots
         self.s_active = np.zeros(n, dtype=bool)
         self.s_decodable = np.zeros(n, dtype=bool)  # RUNNING (not waiting for KV)
         self.s_ncomp = np.zeros(n, dtype=np.int64)
@@ -120,7 +122,8 @@ class SchedulerCore:
         dec_rids = self.s_rid[dec_slots]
         budget -= len(dec_slots)
         budget = self._schedule_prefills(budget, entries)
-        loads = self._admit_waiting(budget, entries, now)
+        # No admissions in a step that preempted: they would take the blocks just freed.
+        loads = [] if self._preempted_this_step else self._admit_waiting(budget, entries, now)
         if len(dec_slots) and self._preempted_this_step:
             dec_slots = dec_slots[self.s_rid[dec_slots] == dec_rids]
         self._preempted_this_step = False
@@ -213,7 +216,7 @@ class SchedulerCore:
         n = min(budget, req.num_known - len(hit) * bs)
         need = -(-(len(hit) * bs + n) // bs) - len(hit)
         reserve = int(self.config.watermark * self.pool.num_blocks)
-        evictable_hits = sum(1 for b in hit if self.pool.ref[b] == 0)
+        evictable_hits = int((self.pool.ref[hit] == 0).sum()) if hit else 0
         if need + evictable_hits + reserve > self.pool.num_free:
             return hit, 0, 0
         return hit, n, need
@@ -303,6 +306,7 @@ class SchedulerCore:
         flat_blocks = [b for part in blk_parts for b in part]
         dropped, self._to_drop = self._to_drop, []
         total = int(tok_offsets[-1])
+        self._plan_epochs[self._step] = self.s_epoch[slots]
         return StepPlan(
             step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,
             start_pos=start_pos, samples=samples,
@@ -324,7 +328,11 @@ class SchedulerCore:
             self._kv_load_finished(rid, ok=False)
         slots = plan.slots.astype(np.int64)
         ns = result.num_sampled
-        live = (self.s_rid[slots] == plan.req_ids) & plan.samples & (ns > 0)
+        epochs = self._plan_epochs.pop(plan.step_id, None)
+        if epochs is None:
+            raise ValueError(f"step {plan.step_id} was not planned by this core, or was applied twice")
+        # A slot's owner may have finished, been preempted or even re-admitted meanwhile.
+        live = (self.s_epoch[slots] == epochs) & plan.samples & (ns > 0)
         if live.all() and len(result.token_ids) == len(slots):
             return self._confirm(slots, result.token_ids, plan.req_ids)
         idx = np.flatnonzero(live)
@@ -338,7 +346,7 @@ class SchedulerCore:
         """Several tokens per request (accepted speculative tokens): one column at a time."""
         parts, finished = [], []
         for j in range(int(ns.max())):
-            keep = (ns > j) & (self.s_rid[slots] == req_ids)
+            keep = (ns > j) & (self.s_rid[slots] == req_ids) & self.s_active[slots]
             out = self._confirm(slots[keep], result.token_ids[offs[keep] + j], req_ids[keep])
             parts.append(out)
             finished.extend(out.finished)
@@ -457,6 +465,7 @@ class SchedulerCore:
         and the plan left in flight. Cost grows with block boundaries, not with k.
         """
         slots = np.flatnonzero(self.s_active)
+        self._plan_epochs.clear()  # the one plan in flight is consumed; the new one replaces it
         ncomp0, nblk0 = self.s_ncomp[slots].copy(), self.s_nblocks[slots].copy()
         extra = (-(-(ncomp0 + k) // self.bs) - nblk0).clip(0)
         last_new = self._allocate_in_step_order(slots, ncomp0, nblk0, extra, k)
@@ -543,6 +552,7 @@ class SchedulerCore:
         req.state = RequestState.RUNNING
         self.s_req[slot] = req
         self.s_rid[slot] = req.id
+        self.s_epoch[slot] += 1
         self.s_active[slot] = True
         self.s_decodable[slot] = True
         self.s_ncomp[slot] = req.num_computed
@@ -570,6 +580,7 @@ class SchedulerCore:
         req.blocks = []
         self.s_req[slot] = None
         self.s_rid[slot] = -1
+        self.s_epoch[slot] += 1
         self.s_active[slot] = False
         self.s_decodable[slot] = False
         self._free_slots.append(slot)

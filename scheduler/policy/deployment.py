@@ -58,7 +58,7 @@ class HardwareSpec:
     name: str
     hbm_bytes: float
     hbm_bandwidth: float  # bytes/s actually reachable (copy bandwidth)
-    flops: float  # dense FLOP/s at the weights' precision
+    flops: float  # dense BF16 FLOP/s (FP8 GEMMs are charged at twice this)
     link_bandwidth: float  # bytes/s per GPU per direction inside the scale-up domain
     gpus_per_node: int
     host_overhead_s: float = 0.0015  # per step: scheduling, dispatch, sync (see issue 5)
@@ -137,41 +137,46 @@ def _mla_kv_bytes(layers: int, kv_lora: int = 512, rope: int = 64, dtype_bytes: 
     return int(layers * (kv_lora + rope) * dtype_bytes)
 
 
+def _MHA_PAIR_FLOPS(heads: int, qk_dim: int = 192, v_dim: int = 128) -> int:  # noqa: N802
+    """Attention FLOPs per layer per (query, key) pair in MLA's prefill (expanded) form."""
+    return 2 * heads * (qk_dim + v_dim)
+
+
 MODEL_PRESETS: dict[str, dict] = {
     "deepseek-v3": dict(
         num_layers=61, num_dense_layers=3, hidden_size=7168, num_routed_experts=256,
         num_shared_experts=1, top_k=8, moe_intermediate_size=2048, dense_params=17.0e9,
         kv_bytes_per_token=_mla_kv_bytes(61), context_length=131072, vocab_size=129280,
-        bytes_per_param=1.0, attn_flops_per_pair=4 * 128 * 576, eos_token_id=1,
+        bytes_per_param=1.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(128), eos_token_id=1,
     ),
     # DeepSeek-V2-Lite's shape (~15.7B parameters, bf16): the GPU runtime's target.
     "v2-lite": dict(
         num_layers=27, num_dense_layers=1, hidden_size=2048, num_routed_experts=64,
         num_shared_experts=2, top_k=6, moe_intermediate_size=1408, dense_params=1.6e9,
         kv_bytes_per_token=_mla_kv_bytes(27), context_length=32768, vocab_size=102400,
-        bytes_per_param=2.0, attn_flops_per_pair=4 * 16 * 576, eos_token_id=100001,
+        bytes_per_param=2.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(16), eos_token_id=100001,
     ),
     # A DeepSeek-V3-sized model with a compact KV layout: cross-layer sharing + FP4.
     "compact-kv": dict(
         num_layers=61, num_dense_layers=3, hidden_size=7168, num_routed_experts=256,
         num_shared_experts=1, top_k=8, moe_intermediate_size=2048, dense_params=17.0e9,
         kv_bytes_per_token=890, context_length=1048576, vocab_size=129280,
-        bytes_per_param=1.0, attn_flops_per_pair=4 * 128 * 576, eos_token_id=1,
+        bytes_per_param=1.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(128), eos_token_id=1,
     ),
     "tiny": dict(
         num_layers=4, num_dense_layers=1, hidden_size=64, num_routed_experts=8,
         num_shared_experts=1, top_k=2, moe_intermediate_size=32, dense_params=0.2e6,
         kv_bytes_per_token=_mla_kv_bytes(4, 32, 16, 4), context_length=4096, vocab_size=512,
-        bytes_per_param=4.0, attn_flops_per_pair=4 * 4 * 48, eos_token_id=1,
+        bytes_per_param=4.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(4, 32, 24), eos_token_id=1,
     ),
 }
 
 HARDWARE_PRESETS: dict[str, dict] = {
-    # Copy bandwidth measured on an H200 (4.19 TB/s); dense FP8 peak; NVLink 4 per direction.
-    "h200": dict(hbm_bytes=141e9, hbm_bandwidth=4.19e12, flops=1979e12,
+    # Copy bandwidth measured on an H200 (4.19 TB/s); dense BF16 peak; NVLink 4 per direction.
+    "h200": dict(hbm_bytes=141e9, hbm_bandwidth=4.19e12, flops=989e12,
                  link_bandwidth=450e9, gpus_per_node=8),
     # GB300 NVL72: 288 GB HBM3e, one 72-GPU NVLink domain, NVLink 5 per direction.
-    "gb300": dict(hbm_bytes=288e9, hbm_bandwidth=7.0e12, flops=5000e12,
+    "gb300": dict(hbm_bytes=288e9, hbm_bandwidth=7.0e12, flops=2500e12,
                   link_bandwidth=900e9, gpus_per_node=72),
 }
 

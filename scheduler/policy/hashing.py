@@ -76,11 +76,15 @@ class BlockHasher:
         )
         self._mul = consts | _U64(1)  # odd multipliers are bijections mod 2**64
         self._words_per_block = block_size // 2
+        self._init_unsalted = np.zeros(2, np.uint64)
+        self._init_unsalted = self.initial(b"")
 
     # -- salts ---------------------------------------------------------------------------
     def initial(self, cache_salt: bytes | str | None = None) -> np.ndarray:
         """The chain's starting accumulator for a salt (shape (2,), uint64)."""
-        salt = cache_salt.encode() if isinstance(cache_salt, str) else (cache_salt or b"")
+        if cache_salt is None:
+            return self._init_unsalted.copy()
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         digest = hashlib.sha256(self._secret + b"salt" + salt).digest()
         return np.frombuffer(digest[:16], dtype=np.uint64).copy()
 
