@@ -178,9 +178,11 @@ class Simulator:
         k = self._identical_steps(inst, plans)
         if k < 2:
             return plans, t
-        ends = t + np.cumsum(inst.cost.step_time(self._decode_loads(inst, k)))
-        starts = np.concatenate([[t], ends[:-1]])  # plan j+1 is scheduled when plan j starts
-        k = int(min(k, np.searchsorted(starts, next_arrival, side="left")))
+        # Sequential sums, as stepping adds one step time at a time: bit-identical ends.
+        ends = np.cumsum(np.concatenate([[t], inst.cost.step_time(self._decode_loads(inst, k))]))[1:]
+        # Every boundary inside the run, and the one at its end (where the next plan is
+        # made), must come before the next arrival, or that plan would miss it.
+        k = int(min(k, np.searchsorted(ends, next_arrival, side="left")))
         if k < 2:
             return plans, t
         ends = ends[:k]

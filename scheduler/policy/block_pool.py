@@ -151,17 +151,22 @@ class BlockPool:
         """Publish full blocks under their hashes; a hash already present keeps its block."""
         if not self.enable_prefix_cache or not blocks:
             return
+        idx = np.asarray(blocks, dtype=np.int64)
+        open_ = ~self._hashed[idx]
+        if not open_.all():
+            idx, hashes = idx[open_], hashes[open_]
+        keys, ids = hashes[:, 0].tolist(), idx.tolist()
+        new = dict(zip(reversed(keys), reversed(ids)))  # reversed: the first block of a key wins
         table = self._table
-        unhashed = (~self._hashed[np.asarray(blocks)]).tolist()
-        fresh = []
-        for i, (block, key, free_slot) in enumerate(zip(blocks, hashes[:, 0].tolist(), unhashed)):
-            if free_slot and key not in table:
-                table[key] = block
-                fresh.append(i)
-        if fresh:
-            idx = np.asarray(blocks)[fresh]
-            self._hash[idx] = hashes[fresh]
-            self._hashed[idx] = True
+        if len(new) < len(idx) or not table.keys().isdisjoint(new):
+            # Equal content published twice: the block already in the table keeps the hash.
+            for key in [k for k in new if k in table]:
+                del new[key]
+            keep = np.fromiter((new.get(k) == b for k, b in zip(keys, ids)), bool, len(idx))
+            idx, hashes = idx[keep], hashes[keep]
+        table.update(new)
+        self._hash[idx] = hashes
+        self._hashed[idx] = True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (free cached blocks become plain free blocks)."""

@@ -73,7 +73,7 @@ class SchedulerCore:
                 f"request {req.id}: prompt ({req.prompt_len}) + max_tokens "
                 f"({req.params.max_tokens}) exceeds max_model_len {self.config.max_model_len}"
             )
-        if len(req.block_hashes) != req.prompt_len // self.bs:
+        if req.hash_acc is None or len(req.block_hashes) != req.prompt_len // self.bs:
             req.block_hashes, req.hash_acc = self.hasher.hash_prompt(req.prompt, req.cache_salt)
         req.seq = self._seq
         self._seq += 1
@@ -118,40 +118,46 @@ class SchedulerCore:
     def schedule(self, now: float) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         entries: list[tuple] = []  # (req, n_new, tokens, new_blocks, block_start)
-        dec_slots, new_blocks = self._schedule_decodes(budget)
+        dec_slots, grown = self._schedule_decodes(budget)
         dec_rids = self.s_rid[dec_slots]
         budget -= len(dec_slots)
         budget = self._schedule_prefills(budget, entries)
         # No admissions in a step that preempted: they would take the blocks just freed.
         loads = [] if self._preempted_this_step else self._admit_waiting(budget, entries, now)
         if len(dec_slots) and self._preempted_this_step:
-            dec_slots = dec_slots[self.s_rid[dec_slots] == dec_rids]
+            keep = self.s_rid[dec_slots] == dec_rids
+            dec_slots = dec_slots[keep]
+            grown = self._still_owned(grown, dec_slots)
         self._preempted_this_step = False
-        return self._build_plan(dec_slots, new_blocks, entries, loads)
+        return self._build_plan(dec_slots, grown, entries, loads)
 
-    def _schedule_decodes(self, budget: int) -> tuple[np.ndarray, dict[int, list[int]]]:
+    @staticmethod
+    def _still_owned(grown: tuple[np.ndarray, np.ndarray], slots: np.ndarray):
+        keep = np.isin(grown[0], slots)
+        return grown[0][keep], grown[1][keep]
+
+    def _schedule_decodes(self, budget: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """One token for every decoding slot; returns the slots and (slots grown, new blocks)."""
         ready = self.s_decodable & (self.s_nknown - self.s_ncomp == 1)
         ready &= self.s_nknown < self.s_maxtotal
         slots = np.flatnonzero(ready)[:budget]
         if len(slots) == 0:
-            return slots, {}
-        need = (self.s_ncomp[slots] + 1 + self.bs - 1) // self.bs > self.s_nblocks[slots]
+            return slots, (_EMPTY_I64, _EMPTY_I64)
+        need = (self.s_ncomp[slots] + self.bs) // self.bs > self.s_nblocks[slots]
         grow = slots[need]
-        new_blocks: dict[int, list[int]] = {}
+        got = _EMPTY_I64
         if len(grow):
             while len(grow) > self.pool.num_free:
-                victim = self._pick_victim()
-                self._preempt(victim)
-                keep = self.s_active[slots]
-                slots, grow = slots[keep], grow[self.s_active[grow]]
-            got = self.pool.allocate(len(grow))
-            for slot, block in zip(grow.tolist(), got):
+                self._preempt(self._pick_victim())
+                slots, grow = slots[self.s_active[slots]], grow[self.s_active[grow]]
+            got_list = self.pool.allocate(len(grow))
+            for slot, block in zip(grow.tolist(), got_list):
                 self.s_req[slot].blocks.append(block)
-                new_blocks[slot] = [block]
+            got = np.asarray(got_list, dtype=np.int64)
             self.s_nblocks[grow] += 1
         self.s_ncomp[slots] += 1
         self.s_nknown[slots] += 1
-        return slots, new_blocks
+        return slots, (grow, got)
 
     def _schedule_prefills(self, budget: int, entries: list) -> int:
         partial = self.s_decodable & (self.s_nknown - self.s_ncomp > 1)
@@ -209,17 +215,30 @@ class SchedulerCore:
         return n
 
     def _admission_need(self, req: Request, budget: int) -> tuple[list[int], int, int]:
-        """(cached blocks, tokens of the first chunk, new blocks); chunk 0 if it cannot start."""
+        """(cached blocks, tokens of the first chunk, new blocks); chunk 0 if it cannot start.
+
+        A request starts only if the blocks for its whole known sequence fit next to what the
+        prefills already running still need (plus a watermark): starting prefills that later
+        chunks cannot feed only leads to preemption and recompute.
+        """
         bs = self.bs
         max_hit = (req.num_known - 1) // bs  # the last token must be computed for logits
         hit = self.pool.match_prefix(req.block_hashes[:max_hit])
         n = min(budget, req.num_known - len(hit) * bs)
         need = -(-(len(hit) * bs + n) // bs) - len(hit)
-        reserve = int(self.config.watermark * self.pool.num_blocks)
+        need_all = -(-req.num_known // bs) - len(hit)
+        reserve = int(self.config.watermark * self.pool.num_blocks) + self._prefill_debt()
         evictable_hits = int((self.pool.ref[hit] == 0).sum()) if hit else 0
-        if need + evictable_hits + reserve > self.pool.num_free:
+        if need_all + evictable_hits + reserve > self.pool.num_free:
             return hit, 0, 0
         return hit, n, need
+
+    def _prefill_debt(self) -> int:
+        """Blocks the running prefills still need to reach the end of their known tokens."""
+        act = self.s_decodable & (self.s_nknown - self.s_ncomp > 1)
+        if not act.any():
+            return 0
+        return int((-(-self.s_nknown[act] // self.bs) - self.s_nblocks[act]).sum())
 
     def _start_kv_load(self, req: Request) -> bool:
         need = -(-req.remote_kv_tokens // self.bs)
@@ -267,7 +286,8 @@ class SchedulerCore:
             self.pool.cache(req.blocks[lo:hi], hashes[lo:hi])
 
     # -- plan assembly -------------------------------------------------------------------
-    def _build_plan(self, dec_slots, new_blocks, entries, loads) -> StepPlan:
+    def _build_plan(self, dec_slots, grown, entries, loads) -> StepPlan:
+        """Assemble the StepPlan: decodes first (slot order), then prefill chunks, then loads."""
         n_dec, n_pre = len(dec_slots), len(entries)
         n = n_dec + n_pre + len(loads)
         self._step += 1
@@ -286,10 +306,9 @@ class SchedulerCore:
         tok_parts = [np.full(n_dec, PLACEHOLDER, dtype=np.int32)]
         counts = np.zeros(n, dtype=np.int64)
         blk_parts: list[list[int]] = []
-        if new_blocks:
-            grown = np.fromiter((s in new_blocks for s in dec_slots.tolist()), bool, n_dec)
-            counts[:n_dec] = grown
-            blk_parts.append([new_blocks[s][0] for s in dec_slots.tolist() if s in new_blocks])
+        if len(grown[0]):  # grown slots are a subsequence of dec_slots, both ascending
+            counts[np.searchsorted(dec_slots, grown[0])] = 1
+            blk_parts.append(grown[1].tolist())
         for i, (req, k, start, toks, blks, bstart, sampled) in enumerate(entries, n_dec):
             req_ids[i], slots[i], num_new[i], start_pos[i] = req.id, req.slot, k, start
             samples[i], block_start[i], counts[i] = sampled, bstart, len(blks)
@@ -392,11 +411,6 @@ class SchedulerCore:
         if self.config.enable_prefix_caching:
             self._publish_generated(reqs, ends // self.bs - 1, self.s_tail[slots])
 
-    def _parent_acc(self, req: Request, index: int) -> np.ndarray:
-        if index == 0 or len(req.hash_acc) < index:
-            return self.hasher.initial(req.cache_salt) if index == 0 else np.zeros(2, np.uint64)
-        return req.hash_acc[index - 1]
-
     def _finish_slots(self, slots: np.ndarray, tokens: np.ndarray) -> tuple:
         out = []
         for slot, tok in zip(slots.tolist(), tokens.tolist()):
@@ -448,6 +462,8 @@ class SchedulerCore:
     def _steps_blocks_allow(self, slots: np.ndarray, k: int) -> int:
         free = self.pool.num_free
         ncomp, nblk = self.s_ncomp[slots], self.s_nblocks[slots]
+        if int((-(-(ncomp + k) // self.bs) - nblk).clip(0).sum()) <= free:
+            return k  # the common case: plenty of free blocks
         lo, hi = 0, k  # largest j <= k whose allocations fit in the free blocks
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -490,7 +506,7 @@ class SchedulerCore:
             finished=finished, first_token_ids=rids[nout0 == 0],
         )
         live = slots[~done]
-        plan = self._build_plan(live, {s: [b] for s, b in last_new.items() if self.s_active[s]}, [], [])
+        plan = self._build_plan(live, self._still_owned(last_new, live), [], [])
         return out, plan
 
     def _refill_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
@@ -515,35 +531,34 @@ class SchedulerCore:
             lo[rows] += 1
 
     def _publish_generated(self, reqs: list[Request], index: np.ndarray, blocks: np.ndarray) -> None:
-        parents = np.stack([self._parent_acc(r, int(i)) for r, i in zip(reqs, index.tolist())])
+        # Blocks close in order, so each chain extends from the accumulator of its last block.
+        parents = np.stack([r.hash_acc for r in reqs])
         hashes, accs = self.hasher.extend(parents, blocks, index)
         for r, i, h, a in zip(reqs, index.tolist(), hashes, accs):
             if i < len(r.blocks):
                 self.pool.cache([r.blocks[i]], h[None])
-            if i >= len(r.block_hashes):
-                r.block_hashes = np.concatenate([r.block_hashes[:i], h[None]])
-                r.hash_acc = np.concatenate([r.hash_acc[:i], a[None]])
+            if i == len(r.block_hashes):  # a recompute after preemption re-closes known blocks
+                r.block_hashes = np.concatenate([r.block_hashes, h[None]])
+                r.hash_acc = a
 
-    def _allocate_in_step_order(self, slots, ncomp0, nblk0, extra, k) -> dict[int, int]:
+    def _allocate_in_step_order(self, slots, ncomp0, nblk0, extra, k) -> tuple[np.ndarray, np.ndarray]:
         """Take the blocks k decode steps need, in the order k single steps take them
         (step by step, slots ascending); returns the blocks the last step took, per slot."""
         total = int(extra.sum())
         if total == 0:
-            return {}
+            return _EMPTY_I64, _EMPTY_I64
         owner = np.repeat(np.arange(len(slots)), extra)
         first = np.cumsum(extra) - extra
         block_no = np.repeat(nblk0, extra) + np.arange(total) - np.repeat(first, extra)
         step = block_no * self.bs - np.repeat(ncomp0, extra) + 1  # step feeding its first slot
         order = np.lexsort((owner, step))
         got = self.pool.allocate(total)
-        last: dict[int, int] = {}
-        for idx, block in zip(order.tolist(), got):
-            slot = int(slots[owner[idx]])
-            self.s_req[slot].blocks.append(block)
-            if step[idx] == k:
-                last[slot] = block
+        reqs = self.s_req
+        for slot, block in zip(slots[owner[order]].tolist(), got):
+            reqs[slot].blocks.append(block)
         self.s_nblocks[slots] += extra
-        return last
+        in_last = step[order] == k  # blocks the k-th plan takes: that plan's block deltas
+        return slots[owner[order][in_last]], np.asarray(got, dtype=np.int64)[in_last]
 
     # -- slots, preemption, finishing ----------------------------------------------------
     def _take_slot(self, req: Request) -> None:

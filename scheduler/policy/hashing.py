@@ -53,9 +53,9 @@ def _fmix(z: np.ndarray, mul: np.uint64) -> np.ndarray:
 class BlockHasher:
     """Hashes full blocks of a token sequence; see the module docstring for the scheme.
 
-    ``hash_prompt`` returns ``(hashes, acc)``: both ``(n_full_blocks, 2)`` uint64; ``acc``
-    holds the chain accumulators, which ``extend`` needs to hash the blocks that decoding
-    completes later without rehashing the prompt.
+    ``hash_prompt`` returns ``(hashes, acc)``: hashes ``(n_full_blocks, 2)`` uint64 and the
+    chain accumulator after the last full block (``(2,)``; the salt's starting value when
+    there is none), which ``extend`` needs to hash the blocks decoding completes later.
     """
 
     def __init__(self, secret: bytes, block_size: int = 16, method: str = "keyed"):
@@ -95,8 +95,7 @@ class BlockHasher:
         n_blocks = len(tokens) // self.block_size
         init = self.initial(cache_salt)
         if n_blocks == 0:
-            empty = np.empty((0, 2), dtype=np.uint64)
-            return empty, empty.copy()
+            return np.empty((0, 2), dtype=np.uint64), init
         body = np.ascontiguousarray(tokens[: n_blocks * self.block_size], dtype=np.int32)
         if self.method == "sha256":
             return self._sha256_chain(body.reshape(n_blocks, -1), init)
@@ -107,7 +106,8 @@ class BlockHasher:
         a += init[0]
         b += init[1]
         index = np.arange(n_blocks, dtype=np.uint64)
-        return self._finalize(a, b, index), np.stack([a, b], axis=1)
+        last = np.array([a[-1], b[-1]], dtype=np.uint64)
+        return self._finalize(a, b, index), last
 
     def extend(
         self, parent_acc: np.ndarray, blocks: np.ndarray, block_index: np.ndarray
@@ -124,7 +124,7 @@ class BlockHasher:
             for r in range(m):
                 h, _ = self._sha256_chain(blocks[r : r + 1], parent_acc[r])
                 out_h[r] = h[0]
-            return out_h, out_h.copy()
+            return out_h, out_h.copy()  # for sha256 the accumulator is the hash itself
         wpb = self._words_per_block
         pos = (block_index.astype(np.int64)[:, None] * wpb + np.arange(wpb)).ravel()
         self._ensure_keys(int(pos.max()) + 1 if m else 0)
@@ -180,4 +180,4 @@ class BlockHasher:
         for i, block in enumerate(blocks):
             parent = hashlib.sha256(self._secret + parent + block.tobytes()).digest()[:16]
             out[i] = np.frombuffer(parent, dtype=np.uint64)
-        return out, out.copy()
+        return out, (out[-1].copy() if len(out) else init)

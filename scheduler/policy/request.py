@@ -67,7 +67,7 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     block_hashes: np.ndarray = attrs.field(factory=lambda: np.empty((0, 2), np.uint64))
-    hash_acc: np.ndarray = attrs.field(factory=lambda: np.zeros((0, 2), np.uint64))
+    hash_acc: np.ndarray | None = None  # chain accumulator after the last hashed block
     cache_salt: str | None = None
     remote_kv_tokens: int = 0  # prompt tokens whose KV arrives from another pool
     eos_token_id: int = -1

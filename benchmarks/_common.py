@@ -1,0 +1,41 @@
+"""Shared helpers for benchmarks: timing medians, the table, the JSON contract line."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+
+import numpy as np
+
+
+def median_s(fn, repeat: int = 30, warmup: int = 3) -> tuple[float, float]:
+    """(median, best) wall seconds of fn()."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)), float(min(ts))
+
+
+def machine() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return f"{platform.processor() or platform.machine()}, {platform.python_version()}, commit {commit}"
+
+
+def emit(bench: str, rows: list[dict], headline: dict, as_json: bool) -> None:
+    cols = list(rows[0]) if rows else []
+    print(f"# {bench} ({machine()})")
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+    h = headline
+    print(f"headline: {h['metric']} = {h['value']:.4g} {h['unit']} (baseline {h['baseline']['name']}: "
+          f"{h['baseline']['value']:.4g}; {h['ratio']:.1f}x better; target {h['target']}: "
+          f"{'met' if h['meets_target'] else 'NOT met'})")
+    if as_json:
+        print(json.dumps({"bench": bench, "rows": rows, "headline": h}))
