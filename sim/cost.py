@@ -17,6 +17,7 @@ time is the slowest rank's):
                 FP8 dispatch + BF16 combine), of which ``a2a_overlap`` hides behind compute
     t_r       = max(bytes_r / hbm_bandwidth, gemm_r / gemm_flops + attn_r / flops)
               + (1 - overlap) * a2a_r
+              + kv_bytes_per_token * loaded_r / host_bandwidth    (host-tier prefix loads)
               + host_overhead_s
 
 ``ctx_r`` is the KV the rank's attention reads: each scheduled request's context (s + c for
@@ -40,6 +41,7 @@ class StepLoad:
     tokens: np.ndarray  # tokens fed
     ctx: np.ndarray  # KV tokens attention reads: each request's context, once
     pairs: np.ndarray  # attention (query, key) pairs
+    loaded: np.ndarray | float = 0.0  # tokens of KV loaded from the host tier
 
 
 class AnalyticCost:
@@ -65,4 +67,6 @@ class AnalyticCost:
         if n > 1:
             a2a = m.moe_layers * tokens * k * m.hidden_size * 3 / hw.link_bandwidth
             t = t + (1 - c.a2a_overlap) * a2a
+        # Host-tier loads are charged as blocking the step (the engine can overlap them).
+        t = t + m.kv_bytes_per_token * np.asarray(load.loaded, np.float64) / hw.host_bandwidth
         return t.max(axis=0) + hw.host_overhead_s

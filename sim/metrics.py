@@ -95,7 +95,7 @@ class Metrics:
         tpot_all = np.zeros(done.sum())
         tpot_all[multi] = tpot
         good = (ttft <= slo_ttft) & (tpot_all <= slo_tpot)
-        queries, hits = prefix
+        queries, hits, host_hits = prefix
         kv_mean, kv_max = self._kv_stats()
         rejected = sum(self.rejected.values())
         return {
@@ -116,7 +116,8 @@ class Metrics:
                 "requests_per_s": float(good.sum() / span),
             },
             "prefix_cache": {"queries": int(queries), "hits": int(hits),
-                             "hit_rate": hits / queries if queries else 0.0},
+                             "hit_rate": hits / queries if queries else 0.0,
+                             "host_hits": int(host_hits)},
             "preemptions": int(preemptions),
             "kv_cache_use": {"mean": kv_mean, "max": kv_max},
             "steps": int(self.steps),

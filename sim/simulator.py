@@ -222,13 +222,15 @@ class Simulator:
         tokens = np.array([p.num_tokens for p in plans], dtype=np.float64)
         ctx = np.zeros(len(plans))
         pairs = np.zeros(len(plans))
+        loaded = np.array([float(p.kv_load_num_blocks.sum()) * self.d.scheduler.block_size
+                           for p in plans])
         for r, p in enumerate(plans):
             if p.num_reqs:
                 c = p.num_new.astype(np.float64)
                 s = p.start_pos.astype(np.float64)
                 ctx[r] = float((s + c).sum())
                 pairs[r] = float((c * s + c * (c + 1) / 2).sum())
-        return StepLoad(tokens=tokens, ctx=ctx, pairs=pairs)
+        return StepLoad(tokens=tokens, ctx=ctx, pairs=pairs, loaded=loaded)
 
     def _decode_loads(self, inst: Instance, k: int) -> StepLoad:
         j = np.arange(k, dtype=np.float64)
@@ -247,9 +249,10 @@ class Simulator:
         cores = [c for i in self.instances for c in i.cores]
         queries = sum(c.prefix_queries for c in cores)
         hits = sum(c.prefix_hits for c in cores)
+        host_hits = sum(c.host_hits for c in cores)
         extra = {"deployment": self.d.name, "num_gpus": self.d.num_gpus, "seed": self.seed}
         rep = self.metrics.report(
             num_gpus=self.d.num_gpus, slo_ttft=self.slo[0], slo_tpot=self.slo[1],
-            prefix=(queries, hits), preemptions=sum(c.num_preemptions for c in cores), extra=extra,
+            prefix=(queries, hits, host_hits), preemptions=sum(c.num_preemptions for c in cores), extra=extra,
         )
         return clean(rep)

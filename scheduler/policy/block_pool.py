@@ -12,11 +12,47 @@ one Python int per block.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 
+class HostTier:
+    """A second prefix-cache level in host memory: which block hashes it holds, in LRU order.
+
+    The bytes live with the runtime; the policy only needs to know what a load would find.
+    GPU blocks evicted from the prefix cache are offloaded here.
+    """
+
+    def __init__(self, capacity_blocks: int):
+        self.capacity = capacity_blocks
+        self._lru: OrderedDict[int, int] = OrderedDict()  # lane 0 -> lane 1
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def put(self, lane0: list[int], lane1: list[int]) -> None:
+        lru = self._lru
+        for k, v in zip(lane0, lane1):
+            lru[k] = v
+            lru.move_to_end(k)
+        while len(lru) > self.capacity:
+            lru.popitem(last=False)
+
+    def match(self, hashes: np.ndarray, *, touch: bool = True) -> int:
+        """How many leading blocks of ``hashes`` the tier holds."""
+        lru, n = self._lru, 0
+        for k, v in zip(hashes[:, 0].tolist(), hashes[:, 1].tolist()):
+            if lru.get(k) != v:
+                break
+            if touch:
+                lru.move_to_end(k)
+            n += 1
+        return n
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, *, enable_prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, *, enable_prefix_cache: bool = True, host_blocks: int = 0):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -34,6 +70,7 @@ class BlockPool:
         self._head = self._tail = 0
         self._ring_pos = np.full(num_blocks, -1, dtype=np.int64)
         self._n_ring = 0
+        self.host = HostTier(host_blocks) if host_blocks and enable_prefix_cache else None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -65,10 +102,22 @@ class BlockPool:
                 found = found[: int(np.argmin(ok))]
         return found
 
+    def match_host(self, hashes: np.ndarray, start: int) -> int:
+        """Blocks after the first ``start`` that the host tier can load."""
+        if self.host is None or start >= len(hashes):
+            return 0
+        return self.host.match(hashes[start:])
+
     def cached_prefix_len(self, hashes: np.ndarray) -> int:
-        """Length of the cached prefix in blocks, by binary search (for routing)."""
+        """Length of the cached prefix in blocks, GPU then host tier (for routing)."""
         if not self.enable_prefix_cache:
             return 0
+        gpu = self._gpu_prefix_len(hashes)
+        if self.host is None or gpu == len(hashes):
+            return gpu
+        return gpu + self.host.match(hashes[gpu:], touch=False)
+
+    def _gpu_prefix_len(self, hashes: np.ndarray) -> int:
         lo, hi = 0, len(hashes)
         while lo < hi:  # chained hashes: block i cached implies its prefix was computed
             mid = (lo + hi + 1) // 2
@@ -104,8 +153,11 @@ class BlockPool:
         self._ring_pos[out] = -1
         self._n_ring -= len(out)
         table = self._table
-        for key in self._hash[out, 0].tolist():
+        lane0 = self._hash[out, 0].tolist()
+        for key in lane0:
             del table[key]
+        if self.host is not None:  # offload what the GPU cache drops
+            self.host.put(lane0, self._hash[out, 1].tolist())
         self._hashed[out] = False
         return out
 

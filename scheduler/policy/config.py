@@ -34,6 +34,7 @@ class SchedulerConfig:
     max_new_prefills_per_step: int = attrs.field(default=0, validator=_non_negative)
     max_kv_loads_per_step: int = attrs.field(default=4, validator=_non_negative)
     num_spec_tokens: int = attrs.field(default=0, validator=_non_negative)
+    host_cache_blocks: int = attrs.field(default=0, validator=_non_negative)  # host KV tier
     async_scheduling: bool = True
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
 

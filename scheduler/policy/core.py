@@ -36,7 +36,8 @@ class SchedulerCore:
         self.config = config
         self.hasher = hasher
         self.bs = config.block_size
-        self.pool = BlockPool(config.num_blocks, enable_prefix_cache=config.enable_prefix_caching)
+        self.pool = BlockPool(config.num_blocks, enable_prefix_cache=config.enable_prefix_caching,
+                              host_blocks=config.host_cache_blocks)
         self.caps = AdmissionCaps(config)
         self.requests: dict[int, Request] = {}
         self._waiting: list[tuple[tuple[int, int], Request]] = []
@@ -44,7 +45,8 @@ class SchedulerCore:
         self._step = 0
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which were cached
+        self.prefix_hits = 0  # of which were cached (on the GPU or in the host tier)
+        self.host_hits = 0  # of which came from the host tier
         self._to_drop: list[int] = []
         self._preempted_this_step = False  # tell the runtime: forget these requests
         n = config.max_num_seqs
@@ -176,7 +178,7 @@ class SchedulerCore:
         return budget
 
     def _admit_waiting(self, budget: int, entries: list, now: float) -> list[int]:
-        loads: list[int] = []
+        loads: list[tuple[int, int, int]] = []  # (request id, first block, blocks) to load
         self.caps.start_step()
         while self._waiting and self._free_slots:
             req = self._waiting[0][1]
@@ -185,53 +187,71 @@ class SchedulerCore:
                     break
                 if not self._start_kv_load(req):
                     break
-                loads.append(req.id)
+                loads.append((req.id, 0, len(req.blocks)))
                 continue
             if budget <= 0 or not self.caps.may_start_prefill():
                 break
-            n = self._admit_one(req, budget)
+            n, host = self._admit_one(req, budget)
             if n == 0:
                 break
+            if host:  # the host blocks sit right after the GPU-cached ones
+                loads.append((req.id, req.num_computed // self.bs - host, host))
             entries.append(self._prefill_entry(req, n, 0))
             budget -= n
         return loads
 
-    def _admit_one(self, req: Request, budget: int) -> int:
-        """Match the prefix cache and take blocks for the first chunk; 0 if it cannot start."""
-        hit, n, need = self._admission_need(req, budget)
+    def _admit_one(self, req: Request, budget: int) -> tuple[int, int]:
+        """Match the prefix cache and take blocks for the first chunk.
+
+        Returns (tokens of the first chunk, blocks to load from the host tier); a chunk of
+        0 means the request cannot start this step.
+        """
+        hit, host, n, need = self._admission_need(req, budget)
         if n == 0:
-            return 0
+            return 0, 0
         heapq.heappop(self._waiting)
+        cached = (len(hit) + host) * self.bs
         if req.num_cached_tokens < 0:  # count each request once, as vLLM does
             self.prefix_queries += req.num_known
-            self.prefix_hits += len(hit) * self.bs
+            self.prefix_hits += cached
+            self.host_hits += host * self.bs
         self.pool.touch(hit)
         req.blocks = hit + self.pool.allocate(need)
-        req.num_computed = len(hit) * self.bs
+        req.num_computed = cached
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = req.num_computed
+            req.num_cached_tokens = cached
         self._take_slot(req)
         self.caps.note_prefill()
-        return n
+        if host:
+            self.caps.note_kv_load()
+            self._publish_prompt_blocks(req, len(hit) * self.bs)  # loaded before the step runs
+        return n, host
 
-    def _admission_need(self, req: Request, budget: int) -> tuple[list[int], int, int]:
-        """(cached blocks, tokens of the first chunk, new blocks); chunk 0 if it cannot start.
+    def _admission_need(self, req: Request, budget: int) -> tuple[list[int], int, int, int]:
+        """(GPU-cached blocks, host-cached blocks, first chunk, new blocks); chunk 0 if the
+        request cannot start now.
 
         A request starts only if the blocks for its whole known sequence fit next to what the
         prefills already running still need (plus a watermark): starting prefills that later
-        chunks cannot feed only leads to preemption and recompute.
+        chunks cannot feed only leads to preemption and recompute. Blocks found in the host
+        tier are loaded, which counts against ``max_kv_loads_per_step``.
         """
         bs = self.bs
         max_hit = (req.num_known - 1) // bs  # the last token must be computed for logits
-        hit = self.pool.match_prefix(req.block_hashes[:max_hit])
-        n = min(budget, req.num_known - len(hit) * bs)
-        need = -(-(len(hit) * bs + n) // bs) - len(hit)
+        hashes = req.block_hashes[:max_hit]
+        hit = self.pool.match_prefix(hashes)
+        host = self.pool.match_host(hashes, len(hit))
+        if host and not self.caps.may_start_kv_load():
+            return hit, 0, 0, 0  # wait for the next step rather than recompute cached KV
+        cached = len(hit) + host
+        n = min(budget, req.num_known - cached * bs)
+        need = -(-(cached * bs + n) // bs) - len(hit)
         need_all = -(-req.num_known // bs) - len(hit)
         reserve = int(self.config.watermark * self.pool.num_blocks) + self._prefill_debt()
         evictable_hits = int((self.pool.ref[hit] == 0).sum()) if hit else 0
         if need_all + evictable_hits + reserve > self.pool.num_free:
-            return hit, 0, 0
-        return hit, n, need
+            return hit, 0, 0, 0
+        return hit, host, n, need
 
     def _prefill_debt(self) -> int:
         """Blocks the running prefills still need to reach the end of their known tokens."""
@@ -287,9 +307,11 @@ class SchedulerCore:
 
     # -- plan assembly -------------------------------------------------------------------
     def _build_plan(self, dec_slots, grown, entries, loads) -> StepPlan:
-        """Assemble the StepPlan: decodes first (slot order), then prefill chunks, then loads."""
+        """Assemble the StepPlan: decodes first (slot order), then prefill chunks, then the
+        requests whose whole KV arrives from elsewhere (entries with no tokens)."""
+        remote = [ld for ld in loads if self.requests[ld[0]].state is RequestState.WAITING_FOR_KV]
         n_dec, n_pre = len(dec_slots), len(entries)
-        n = n_dec + n_pre + len(loads)
+        n = n_dec + n_pre + len(remote)
         self._step += 1
         req_ids = np.empty(n, dtype=np.int64)
         slots = np.empty(n, dtype=np.int32)
@@ -314,7 +336,7 @@ class SchedulerCore:
             samples[i], block_start[i], counts[i] = sampled, bstart, len(blks)
             tok_parts.append(toks)
             blk_parts.append(blks)
-        for i, rid in enumerate(loads, n_dec + n_pre):
+        for i, (rid, _, _) in enumerate(remote, n_dec + n_pre):
             req = self.requests[rid]
             req_ids[i], slots[i], counts[i] = rid, req.slot, len(req.blocks)
             blk_parts.append(req.blocks)
@@ -326,13 +348,16 @@ class SchedulerCore:
         dropped, self._to_drop = self._to_drop, []
         total = int(tok_offsets[-1])
         self._plan_epochs[self._step] = self.s_epoch[slots]
+        load_arr = np.asarray(loads, dtype=np.int64).reshape(-1, 3)
         return StepPlan(
             step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,
             start_pos=start_pos, samples=samples,
             token_ids=np.concatenate(tok_parts) if len(tok_parts) > 1 else tok_parts[0],
             token_offsets=tok_offsets, block_start=block_start,
             block_ids=np.asarray(flat_blocks, dtype=np.int32), block_offsets=blk_offsets,
-            kv_load_req_ids=np.asarray(loads, dtype=np.int64),
+            kv_load_req_ids=load_arr[:, 0].copy(),
+            kv_load_first_block=load_arr[:, 1].astype(np.int32),
+            kv_load_num_blocks=load_arr[:, 2].astype(np.int32),
             finished_req_ids=np.asarray(dropped, dtype=np.int64),
             num_tokens=total, num_padded_tokens=total,
         )
@@ -457,7 +482,7 @@ class SchedulerCore:
         if req.remote_kv_tokens and req.num_cached_tokens < 0:
             return True
         budget = self.config.max_num_batched_tokens - self.num_running
-        return budget > 0 and self._admission_need(req, budget)[1] > 0
+        return budget > 0 and self._admission_need(req, budget)[2] > 0
 
     def _steps_blocks_allow(self, slots: np.ndarray, k: int) -> int:
         free = self.pool.num_free

@@ -62,6 +62,8 @@ class HardwareSpec:
     link_bandwidth: float  # bytes/s per GPU per direction inside the scale-up domain
     gpus_per_node: int
     host_overhead_s: float = 0.0015  # per step: scheduling, dispatch, sync (see issue 5)
+    host_kv_bytes: float = 0.0  # host DRAM per GPU for the second-level prefix cache
+    host_bandwidth: float = 50e9  # bytes/s host -> GPU (PCIe 5 x16)
     gpu_memory_utilization: float = 0.9
 
 
@@ -125,9 +127,11 @@ class Deployment:
 
     def scheduler_for(self, pool: PoolSpec) -> SchedulerConfig:
         m = self.model(pool.model)
+        per_block = m.kv_bytes_per_token * self.scheduler.block_size
         return attrs.evolve(
             self.scheduler,
             num_blocks=self.kv_blocks_per_rank(pool),
+            host_cache_blocks=int(self.hardware.host_kv_bytes // per_block),
             max_model_len=min(self.scheduler.max_model_len, m.context_length),
         )
 
@@ -292,6 +296,7 @@ preset = "deepseek-v3"
 
 [hardware]
 preset = "h200"
+host_kv_bytes = 200e9  # DRAM per GPU for the host prefix-cache tier
 
 [[pools]]
 name = "main"

@@ -37,7 +37,11 @@ class StepPlan:
     block_offsets: np.ndarray  # int64 (n + 1,)
     spec_tokens: np.ndarray = attrs.field(factory=_i32)  # int32 flat, draft tokens to verify
     spec_offsets: np.ndarray = attrs.field(factory=_i64)  # int64 (n + 1,) or empty
-    kv_load_req_ids: np.ndarray = attrs.field(factory=_i64)  # loads to start this step
+    # KV loads to start this step: blocks [first, first + num) of the request's table are
+    # filled from elsewhere (the host tier, or a remote prefill pool for the whole table).
+    kv_load_req_ids: np.ndarray = attrs.field(factory=_i64)
+    kv_load_first_block: np.ndarray = attrs.field(factory=_i32)
+    kv_load_num_blocks: np.ndarray = attrs.field(factory=_i32)
     kv_send_req_ids: np.ndarray = attrs.field(factory=_i64)  # finished prefills to hold/send
     finished_req_ids: np.ndarray = attrs.field(factory=_i64)  # runtime may drop their state
     num_tokens: int = 0
