@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, TraceFormatError, ValueError, NotImplementedError) as e:
             print(f"lockstep sim: error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # a missing or unreadable file
+            print(f"lockstep sim: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 2
 
 

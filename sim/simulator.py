@@ -80,6 +80,7 @@ class Simulator:
             for i in range(pool.instances):
                 self.instances.append(Instance(f"{pool.name}/{i}", pool, cfg, self.hasher, cost))
         self.model = deployment.model(deployment.pools[0].model)
+        self._ranks = [(i, c) for i, inst in enumerate(self.instances) for c in inst.cores]
         total_blocks = sum(len(i.cores) * i.cores[0].config.num_blocks for i in self.instances)
         self.metrics = Metrics(len(self.workload), total_blocks)
         self._events: list[tuple[float, int, int]] = []  # (time, seq, instance index)
@@ -99,7 +100,7 @@ class Simulator:
     def _admit(self, rid: int, now: float) -> None:
         w = self.workload[rid]
         self.metrics.arrival[rid] = w.arrival_s
-        inst = min(self.instances, key=Instance.load) if len(self.instances) > 1 else self.instances[0]
+        inst = self.instances[0]
         limit = inst.cores[0].config.max_model_len
         if w.input_len + w.output_len > limit:
             self.metrics.reject(rid, "context_length")
@@ -111,11 +112,16 @@ class Simulator:
         hashes, acc = self.hasher.hash_prompt(prompt)
         req = Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=w.output_len, ignore_eos=True),
                       arrival_time=now, block_hashes=hashes, hash_acc=acc)
-        cores = inst.cores
-        rank = self.router.choose(hashes, [c.pool for c in cores], [c.load() for c in cores]) if len(cores) > 1 else 0
-        cores[rank].add_request(req)
+        # One router over every rank of every instance: prefix affinity, then least loaded.
+        if len(self._ranks) > 1:
+            pick = self.router.choose(hashes, [c.pool for _, c in self._ranks], [c.load() for _, c in self._ranks])
+        else:
+            pick = 0
+        idx, core = self._ranks[pick]
+        inst = self.instances[idx]
+        core.add_request(req)
         if not inst.busy:
-            self._dispatch(self.instances.index(inst), now, inst.plan(now))
+            self._dispatch(idx, now, inst.plan(now))
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, progress: Callable[[int], None] | None = None) -> dict:

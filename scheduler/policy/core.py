@@ -58,6 +58,10 @@ class SchedulerCore:
         self.s_active = np.zeros(n, dtype=bool)
         self.s_decodable = np.zeros(n, dtype=bool)  # RUNNING (not waiting for KV)
         self.s_ncomp = np.zeros(n, dtype=np.int64)
+        # Tokens known when the request took its slot (prompt, plus output kept over a
+        # preemption): positions below it are prefilled with their real ids; positions from
+        # it on were sampled here and are fed as PLACEHOLDER by decode steps.
+        self.s_prefill_end = np.zeros(n, dtype=np.int64)
         self.s_nknown = np.zeros(n, dtype=np.int64)
         self.s_nout = np.zeros(n, dtype=np.int64)
         self.s_nblocks = np.zeros(n, dtype=np.int64)
@@ -141,7 +145,7 @@ class SchedulerCore:
     def _schedule_decodes(self, budget: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """One token for every decoding slot; returns the slots and (slots grown, new blocks)."""
         ready = self.s_decodable & (self.s_nknown - self.s_ncomp == 1)
-        ready &= self.s_nknown < self.s_maxtotal
+        ready &= (self.s_ncomp >= self.s_prefill_end) & (self.s_nknown < self.s_maxtotal)
         slots = np.flatnonzero(ready)[:budget]
         if len(slots) == 0:
             return slots, (_EMPTY_I64, _EMPTY_I64)
@@ -162,7 +166,7 @@ class SchedulerCore:
         return slots, (grow, got)
 
     def _schedule_prefills(self, budget: int, entries: list) -> int:
-        partial = self.s_decodable & (self.s_nknown - self.s_ncomp > 1)
+        partial = self.s_decodable & (self.s_ncomp < self.s_prefill_end)
         for slot in np.flatnonzero(partial).tolist():
             if budget <= 0:
                 break
@@ -255,7 +259,7 @@ class SchedulerCore:
 
     def _prefill_debt(self) -> int:
         """Blocks the running prefills still need to reach the end of their known tokens."""
-        act = self.s_decodable & (self.s_nknown - self.s_ncomp > 1)
+        act = self.s_decodable & (self.s_ncomp < self.s_prefill_end)
         if not act.any():
             return 0
         return int((-(-self.s_nknown[act] // self.bs) - self.s_nblocks[act]).sum())
@@ -267,8 +271,8 @@ class SchedulerCore:
         heapq.heappop(self._waiting)
         req.blocks = self.pool.allocate(need)
         req.num_cached_tokens = 0
-        req.state = RequestState.WAITING_FOR_KV
         self._take_slot(req)
+        req.state = RequestState.WAITING_FOR_KV  # after _take_slot, which marks it running
         self.s_decodable[req.slot] = False
         self.caps.note_kv_load()
         return True
@@ -470,6 +474,8 @@ class SchedulerCore:
             return 0
         if ((self.s_nknown - self.s_ncomp)[act] != 1).any() or (self.s_stop[act] != -2).any():
             return 0
+        if (self.s_ncomp[act] < self.s_prefill_end[act]).any():  # a one-token prefill chunk left
+            return 0
         if self._waiting and self._free_slots and self._could_admit_head():
             return 0
         k = int((self.s_maxtotal - self.s_nknown)[act].min())
@@ -517,6 +523,7 @@ class SchedulerCore:
         rids = self.s_rid[slots].copy()
         pos0 = self.s_nknown_confirmed(slots)
         reqs = [self.s_req[s] for s in slots.tolist()]
+        self._flush_tails(slots, reqs, pos0)  # outputs since the last block boundary
         for req, a, row in zip(reqs, nout0.tolist(), tokens):
             req.output[a : a + k] = row
         self.s_nout[slots] += k
@@ -533,6 +540,15 @@ class SchedulerCore:
         live = slots[~done]
         plan = self._build_plan(live, self._still_owned(last_new, live), [], [])
         return out, plan
+
+    def _flush_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
+        """Copy the confirmed outputs of each open block from s_tail into req.output."""
+        for slot, req, e in zip(slots.tolist(), reqs, end.tolist()):
+            lo = max(e - e % self.bs, req.prompt_len)
+            if e > lo:
+                req.output[lo - req.prompt_len : e - req.prompt_len] = self.s_tail[
+                    slot, lo % self.bs : lo % self.bs + e - lo
+                ]
 
     def _refill_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
         for slot, req, e in zip(slots.tolist(), reqs, end.tolist()):
@@ -597,6 +613,7 @@ class SchedulerCore:
         self.s_decodable[slot] = True
         self.s_ncomp[slot] = req.num_computed
         self.s_nknown[slot] = req.num_known
+        self.s_prefill_end[slot] = req.num_known
         self.s_nout[slot] = req.num_output
         self.s_nblocks[slot] = len(req.blocks)
         self.s_maxout[slot] = req.params.max_tokens
@@ -611,11 +628,7 @@ class SchedulerCore:
         """Give back the slot and blocks; keep confirmed output in the request."""
         slot = req.slot
         req.num_output = int(self.s_nout[slot])
-        known = req.prompt_len + req.num_output
-        lo = max(known - known % self.bs, req.prompt_len)
-        req.output[lo - req.prompt_len : req.num_output] = self.s_tail[
-            slot, lo % self.bs : lo % self.bs + known - lo
-        ]
+        self._flush_tails(np.array([slot]), [req], np.array([req.prompt_len + req.num_output]))
         self.pool.free(req.blocks[::-1])
         req.blocks = []
         self.s_req[slot] = None

@@ -232,8 +232,25 @@ def _no_unknown(table: dict, allowed: set, source: str, where: str) -> None:
         raise ConfigError(f"{source}: {where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
 
 
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _check_types(cls, table: dict, source: str, where: str) -> None:
+    """TOML gives ints, floats, strings and bools: refuse the wrong one here, by name."""
+    for f in attrs.fields(cls):
+        if f.name not in table or f.type not in _TYPES:
+            continue
+        value, allowed = table[f.name], _TYPES[f.type]
+        if isinstance(value, bool) and f.type != "bool" or not isinstance(value, allowed):
+            raise ConfigError(
+                f"{source}: {where}: field {f.name!r} must be {_TYPE_NAMES[f.type]}, got {value!r}"
+            )
+
+
 def _build(cls, table: dict, source: str, where: str):
     _no_unknown(table, {f.name for f in attrs.fields(cls)}, source, where)
+    _check_types(cls, table, source, where)
     try:
         return cls(**table)
     except ConfigError as e:

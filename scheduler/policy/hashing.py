@@ -169,8 +169,12 @@ class BlockHasher:
         return a, b
 
     def _finalize(self, a: np.ndarray, b: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """(A, B, i) -> 128 bits; a bijection of (A, B) for each i, so nothing is lost."""
-        h0 = _fmix(a ^ (index * self._mul[2]), _M1)
+        """(A, B, i) -> 128 bits; a bijection of (A, B) for each i, so nothing is lost.
+
+        Both output lanes depend on both accumulators: the block pool keys its table by
+        lane 0, so lane 0 must not inherit a collision of lane A alone.
+        """
+        h0 = _fmix(a ^ (b * self._mul[2]) ^ (index * self._mul[3]), _M1)
         h1 = _fmix(b + h0, _M2)
         return np.stack([h0, h1], axis=1)
 
