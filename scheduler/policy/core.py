@@ -29,6 +29,23 @@ from .step import PLACEHOLDER, StepOutputs, StepPlan, StepResult
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 
 
+class _PlanConstants:
+    """Read-only arrays that decode plans share (sliced, never copied)."""
+
+    def __init__(self, n: int):
+        def ro(a: np.ndarray) -> np.ndarray:
+            a.setflags(write=False)
+            return a
+
+        self.ones = ro(np.ones(n, dtype=np.int32))
+        self.trues = ro(np.ones(n, dtype=bool))
+        self.placeholders = ro(np.full(n, PLACEHOLDER, dtype=np.int32))
+        self.arange = ro(np.arange(n + 1, dtype=np.int64))
+        self.zeros = ro(np.zeros(n + 1, dtype=np.int64))
+        self.empty_i32 = ro(np.zeros(0, dtype=np.int32))
+        self.empty_i64 = ro(np.zeros(0, dtype=np.int64))
+
+
 class SchedulerCore:
     def __init__(self, config: SchedulerConfig, hasher: BlockHasher):
         if hasher.block_size != config.block_size:
@@ -47,8 +64,10 @@ class SchedulerCore:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which were cached (on the GPU or in the host tier)
         self.host_hits = 0  # of which came from the host tier
-        self._to_drop: list[int] = []
-        self._preempted_this_step = False  # tell the runtime: forget these requests
+        self._to_drop: list[int] = []  # tell the runtime: forget these requests
+        self._preempted_this_step = False
+        self._prefilling: set[int] = set()  # slots with prompt (or recompute) tokens left
+        self._chunked_now: set[int] = set()  # slots given a prefill chunk in this schedule
         n = config.max_num_seqs
         self._free_slots = list(range(n - 1, -1, -1))
         self.s_req: list[Request | None] = [None] * n
@@ -69,6 +88,7 @@ class SchedulerCore:
         self.s_maxout = np.zeros(n, dtype=np.int64)
         self.s_stop = np.full(n, -2, dtype=np.int64)  # eos id, or -2 when ignored
         self.s_tail = np.zeros((n, self.bs), dtype=np.int32)  # tokens of the open block
+        self._const = _PlanConstants(n)
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -105,7 +125,7 @@ class SchedulerCore:
     # -- queries -------------------------------------------------------------------------
     @property
     def num_running(self) -> int:
-        return int(self.s_active.sum())
+        return self.config.max_num_seqs - len(self._free_slots)
 
     @property
     def num_waiting(self) -> int:
@@ -130,11 +150,13 @@ class SchedulerCore:
         budget = self._schedule_prefills(budget, entries)
         # No admissions in a step that preempted: they would take the blocks just freed.
         loads = [] if self._preempted_this_step else self._admit_waiting(budget, entries, now)
-        if len(dec_slots) and self._preempted_this_step:
+        if self._preempted_this_step:  # drop what was scheduled for requests preempted since
             keep = self.s_rid[dec_slots] == dec_rids
             dec_slots = dec_slots[keep]
             grown = self._still_owned(grown, dec_slots)
+            assert all(e[0].slot >= 0 for e in entries), "a scheduled prefill was preempted"
         self._preempted_this_step = False
+        self._chunked_now.clear()
         return self._build_plan(dec_slots, grown, entries, loads)
 
     @staticmethod
@@ -144,6 +166,8 @@ class SchedulerCore:
 
     def _schedule_decodes(self, budget: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """One token for every decoding slot; returns the slots and (slots grown, new blocks)."""
+        if len(self._free_slots) == self.config.max_num_seqs:  # nothing running
+            return _EMPTY_I64, (_EMPTY_I64, _EMPTY_I64)
         ready = self.s_decodable & (self.s_nknown - self.s_ncomp == 1)
         ready &= (self.s_ncomp >= self.s_prefill_end) & (self.s_nknown < self.s_maxtotal)
         slots = np.flatnonzero(ready)[:budget]
@@ -166,23 +190,30 @@ class SchedulerCore:
         return slots, (grow, got)
 
     def _schedule_prefills(self, budget: int, entries: list) -> int:
-        partial = self.s_decodable & (self.s_ncomp < self.s_prefill_end)
-        for slot in np.flatnonzero(partial).tolist():
+        if not self._prefilling:
+            return budget
+        self._chunked_now.clear()
+        for slot in sorted(self._prefilling):
             if budget <= 0:
                 break
             req = self.s_req[slot]
-            if req is None:  # preempted while scheduling this step
+            if req is None or not self.s_decodable[slot]:  # preempted, or waiting for KV
                 continue
             n = min(budget, req.num_known - req.num_computed)
             start = len(req.blocks)
             if not self._grow_blocks(req, req.num_computed + n, preempt=True):
                 continue
+            # Its blocks are published now; preempting it later in this step would leave
+            # hashes naming KV that is never computed.
+            self._chunked_now.add(slot)
             entries.append(self._prefill_entry(req, n, start))
             budget -= n
         return budget
 
     def _admit_waiting(self, budget: int, entries: list, now: float) -> list[int]:
         loads: list[tuple[int, int, int]] = []  # (request id, first block, blocks) to load
+        if not self._waiting:
+            return loads
         self.caps.start_step()
         while self._waiting and self._free_slots:
             req = self._waiting[0][1]
@@ -259,6 +290,8 @@ class SchedulerCore:
 
     def _prefill_debt(self) -> int:
         """Blocks the running prefills still need to reach the end of their known tokens."""
+        if not self._prefilling:
+            return 0
         act = self.s_decodable & (self.s_ncomp < self.s_prefill_end)
         if not act.any():
             return 0
@@ -298,6 +331,7 @@ class SchedulerCore:
         self._publish_prompt_blocks(req, start)
         sampled = req.num_computed == req.num_known
         if sampled:
+            self._prefilling.discard(slot)
             req.num_known += 1
             self.s_nknown[slot] = req.num_known
         return (req, n, start, tokens, req.blocks[block_start:], block_start, sampled)
@@ -313,6 +347,8 @@ class SchedulerCore:
     def _build_plan(self, dec_slots, grown, entries, loads) -> StepPlan:
         """Assemble the StepPlan: decodes first (slot order), then prefill chunks, then the
         requests whose whole KV arrives from elsewhere (entries with no tokens)."""
+        if not entries and not loads:
+            return self._decode_plan(dec_slots, grown)
         remote = [ld for ld in loads if self.requests[ld[0]].state is RequestState.WAITING_FOR_KV]
         n_dec, n_pre = len(dec_slots), len(entries)
         n = n_dec + n_pre + len(remote)
@@ -364,6 +400,32 @@ class SchedulerCore:
             kv_load_num_blocks=load_arr[:, 2].astype(np.int32),
             finished_req_ids=np.asarray(dropped, dtype=np.int64),
             num_tokens=total, num_padded_tokens=total,
+        )
+
+    def _decode_plan(self, slots: np.ndarray, grown) -> StepPlan:
+        """The common plan, decodes only, from a few gathers and read-only constants."""
+        n, c = len(slots), self._const
+        self._step += 1
+        counts_off = c.zeros[: n + 1]
+        block_ids = c.empty_i32
+        if len(grown[0]):  # grown slots are a subsequence of slots, both ascending
+            counts = np.zeros(n, dtype=np.int64)
+            counts[np.searchsorted(slots, grown[0])] = 1
+            counts_off = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(counts, out=counts_off[1:])
+            block_ids = grown[1].astype(np.int32)
+        dropped, self._to_drop = self._to_drop, []
+        slots32 = slots.astype(np.int32)
+        self._plan_epochs[self._step] = self.s_epoch[slots]
+        return StepPlan(
+            step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=c.ones[:n],
+            start_pos=(self.s_ncomp[slots] - 1).astype(np.int32), samples=c.trues[:n],
+            token_ids=c.placeholders[:n], token_offsets=c.arange[: n + 1],
+            block_start=(self.s_nblocks[slots] - 1).astype(np.int32), block_ids=block_ids,
+            block_offsets=counts_off, kv_load_req_ids=c.empty_i64,
+            kv_load_first_block=c.empty_i32, kv_load_num_blocks=c.empty_i32,
+            finished_req_ids=np.asarray(dropped, dtype=np.int64) if dropped else c.empty_i64,
+            num_tokens=n, num_padded_tokens=n,
         )
 
     # -- update --------------------------------------------------------------------------
@@ -509,28 +571,27 @@ class SchedulerCore:
 
         Equal to k rounds of: schedule the next plan, then update the in-flight one with
         ``tokens[:, j]`` (shape (n_active, k), slots ascending). Returns the tokens confirmed
-        and the plan left in flight. Cost grows with block boundaries, not with k.
+        and the plan left in flight. Work is done per round that takes or fills a block (in
+        the order single steps would do it, so evictions and publications interleave alike),
+        never per plain step.
         """
         slots = np.flatnonzero(self.s_active)
         self._plan_epochs.clear()  # the one plan in flight is consumed; the new one replaces it
-        ncomp0, nblk0 = self.s_ncomp[slots].copy(), self.s_nblocks[slots].copy()
-        extra = (-(-(ncomp0 + k) // self.bs) - nblk0).clip(0)
-        last_new = self._allocate_in_step_order(slots, ncomp0, nblk0, extra, k)
-        self.s_ncomp[slots] += k
-        self.s_nknown[slots] += k
-        self._step += k - 1
-        nout0 = self.s_nout[slots].copy()
-        rids = self.s_rid[slots].copy()
-        pos0 = self.s_nknown_confirmed(slots)
         reqs = [self.s_req[s] for s in slots.tolist()]
+        ncomp0, nblk0 = self.s_ncomp[slots].copy(), self.s_nblocks[slots].copy()
+        nout0, rids = self.s_nout[slots].copy(), self.s_rid[slots].copy()
+        pos0 = self.s_nknown_confirmed(slots)
         self._flush_tails(slots, reqs, pos0)  # outputs since the last block boundary
         for req, a, row in zip(reqs, nout0.tolist(), tokens):
             req.output[a : a + k] = row
+        extra = (-(-(ncomp0 + k) // self.bs) - nblk0).clip(0)
+        last_new = self._advance_blocks(slots, reqs, ncomp0, nblk0, extra, pos0, k)
+        self.s_ncomp[slots] += k
+        self.s_nknown[slots] += k
         self.s_nout[slots] += k
-        end = pos0 + k
+        self._step += k - 1
         self.s_tail[slots, :] = 0
-        self._refill_tails(slots, reqs, end)
-        self._close_range(reqs, pos0 // self.bs, end // self.bs)
+        self._refill_tails(slots, reqs, pos0 + k)
         done = self.s_nout[slots] >= self.s_maxout[slots]
         finished = self._finish_slots(slots[done], tokens[done, -1]) if done.any() else ()
         out = StepOutputs(
@@ -540,6 +601,49 @@ class SchedulerCore:
         live = slots[~done]
         plan = self._build_plan(live, self._still_owned(last_new, live), [], [])
         return out, plan
+
+    def _advance_blocks(self, slots, reqs, ncomp0, nblk0, extra, pos0, k):
+        """Take and fill the blocks of k decode steps. In round r a single step first takes
+        the blocks plan r feeds into, then closes the blocks the token confirmed for plan
+        r-1 fills; returns (slots, blocks) taken in round k: the new plan's block deltas."""
+        bs = self.bs
+        total = int(extra.sum())
+        owner = np.repeat(np.arange(len(slots)), extra)
+        first = np.repeat(np.cumsum(extra) - extra, extra)
+        block_no = np.repeat(nblk0, extra) + np.arange(total) - first
+        a_round = block_no * bs - np.repeat(ncomp0, extra) + 1  # the plan feeding its first slot
+        order = np.lexsort((owner, a_round))
+        a_owner, a_round = owner[order], a_round[order]
+        if self.config.enable_prefix_caching:  # the token confirmed in round c + 1 ends a block
+            c0 = (bs - (pos0 + 1) % bs) % bs
+            n_close = np.where(c0 < k, (k - 1 - c0) // bs + 1, 0)
+            c_owner = np.repeat(np.arange(len(slots)), n_close)
+            rank = np.arange(int(n_close.sum())) - np.repeat(np.cumsum(n_close) - n_close, n_close)
+            c_col = np.repeat(c0, n_close) + rank * bs
+            c_round = c_col + 1
+            c_index = (np.repeat(pos0, n_close) + c_col + 1) // bs - 1
+            corder = np.lexsort((c_owner, c_round))
+            c_owner, c_round, c_index = c_owner[corder], c_round[corder], c_index[corder]
+        else:
+            c_round = _EMPTY_I64
+        got_all = []
+        for r in np.union1d(a_round, c_round).tolist():
+            lo, hi = np.searchsorted(a_round, [r, r + 1])
+            if hi > lo:
+                got = self.pool.allocate(int(hi - lo))
+                for i, block in zip(a_owner[lo:hi].tolist(), got):
+                    reqs[i].blocks.append(block)
+                got_all.extend(got)
+            lo, hi = np.searchsorted(c_round, [r, r + 1])
+            if hi > lo:
+                sel = [reqs[i] for i in c_owner[lo:hi].tolist()]
+                index = c_index[lo:hi]
+                blocks = np.stack([self._known_tokens(q, i * bs, (i + 1) * bs)
+                                   for q, i in zip(sel, index.tolist())])
+                self._publish_generated(sel, index, blocks)
+        self.s_nblocks[slots] += extra
+        in_last = a_round == k
+        return slots[a_owner[in_last]], np.asarray(got_all, dtype=np.int64)[in_last]
 
     def _flush_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
         """Copy the confirmed outputs of each open block from s_tail into req.output."""
@@ -555,22 +659,6 @@ class SchedulerCore:
             lo = e - e % self.bs
             self.s_tail[slot, : e - lo] = self._known_tokens(req, lo, e)
 
-    def _close_range(self, reqs: list[Request], lo: np.ndarray, hi: np.ndarray) -> None:
-        """Hash and publish blocks lo..hi-1 of each request, one round per block depth."""
-        if not self.config.enable_prefix_caching:
-            return
-        lo, hi = lo.copy(), hi.copy()
-        while (lo < hi).any():
-            rows = np.flatnonzero(lo < hi)
-            sel = [reqs[i] for i in rows.tolist()]
-            index = lo[rows]
-            blocks = np.stack([
-                self._known_tokens(r, i * self.bs, (i + 1) * self.bs)
-                for r, i in zip(sel, index.tolist())
-            ])
-            self._publish_generated(sel, index, blocks)
-            lo[rows] += 1
-
     def _publish_generated(self, reqs: list[Request], index: np.ndarray, blocks: np.ndarray) -> None:
         # Blocks close in order, so each chain extends from the accumulator of its last block.
         parents = np.stack([r.hash_acc for r in reqs])
@@ -581,25 +669,6 @@ class SchedulerCore:
             if i == len(r.block_hashes):  # a recompute after preemption re-closes known blocks
                 r.block_hashes = np.concatenate([r.block_hashes, h[None]])
                 r.hash_acc = a
-
-    def _allocate_in_step_order(self, slots, ncomp0, nblk0, extra, k) -> tuple[np.ndarray, np.ndarray]:
-        """Take the blocks k decode steps need, in the order k single steps take them
-        (step by step, slots ascending); returns the blocks the last step took, per slot."""
-        total = int(extra.sum())
-        if total == 0:
-            return _EMPTY_I64, _EMPTY_I64
-        owner = np.repeat(np.arange(len(slots)), extra)
-        first = np.cumsum(extra) - extra
-        block_no = np.repeat(nblk0, extra) + np.arange(total) - np.repeat(first, extra)
-        step = block_no * self.bs - np.repeat(ncomp0, extra) + 1  # step feeding its first slot
-        order = np.lexsort((owner, step))
-        got = self.pool.allocate(total)
-        reqs = self.s_req
-        for slot, block in zip(slots[owner[order]].tolist(), got):
-            reqs[slot].blocks.append(block)
-        self.s_nblocks[slots] += extra
-        in_last = step[order] == k  # blocks the k-th plan takes: that plan's block deltas
-        return slots[owner[order][in_last]], np.asarray(got, dtype=np.int64)[in_last]
 
     # -- slots, preemption, finishing ----------------------------------------------------
     def _take_slot(self, req: Request) -> None:
@@ -614,6 +683,8 @@ class SchedulerCore:
         self.s_ncomp[slot] = req.num_computed
         self.s_nknown[slot] = req.num_known
         self.s_prefill_end[slot] = req.num_known
+        if req.num_computed < req.num_known:
+            self._prefilling.add(slot)
         self.s_nout[slot] = req.num_output
         self.s_nblocks[slot] = len(req.blocks)
         self.s_maxout[slot] = req.params.max_tokens
@@ -631,6 +702,7 @@ class SchedulerCore:
         self._flush_tails(np.array([slot]), [req], np.array([req.prompt_len + req.num_output]))
         self.pool.free(req.blocks[::-1])
         req.blocks = []
+        self._prefilling.discard(slot)
         self.s_req[slot] = None
         self.s_rid[slot] = -1
         self.s_epoch[slot] += 1
@@ -643,6 +715,8 @@ class SchedulerCore:
     def _pick_victim(self, worse_than: Request | None = None) -> Request | None:
         best = None
         for slot in np.flatnonzero(self.s_active & self.s_decodable).tolist():
+            if slot in self._chunked_now:
+                continue
             req = self.s_req[slot]
             if best is None or self._key(req) > self._key(best):
                 best = req
@@ -697,6 +771,8 @@ class SchedulerCore:
             assert self.s_ncomp[slot] <= self.s_nknown[slot] <= self.s_maxtotal[slot]
             np.add.at(refs, req.blocks, 1)
         assert (refs == self.pool.ref).all(), "block refcounts do not match request tables"
-        assert len(self._free_slots) + self.num_running == self.config.max_num_seqs
+        assert len(self._free_slots) + int(self.s_active.sum()) == self.config.max_num_seqs
+        prefilling = set(np.flatnonzero(self.s_active & (self.s_ncomp < self.s_prefill_end)).tolist())
+        assert prefilling == self._prefilling, "prefilling set out of date"
         for _, req in self._waiting:
             assert req.slot == -1 and not req.blocks

@@ -1,0 +1,154 @@
+"""The Deployment schema: the shipped examples load, and bad input names the field."""
+
+import copy
+import tomllib
+from pathlib import Path
+
+import attrs
+import pytest
+
+from lockstep.policy.config import ConfigError, SchedulerConfig
+from lockstep.policy.deployment import (
+    DEFAULT_DEPLOYMENT_TOML,
+    Deployment,
+    default_deployment,
+    deployment_from_dict,
+    load_deployment,
+)
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+BASE = tomllib.loads(DEFAULT_DEPLOYMENT_TOML)
+
+
+def test_examples_exist():
+    assert (EXAMPLES / "default.toml").exists()
+    assert len(list(EXAMPLES.glob("*.toml"))) >= 2
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
+def test_every_example_loads(path):
+    d = load_deployment(path)
+    assert isinstance(d, Deployment) and d.source == str(path)
+    assert d.models and d.pools and d.num_gpus == sum(p.instances * p.dep for p in d.pools)
+    for pool in d.pools:
+        d.model(pool.model)
+        cfg = d.scheduler_for(pool)
+        assert isinstance(cfg, SchedulerConfig)
+        assert cfg.num_blocks == d.kv_blocks_per_rank(pool) >= 16
+        assert cfg.max_model_len <= d.model(pool.model).context_length
+    assert load_deployment(path) == d  # loading is deterministic
+
+
+def test_builtin_default_is_examples_default():
+    builtin = default_deployment()
+    example = load_deployment(EXAMPLES / "default.toml")
+    assert attrs.evolve(builtin, source="") == attrs.evolve(example, source="")
+    assert tomllib.loads((EXAMPLES / "default.toml").read_text()) == BASE
+
+
+def test_scheduler_for_uses_memory_and_context():
+    d = default_deployment()
+    pool = d.pools[0]
+    cfg = d.scheduler_for(pool)
+    assert cfg.max_model_len == min(d.scheduler.max_model_len, d.model(pool.model).context_length)
+    assert cfg.block_size == d.scheduler.block_size
+    # more experts per GPU (smaller DEP) leaves fewer KV blocks per rank
+    wider = attrs.evolve(pool, dep=16)
+    assert d.kv_blocks_per_rank(wider) > d.kv_blocks_per_rank(pool)
+
+
+def bad(mutate) -> str:
+    data = copy.deepcopy(BASE)
+    mutate(data)
+    with pytest.raises(ConfigError) as e:
+        deployment_from_dict(data, source="bad.toml")
+    msg = str(e.value)
+    assert "bad.toml" in msg
+    return msg
+
+
+def test_unknown_fields_are_named():
+    assert "colour" in bad(lambda d: d.update(colour="red"))
+    msg = bad(lambda d: d["scheduler"].update(max_num_seq=8))
+    assert "max_num_seq" in msg and "[scheduler]" in msg and "max_num_seqs" in msg  # lists allowed
+    assert "dpe" in bad(lambda d: d["pools"][0].update(dpe=8))
+    assert "hbm" in bad(lambda d: d["hardware"].update(hbm=1))
+    assert "layers" in bad(lambda d: d["models"][0].update(layers=3))
+    assert "overlap" in bad(lambda d: d.update(cost={"overlap": 0.5}))
+
+
+def test_bad_presets_are_named():
+    msg = bad(lambda d: d["models"][0].update(preset="deepseek-v9"))
+    assert "preset" in msg and "deepseek-v9" in msg and "deepseek-v3" in msg
+    msg = bad(lambda d: d["hardware"].update(preset="h100"))
+    assert "preset" in msg and "h100" in msg and "h200" in msg
+
+
+def test_bad_role_is_named():
+    msg = bad(lambda d: d["pools"][0].update(role="router"))
+    assert "role" in msg and "router" in msg and "colocated" in msg
+
+
+@pytest.mark.parametrize("field", ["dep", "instances"])
+def test_dep_and_instances_must_be_positive(field):
+    assert field in bad(lambda d: d["pools"][0].update({field: 0}))
+
+
+def test_weights_that_do_not_fit():
+    msg = bad(lambda d: d["pools"][0].update(dep=1))  # 671B FP8 on one H200
+    assert "main" in msg and "deepseek-v3" in msg and "dep" in msg.lower() and "h200" in msg
+
+
+def test_missing_sections_and_references():
+    assert "models" in bad(lambda d: d.pop("models"))
+    assert "pools" in bad(lambda d: d.pop("pools"))
+    assert "models" in bad(lambda d: d.update(models={"preset": "tiny"}))
+    msg = bad(lambda d: d["pools"][0].update(model="llama"))
+    assert "llama" in msg and "model" in msg
+    msg = bad(lambda d: d.update(models=[{"name": "custom", "num_layers": 4}]))
+    assert "missing" in msg and "hidden_size" in msg
+
+
+@pytest.mark.parametrize("field,value", [
+    ("block_size", 15), ("max_num_seqs", 0), ("policy", "lifo"), ("max_num_batched_tokens", -1),
+    ("max_kv_loads_per_step", -1),
+])
+def test_bad_scheduler_values_are_named(field, value):
+    msg = bad(lambda d: d["scheduler"].update({field: value}))
+    assert field in msg and "[scheduler]" in msg
+
+
+def test_deployment_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_deployment(tmp_path / "nope.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[[models]\npreset = 'tiny'\n")
+    with pytest.raises(ConfigError, match="broken.toml.*not valid TOML"):
+        load_deployment(broken)
+    bad_field = tmp_path / "field.toml"
+    bad_field.write_text(DEFAULT_DEPLOYMENT_TOML.replace("dep = 8", "dep = 8\nfoo = 1"))
+    with pytest.raises(ConfigError, match=r"field\.toml.*\[\[pools\]\] #1.*foo"):
+        load_deployment(bad_field)
+
+
+def test_overrides_apply_over_presets():
+    data = copy.deepcopy(BASE)
+    data["models"][0]["context_length"] = 163840
+    data["hardware"]["gpu_memory_utilization"] = 0.8
+    d = deployment_from_dict(data)
+    assert d.model("deepseek-v3").context_length == 163840
+    assert d.model("deepseek-v3").num_layers == 61  # the rest from the preset
+    assert d.kv_blocks_per_rank(d.pools[0]) < default_deployment().kv_blocks_per_rank(d.pools[0])
+
+
+@pytest.mark.parametrize("where,field,value", [
+    ("pools", "dep", "8"),
+    ("pools", "dep", 8.0),
+    ("models", "num_layers", "61"),
+    ("hardware", "hbm_bytes", "141e9"),
+])
+def test_wrong_types_are_named(where, field, value):
+    def mutate(d):
+        table = d[where][0] if isinstance(d[where], list) else d[where]
+        table[field] = value
+    assert field in bad(mutate)

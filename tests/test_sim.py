@@ -1,0 +1,231 @@
+"""The simulator and `lockstep sim`: completes workloads, is deterministic, keeps its contract."""
+
+import copy
+import json
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lockstep.cli import main
+from lockstep.policy.deployment import (
+    DEFAULT_DEPLOYMENT_TOML,
+    default_deployment,
+    deployment_from_dict,
+    load_deployment,
+)
+from lockstep.sim.simulator import Simulator
+from lockstep.sim.traces import TraceRequest, agentic_workload, read_trace
+
+ROOT = Path(__file__).parents[1]
+EXAMPLES = ROOT / "examples"
+DATA = Path(__file__).parent / "data"
+MOONCAKE = DATA / "mooncake_conversation_300.jsonl"
+STATS = {"mean", "p50", "p90", "p99"}
+
+
+def sim_json(tmp_path: Path, name: str, *args: str) -> tuple[bytes, dict]:
+    out = tmp_path / name
+    assert main(["sim", "--json", str(out), *args]) == 0
+    raw = out.read_bytes()
+    return raw, json.loads(raw)
+
+
+def check_contract(rep: dict) -> None:
+    """The keys DESIGN.md promises to tools reading `lockstep sim --json`."""
+    assert set(rep["requests"]) == {"total", "completed", "rejected", "rejected_reasons"}
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(rep[key]) == STATS, key
+    for key in ("output_tokens_per_s", "output_tokens_per_s_per_gpu", "preemptions"):
+        assert isinstance(rep[key], (int, float)), key
+    assert "goodput" in rep
+    # later features may add keys (the host tier adds host_hits); these three are the contract
+    assert {"queries", "hits", "hit_rate"} <= set(rep["prefix_cache"])
+    assert set(rep["kv_cache_use"]) == {"mean", "max"}
+    r = rep["requests"]
+    assert r["completed"] + r["rejected"] == r["total"]
+    assert r["rejected"] == sum(r["rejected_reasons"].values())
+    pc = rep["prefix_cache"]
+    assert 0 <= pc["hits"] <= pc["queries"]
+    assert pc["hit_rate"] == pytest.approx(pc["hits"] / pc["queries"] if pc["queries"] else 0.0)
+    assert 0 <= rep["kv_cache_use"]["mean"] <= rep["kv_cache_use"]["max"] <= 1
+
+
+# --- the default run -------------------------------------------------------------------------
+
+
+def test_default_agentic_run_completes_everything(tmp_path, capsys):
+    _, rep = sim_json(tmp_path, "default.json")
+    check_contract(rep)
+    r = rep["requests"]
+    assert r["total"] == len(agentic_workload(seed=0)) > 100
+    assert r["completed"] == r["total"] and r["rejected"] == 0
+    assert rep["prefix_cache"]["hit_rate"] > 0.5  # every turn re-sends the conversation
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        s = rep[key]
+        assert 0 < s["p50"] <= s["p90"] <= s["p99"]
+    assert rep["output_tokens_per_s_per_gpu"] == pytest.approx(rep["output_tokens_per_s"] / rep["num_gpus"])
+    assert "lockstep sim" in capsys.readouterr().out  # the human table
+
+
+def test_same_seed_same_bytes_other_seed_differs(tmp_path):
+    a, _ = sim_json(tmp_path, "a.json", "--seed", "3", "--limit", "80")
+    b, _ = sim_json(tmp_path, "b.json", "--seed", "3", "--limit", "80")
+    c, _ = sim_json(tmp_path, "c.json", "--seed", "4", "--limit", "80")
+    assert a == b
+    assert a != c
+
+
+def test_invariants_hold_after_every_step():
+    workload = agentic_workload(seed=1, num_conversations=3)
+    checked = []
+
+    def on_plan(inst, rank, plan):
+        inst.cores[rank].check_integrity()
+        checked.append(plan.step_id)
+
+    rep = Simulator(default_deployment(), workload, seed=1, on_plan=on_plan).run()
+    assert rep["requests"]["completed"] == len(workload)
+    assert len(checked) > 100
+
+
+# --- advance(k) changes nothing but speed ------------------------------------------------------
+
+
+def run_both(deployment, workload):
+    runs = {}
+    for adv in (True, False):
+        sim = Simulator(deployment, workload, seed=0, use_advance=adv)
+        runs[adv] = (sim.run(), sim.metrics)
+    return runs
+
+
+def assert_same_metrics(runs):
+    (rep_a, a), (rep_b, b) = runs[True], runs[False]
+    for key in ("arrival", "first", "last", "finish"):
+        assert np.allclose(getattr(a, key), getattr(b, key), equal_nan=True, rtol=1e-9, atol=1e-9), key
+    assert (a.ntok == b.ntok).all()
+    assert rep_a["prefix_cache"] == rep_b["prefix_cache"]
+    assert rep_a["preemptions"] == rep_b["preemptions"]
+
+
+def test_advance_matches_stepping_on_mooncake_dep8():
+    workload = read_trace(MOONCAKE).requests[:60]
+    runs = run_both(load_deployment(EXAMPLES / "h200-dep8.toml"), workload)
+    assert runs[True][0]["steps"] == runs[False][0]["steps"]
+    assert_same_metrics(runs)
+
+
+def test_advance_matches_stepping_on_agentic():
+    workload = agentic_workload(seed=0, num_conversations=2)
+    assert_same_metrics(run_both(load_deployment(EXAMPLES / "h200-v2lite.toml"), workload))
+
+
+def test_no_advance_flag(tmp_path):
+    _, a = sim_json(tmp_path, "a.json", "--trace", str(MOONCAKE), "--limit", "30",
+                    "--deployment", str(EXAMPLES / "h200-v2lite.toml"))
+    _, b = sim_json(tmp_path, "b.json", "--trace", str(MOONCAKE), "--limit", "30",
+                    "--deployment", str(EXAMPLES / "h200-v2lite.toml"), "--no-advance")
+    assert a["requests"] == b["requests"] and a["prefix_cache"] == b["prefix_cache"]
+    for key in ("ttft_s", "e2e_s", "tpot_s"):
+        for q in STATS:
+            assert a[key][q] == pytest.approx(b[key][q], rel=1e-9)
+    assert a["steps"] == b["steps"]
+
+
+# --- real traces and rejections ----------------------------------------------------------------
+
+
+def test_mooncake_excerpt_on_h200_dep8(tmp_path):
+    _, rep = sim_json(tmp_path, "m.json", "--trace", str(MOONCAKE),
+                      "--deployment", str(EXAMPLES / "h200-dep8.toml"))
+    check_contract(rep)
+    r = rep["requests"]
+    assert r["total"] == 300 and r["completed"] + r["rejected"] == 300
+    assert rep["prefix_cache"]["hit_rate"] > 0
+    assert rep["num_gpus"] == 8
+
+
+def tiny_deployment(hbm_bytes: float = 1.9e6):
+    """The tiny preset (4096-token context) with memory for a few dozen KV blocks."""
+    data = copy.deepcopy(tomllib.loads(DEFAULT_DEPLOYMENT_TOML))
+    data["models"] = [{"preset": "tiny"}]
+    data["hardware"] = {"preset": "h200", "hbm_bytes": hbm_bytes}
+    data["pools"] = [{"name": "main", "role": "colocated", "dep": 1}]
+    return deployment_from_dict(data, source="tiny")
+
+
+def trace_req(t: float, n_in: int, n_out: int, seg: int) -> TraceRequest:
+    return TraceRequest(t, n_in, n_out, np.array([seg]), np.array([n_in]))
+
+
+def test_rejections_are_counted_with_reasons():
+    d = tiny_deployment()
+    blocks = d.scheduler_for(d.pools[0]).num_blocks
+    assert 16 <= blocks < 4096 // 16
+    workload = [
+        trace_req(0.0, 100, 10, 1),
+        trace_req(0.1, 5000, 10, 2),  # longer than the 4096-token context
+        trace_req(0.2, 4000, 200, 3),  # prompt + output past the context as well
+        trace_req(0.3, blocks * 16, 10, 4),  # fits the context, not the KV cache
+        trace_req(0.4, 50, 5, 5),
+    ]
+    rep = Simulator(d, workload, seed=0).run()
+    r = rep["requests"]
+    assert r == {"total": 5, "completed": 2, "rejected": 3,
+                 "rejected_reasons": {"context_length": 2, "kv_capacity": 1}}
+    check_contract(rep)
+
+
+def test_context_length_rejection_on_default():
+    workload = [trace_req(0.0, 1000, 20, 1), trace_req(1.0, 131072, 1, 2), trace_req(2.0, 500, 5, 3)]
+    rep = Simulator(default_deployment(), workload, seed=0).run()
+    assert rep["requests"]["rejected_reasons"] == {"context_length": 1}
+    assert rep["requests"]["completed"] == 2
+
+
+# --- outputs and errors ------------------------------------------------------------------------
+
+
+def test_plot_writes_a_png(tmp_path):
+    png = tmp_path / "out.png"
+    assert main(["sim", "--limit", "40", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("name,text,line", [
+    ("bad.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+                  '{"timestamp": 1, "input_length": 10, "output_length": 0, "hash_ids": [1]}\n', 2),
+    ("bad.jsonl", '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+                  'not json\n', 2),
+    ("bad.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                "2023-11-16 18:15:46.6805900,10,5\n2023-11-16 18:15:47.0,ten,5\n", 3),
+])
+def test_malformed_trace_exits_2_naming_file_and_line(tmp_path, capsys, name, text, line):
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["sim", "--trace", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and f"line {line}" in err
+
+
+def test_skip_bad_rows(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+                    'garbage\n'
+                    '{"timestamp": 5, "input_length": 20, "output_length": 3, "hash_ids": [2]}\n')
+    _, rep = sim_json(tmp_path, "s.json", "--trace", str(path), "--skip-bad-rows")
+    assert rep["requests"]["total"] == rep["requests"]["completed"] == 2
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert main(["sim", "--deployment", str(tmp_path / "nope.toml")]) == 2
+    assert "nope.toml" in capsys.readouterr().err
+    assert main(["sim", "--rate-scale", "0"]) == 2
+    assert "rate-scale" in capsys.readouterr().err
+    assert main(["sim", "--limit", "0"]) == 2
+
+
+def test_missing_trace_file_exits_2(tmp_path, capsys):
+    assert main(["sim", "--trace", str(tmp_path / "nope.jsonl")]) == 2
