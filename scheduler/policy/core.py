@@ -21,32 +21,17 @@ import numpy as np
 
 from .admission import AdmissionCaps
 from .block_pool import BlockPool
+from .bulk import BulkDecode
 from .config import SchedulerConfig
 from .hashing import BlockHasher
+from .plans import PlanAssembly, PlanConstants
 from .request import FinishReason, Request, RequestError, RequestState
-from .step import PLACEHOLDER, StepOutputs, StepPlan, StepResult
+from .step import StepOutputs, StepPlan, StepResult
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 
 
-class _PlanConstants:
-    """Read-only arrays that decode plans share (sliced, never copied)."""
-
-    def __init__(self, n: int):
-        def ro(a: np.ndarray) -> np.ndarray:
-            a.setflags(write=False)
-            return a
-
-        self.ones = ro(np.ones(n, dtype=np.int32))
-        self.trues = ro(np.ones(n, dtype=bool))
-        self.placeholders = ro(np.full(n, PLACEHOLDER, dtype=np.int32))
-        self.arange = ro(np.arange(n + 1, dtype=np.int64))
-        self.zeros = ro(np.zeros(n + 1, dtype=np.int64))
-        self.empty_i32 = ro(np.zeros(0, dtype=np.int32))
-        self.empty_i64 = ro(np.zeros(0, dtype=np.int64))
-
-
-class SchedulerCore:
+class SchedulerCore(PlanAssembly, BulkDecode):
     def __init__(self, config: SchedulerConfig, hasher: BlockHasher):
         if hasher.block_size != config.block_size:
             raise ValueError("hasher and scheduler disagree on block_size")
@@ -88,7 +73,7 @@ class SchedulerCore:
         self.s_maxout = np.zeros(n, dtype=np.int64)
         self.s_stop = np.full(n, -2, dtype=np.int64)  # eos id, or -2 when ignored
         self.s_tail = np.zeros((n, self.bs), dtype=np.int32)  # tokens of the open block
-        self._const = _PlanConstants(n)
+        self._const = PlanConstants(n)
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -343,91 +328,6 @@ class SchedulerCore:
             hi = min(hi, len(hashes))
             self.pool.cache(req.blocks[lo:hi], hashes[lo:hi])
 
-    # -- plan assembly -------------------------------------------------------------------
-    def _build_plan(self, dec_slots, grown, entries, loads) -> StepPlan:
-        """Assemble the StepPlan: decodes first (slot order), then prefill chunks, then the
-        requests whose whole KV arrives from elsewhere (entries with no tokens)."""
-        if not entries and not loads:
-            return self._decode_plan(dec_slots, grown)
-        remote = [ld for ld in loads if self.requests[ld[0]].state is RequestState.WAITING_FOR_KV]
-        n_dec, n_pre = len(dec_slots), len(entries)
-        n = n_dec + n_pre + len(remote)
-        self._step += 1
-        req_ids = np.empty(n, dtype=np.int64)
-        slots = np.empty(n, dtype=np.int32)
-        num_new = np.zeros(n, dtype=np.int32)
-        start_pos = np.zeros(n, dtype=np.int32)
-        samples = np.zeros(n, dtype=bool)
-        block_start = np.zeros(n, dtype=np.int32)
-        req_ids[:n_dec] = self.s_rid[dec_slots]
-        slots[:n_dec] = dec_slots
-        num_new[:n_dec] = 1
-        start_pos[:n_dec] = self.s_ncomp[dec_slots] - 1
-        samples[:n_dec] = True
-        block_start[:n_dec] = self.s_nblocks[dec_slots] - 1
-        tok_parts = [np.full(n_dec, PLACEHOLDER, dtype=np.int32)]
-        counts = np.zeros(n, dtype=np.int64)
-        blk_parts: list[list[int]] = []
-        if len(grown[0]):  # grown slots are a subsequence of dec_slots, both ascending
-            counts[np.searchsorted(dec_slots, grown[0])] = 1
-            blk_parts.append(grown[1].tolist())
-        for i, (req, k, start, toks, blks, bstart, sampled) in enumerate(entries, n_dec):
-            req_ids[i], slots[i], num_new[i], start_pos[i] = req.id, req.slot, k, start
-            samples[i], block_start[i], counts[i] = sampled, bstart, len(blks)
-            tok_parts.append(toks)
-            blk_parts.append(blks)
-        for i, (rid, _, _) in enumerate(remote, n_dec + n_pre):
-            req = self.requests[rid]
-            req_ids[i], slots[i], counts[i] = rid, req.slot, len(req.blocks)
-            blk_parts.append(req.blocks)
-        tok_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_new, out=tok_offsets[1:])
-        blk_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=blk_offsets[1:])
-        flat_blocks = [b for part in blk_parts for b in part]
-        dropped, self._to_drop = self._to_drop, []
-        total = int(tok_offsets[-1])
-        self._plan_epochs[self._step] = self.s_epoch[slots]
-        load_arr = np.asarray(loads, dtype=np.int64).reshape(-1, 3)
-        return StepPlan(
-            step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,
-            start_pos=start_pos, samples=samples,
-            token_ids=np.concatenate(tok_parts) if len(tok_parts) > 1 else tok_parts[0],
-            token_offsets=tok_offsets, block_start=block_start,
-            block_ids=np.asarray(flat_blocks, dtype=np.int32), block_offsets=blk_offsets,
-            kv_load_req_ids=load_arr[:, 0].copy(),
-            kv_load_first_block=load_arr[:, 1].astype(np.int32),
-            kv_load_num_blocks=load_arr[:, 2].astype(np.int32),
-            finished_req_ids=np.asarray(dropped, dtype=np.int64),
-            num_tokens=total, num_padded_tokens=total,
-        )
-
-    def _decode_plan(self, slots: np.ndarray, grown) -> StepPlan:
-        """The common plan, decodes only, from a few gathers and read-only constants."""
-        n, c = len(slots), self._const
-        self._step += 1
-        counts_off = c.zeros[: n + 1]
-        block_ids = c.empty_i32
-        if len(grown[0]):  # grown slots are a subsequence of slots, both ascending
-            counts = np.zeros(n, dtype=np.int64)
-            counts[np.searchsorted(slots, grown[0])] = 1
-            counts_off = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(counts, out=counts_off[1:])
-            block_ids = grown[1].astype(np.int32)
-        dropped, self._to_drop = self._to_drop, []
-        slots32 = slots.astype(np.int32)
-        self._plan_epochs[self._step] = self.s_epoch[slots]
-        return StepPlan(
-            step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=c.ones[:n],
-            start_pos=(self.s_ncomp[slots] - 1).astype(np.int32), samples=c.trues[:n],
-            token_ids=c.placeholders[:n], token_offsets=c.arange[: n + 1],
-            block_start=(self.s_nblocks[slots] - 1).astype(np.int32), block_ids=block_ids,
-            block_offsets=counts_off, kv_load_req_ids=c.empty_i64,
-            kv_load_first_block=c.empty_i32, kv_load_num_blocks=c.empty_i32,
-            finished_req_ids=np.asarray(dropped, dtype=np.int64) if dropped else c.empty_i64,
-            num_tokens=n, num_padded_tokens=n,
-        )
-
     # -- update --------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
         if result.step_id != plan.step_id:
@@ -522,153 +422,6 @@ class SchedulerCore:
         req.num_computed = min(req.remote_kv_tokens, req.num_known - 1) if ok else 0
         self.s_ncomp[req.slot] = req.num_computed
         self.s_decodable[req.slot] = True
-
-    # -- advance: k identical decode steps -----------------------------------------------
-    def identical_decode_steps(self) -> int:
-        """How many upcoming steps repeat the in-flight decode-only batch (0: none).
-
-        Valid right after ``schedule`` produced a decode-only plan: every active slot is
-        decoding, nothing waiting can start (blocks only shrink while nobody finishes), and
-        no request reaches its last token sooner.
-        """
-        act = self.s_active
-        if not act.any() or not (self.s_decodable[act]).all():
-            return 0
-        if ((self.s_nknown - self.s_ncomp)[act] != 1).any() or (self.s_stop[act] != -2).any():
-            return 0
-        if (self.s_ncomp[act] < self.s_prefill_end[act]).any():  # a one-token prefill chunk left
-            return 0
-        if self._waiting and self._free_slots and self._could_admit_head():
-            return 0
-        k = int((self.s_maxtotal - self.s_nknown)[act].min())
-        if k <= 0:
-            return 0
-        return self._steps_blocks_allow(np.flatnonzero(act), k)
-
-    def _could_admit_head(self) -> bool:
-        req = self._waiting[0][1]
-        if req.remote_kv_tokens and req.num_cached_tokens < 0:
-            return True
-        budget = self.config.max_num_batched_tokens - self.num_running
-        return budget > 0 and self._admission_need(req, budget)[2] > 0
-
-    def _steps_blocks_allow(self, slots: np.ndarray, k: int) -> int:
-        free = self.pool.num_free
-        ncomp, nblk = self.s_ncomp[slots], self.s_nblocks[slots]
-        if int((-(-(ncomp + k) // self.bs) - nblk).clip(0).sum()) <= free:
-            return k  # the common case: plenty of free blocks
-        lo, hi = 0, k  # largest j <= k whose allocations fit in the free blocks
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if int((-(-(ncomp + mid) // self.bs) - nblk).clip(0).sum()) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def advance(self, k: int, tokens: np.ndarray) -> tuple[StepOutputs, StepPlan]:
-        """Apply k identical decode steps at once (async mode, one decode plan in flight).
-
-        Equal to k rounds of: schedule the next plan, then update the in-flight one with
-        ``tokens[:, j]`` (shape (n_active, k), slots ascending). Returns the tokens confirmed
-        and the plan left in flight. Work is done per round that takes or fills a block (in
-        the order single steps would do it, so evictions and publications interleave alike),
-        never per plain step.
-        """
-        slots = np.flatnonzero(self.s_active)
-        self._plan_epochs.clear()  # the one plan in flight is consumed; the new one replaces it
-        reqs = [self.s_req[s] for s in slots.tolist()]
-        ncomp0, nblk0 = self.s_ncomp[slots].copy(), self.s_nblocks[slots].copy()
-        nout0, rids = self.s_nout[slots].copy(), self.s_rid[slots].copy()
-        pos0 = self.s_nknown_confirmed(slots)
-        self._flush_tails(slots, reqs, pos0)  # outputs since the last block boundary
-        for req, a, row in zip(reqs, nout0.tolist(), tokens):
-            req.output[a : a + k] = row
-        extra = (-(-(ncomp0 + k) // self.bs) - nblk0).clip(0)
-        last_new = self._advance_blocks(slots, reqs, ncomp0, nblk0, extra, pos0, k)
-        self.s_ncomp[slots] += k
-        self.s_nknown[slots] += k
-        self.s_nout[slots] += k
-        self._step += k - 1
-        self.s_tail[slots, :] = 0
-        self._refill_tails(slots, reqs, pos0 + k)
-        done = self.s_nout[slots] >= self.s_maxout[slots]
-        finished = self._finish_slots(slots[done], tokens[done, -1]) if done.any() else ()
-        out = StepOutputs(
-            req_ids=rids, num_tokens=np.full(len(slots), k, np.int32), token_ids=tokens.ravel(),
-            finished=finished, first_token_ids=rids[nout0 == 0],
-        )
-        live = slots[~done]
-        plan = self._build_plan(live, self._still_owned(last_new, live), [], [])
-        return out, plan
-
-    def _advance_blocks(self, slots, reqs, ncomp0, nblk0, extra, pos0, k):
-        """Take and fill the blocks of k decode steps. In round r a single step first takes
-        the blocks plan r feeds into, then closes the blocks the token confirmed for plan
-        r-1 fills; returns (slots, blocks) taken in round k: the new plan's block deltas."""
-        bs = self.bs
-        total = int(extra.sum())
-        owner = np.repeat(np.arange(len(slots)), extra)
-        first = np.repeat(np.cumsum(extra) - extra, extra)
-        block_no = np.repeat(nblk0, extra) + np.arange(total) - first
-        a_round = block_no * bs - np.repeat(ncomp0, extra) + 1  # the plan feeding its first slot
-        order = np.lexsort((owner, a_round))
-        a_owner, a_round = owner[order], a_round[order]
-        if self.config.enable_prefix_caching:  # the token confirmed in round c + 1 ends a block
-            c0 = (bs - (pos0 + 1) % bs) % bs
-            n_close = np.where(c0 < k, (k - 1 - c0) // bs + 1, 0)
-            c_owner = np.repeat(np.arange(len(slots)), n_close)
-            rank = np.arange(int(n_close.sum())) - np.repeat(np.cumsum(n_close) - n_close, n_close)
-            c_col = np.repeat(c0, n_close) + rank * bs
-            c_round = c_col + 1
-            c_index = (np.repeat(pos0, n_close) + c_col + 1) // bs - 1
-            corder = np.lexsort((c_owner, c_round))
-            c_owner, c_round, c_index = c_owner[corder], c_round[corder], c_index[corder]
-        else:
-            c_round = _EMPTY_I64
-        got_all = []
-        for r in np.union1d(a_round, c_round).tolist():
-            lo, hi = np.searchsorted(a_round, [r, r + 1])
-            if hi > lo:
-                got = self.pool.allocate(int(hi - lo))
-                for i, block in zip(a_owner[lo:hi].tolist(), got):
-                    reqs[i].blocks.append(block)
-                got_all.extend(got)
-            lo, hi = np.searchsorted(c_round, [r, r + 1])
-            if hi > lo:
-                sel = [reqs[i] for i in c_owner[lo:hi].tolist()]
-                index = c_index[lo:hi]
-                blocks = np.stack([self._known_tokens(q, i * bs, (i + 1) * bs)
-                                   for q, i in zip(sel, index.tolist())])
-                self._publish_generated(sel, index, blocks)
-        self.s_nblocks[slots] += extra
-        in_last = a_round == k
-        return slots[a_owner[in_last]], np.asarray(got_all, dtype=np.int64)[in_last]
-
-    def _flush_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
-        """Copy the confirmed outputs of each open block from s_tail into req.output."""
-        for slot, req, e in zip(slots.tolist(), reqs, end.tolist()):
-            lo = max(e - e % self.bs, req.prompt_len)
-            if e > lo:
-                req.output[lo - req.prompt_len : e - req.prompt_len] = self.s_tail[
-                    slot, lo % self.bs : lo % self.bs + e - lo
-                ]
-
-    def _refill_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
-        for slot, req, e in zip(slots.tolist(), reqs, end.tolist()):
-            lo = e - e % self.bs
-            self.s_tail[slot, : e - lo] = self._known_tokens(req, lo, e)
-
-    def _publish_generated(self, reqs: list[Request], index: np.ndarray, blocks: np.ndarray) -> None:
-        # Blocks close in order, so each chain extends from the accumulator of its last block.
-        parents = np.stack([r.hash_acc for r in reqs])
-        hashes, accs = self.hasher.extend(parents, blocks, index)
-        for r, i, h, a in zip(reqs, index.tolist(), hashes, accs):
-            if i < len(r.blocks):
-                self.pool.cache([r.blocks[i]], h[None])
-            if i == len(r.block_hashes):  # a recompute after preemption re-closes known blocks
-                r.block_hashes = np.concatenate([r.block_hashes, h[None]])
-                r.hash_acc = a
 
     # -- slots, preemption, finishing ----------------------------------------------------
     def _take_slot(self, req: Request) -> None:

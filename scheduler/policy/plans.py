@@ -1,0 +1,115 @@
+"""SchedulerCore's plan assembly: turning one step's decisions into a StepPlan.
+
+A plan is a structure of arrays; decode-only plans (the common case) are built from a few
+gathers and shared read-only constants.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .request import RequestState
+from .step import PLACEHOLDER, StepPlan
+
+
+class PlanConstants:
+    """Read-only arrays that decode plans share (sliced, never copied)."""
+
+    def __init__(self, n: int):
+        def ro(a: np.ndarray) -> np.ndarray:
+            a.setflags(write=False)
+            return a
+
+        self.ones = ro(np.ones(n, dtype=np.int32))
+        self.trues = ro(np.ones(n, dtype=bool))
+        self.placeholders = ro(np.full(n, PLACEHOLDER, dtype=np.int32))
+        self.arange = ro(np.arange(n + 1, dtype=np.int64))
+        self.zeros = ro(np.zeros(n + 1, dtype=np.int64))
+        self.empty_i32 = ro(np.zeros(0, dtype=np.int32))
+        self.empty_i64 = ro(np.zeros(0, dtype=np.int64))
+
+
+class PlanAssembly:
+    def _build_plan(self, dec_slots, grown, entries, loads) -> StepPlan:
+        """Assemble the StepPlan: decodes first (slot order), then prefill chunks, then the
+        requests whose whole KV arrives from elsewhere (entries with no tokens)."""
+        if not entries and not loads:
+            return self._decode_plan(dec_slots, grown)
+        remote = [ld for ld in loads if self.requests[ld[0]].state is RequestState.WAITING_FOR_KV]
+        n_dec, n_pre = len(dec_slots), len(entries)
+        n = n_dec + n_pre + len(remote)
+        self._step += 1
+        req_ids = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.int32)
+        num_new = np.zeros(n, dtype=np.int32)
+        start_pos = np.zeros(n, dtype=np.int32)
+        samples = np.zeros(n, dtype=bool)
+        block_start = np.zeros(n, dtype=np.int32)
+        req_ids[:n_dec] = self.s_rid[dec_slots]
+        slots[:n_dec] = dec_slots
+        num_new[:n_dec] = 1
+        start_pos[:n_dec] = self.s_ncomp[dec_slots] - 1
+        samples[:n_dec] = True
+        block_start[:n_dec] = self.s_nblocks[dec_slots] - 1
+        tok_parts = [np.full(n_dec, PLACEHOLDER, dtype=np.int32)]
+        counts = np.zeros(n, dtype=np.int64)
+        blk_parts: list[list[int]] = []
+        if len(grown[0]):  # grown slots are a subsequence of dec_slots, both ascending
+            counts[np.searchsorted(dec_slots, grown[0])] = 1
+            blk_parts.append(grown[1].tolist())
+        for i, (req, k, start, toks, blks, bstart, sampled) in enumerate(entries, n_dec):
+            req_ids[i], slots[i], num_new[i], start_pos[i] = req.id, req.slot, k, start
+            samples[i], block_start[i], counts[i] = sampled, bstart, len(blks)
+            tok_parts.append(toks)
+            blk_parts.append(blks)
+        for i, (rid, _, _) in enumerate(remote, n_dec + n_pre):
+            req = self.requests[rid]
+            req_ids[i], slots[i], counts[i] = rid, req.slot, len(req.blocks)
+            blk_parts.append(req.blocks)
+        tok_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(num_new, out=tok_offsets[1:])
+        blk_offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=blk_offsets[1:])
+        flat_blocks = [b for part in blk_parts for b in part]
+        dropped, self._to_drop = self._to_drop, []
+        total = int(tok_offsets[-1])
+        self._plan_epochs[self._step] = self.s_epoch[slots]
+        load_arr = np.asarray(loads, dtype=np.int64).reshape(-1, 3)
+        return StepPlan(
+            step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,
+            start_pos=start_pos, samples=samples,
+            token_ids=np.concatenate(tok_parts) if len(tok_parts) > 1 else tok_parts[0],
+            token_offsets=tok_offsets, block_start=block_start,
+            block_ids=np.asarray(flat_blocks, dtype=np.int32), block_offsets=blk_offsets,
+            kv_load_req_ids=load_arr[:, 0].copy(),
+            kv_load_first_block=load_arr[:, 1].astype(np.int32),
+            kv_load_num_blocks=load_arr[:, 2].astype(np.int32),
+            finished_req_ids=np.asarray(dropped, dtype=np.int64),
+            num_tokens=total, num_padded_tokens=total,
+        )
+
+    def _decode_plan(self, slots: np.ndarray, grown) -> StepPlan:
+        """The common plan, decodes only, from a few gathers and read-only constants."""
+        n, c = len(slots), self._const
+        self._step += 1
+        counts_off = c.zeros[: n + 1]
+        block_ids = c.empty_i32
+        if len(grown[0]):  # grown slots are a subsequence of slots, both ascending
+            counts = np.zeros(n, dtype=np.int64)
+            counts[np.searchsorted(slots, grown[0])] = 1
+            counts_off = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(counts, out=counts_off[1:])
+            block_ids = grown[1].astype(np.int32)
+        dropped, self._to_drop = self._to_drop, []
+        slots32 = slots.astype(np.int32)
+        self._plan_epochs[self._step] = self.s_epoch[slots]
+        return StepPlan(
+            step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=c.ones[:n],
+            start_pos=(self.s_ncomp[slots] - 1).astype(np.int32), samples=c.trues[:n],
+            token_ids=c.placeholders[:n], token_offsets=c.arange[: n + 1],
+            block_start=(self.s_nblocks[slots] - 1).astype(np.int32), block_ids=block_ids,
+            block_offsets=counts_off, kv_load_req_ids=c.empty_i64,
+            kv_load_first_block=c.empty_i32, kv_load_num_blocks=c.empty_i32,
+            finished_req_ids=np.asarray(dropped, dtype=np.int64) if dropped else c.empty_i64,
+            num_tokens=n, num_padded_tokens=n,
+        )
