@@ -339,6 +339,10 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         slots = plan.slots.astype(np.int64)
         ns = result.num_sampled
         epochs = self._plan_epochs.pop(plan.step_id, None)
+        if plan.num_reqs == 0:  # a step that only carried KV-load completions
+            e = _EMPTY_I64
+            return StepOutputs(req_ids=e, num_tokens=e.astype(np.int32),
+                               token_ids=e.astype(np.int32), finished=(), first_token_ids=e)
         if epochs is None:
             raise ValueError(f"step {plan.step_id} was not planned by this core, or was applied twice")
         # A slot's owner may have finished, been preempted or even re-admitted meanwhile.

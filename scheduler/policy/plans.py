@@ -73,7 +73,8 @@ class PlanAssembly:
         flat_blocks = [b for part in blk_parts for b in part]
         dropped, self._to_drop = self._to_drop, []
         total = int(tok_offsets[-1])
-        self._plan_epochs[self._step] = self.s_epoch[slots]
+        if n:  # every plan with requests must be applied; empty ones need not be
+            self._plan_epochs[self._step] = self.s_epoch[slots]
         load_arr = np.asarray(loads, dtype=np.int64).reshape(-1, 3)
         return StepPlan(
             step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,
@@ -102,7 +103,8 @@ class PlanAssembly:
             block_ids = grown[1].astype(np.int32)
         dropped, self._to_drop = self._to_drop, []
         slots32 = slots.astype(np.int32)
-        self._plan_epochs[self._step] = self.s_epoch[slots]
+        if n:  # every plan with requests must be applied; empty ones need not be
+            self._plan_epochs[self._step] = self.s_epoch[slots]
         return StepPlan(
             step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=c.ones[:n],
             start_pos=(self.s_ncomp[slots] - 1).astype(np.int32), samples=c.trues[:n],
