@@ -133,7 +133,7 @@ def _collect(
     for line, row in rows:
         if isinstance(row, str):
             if not skip:
-                raise TraceFormatError(f"{path} line {line}: {row} (or pass skip_bad_rows=True)")
+                raise TraceFormatError(f"{path} line {line}: {row} (to skip bad rows and count them: --skip-bad-rows, or skip_bad_rows=True)")
             skipped += 1
         else:
             good.append(row)

@@ -166,18 +166,20 @@ class BlockPool:
         if not blocks:
             return
         idx = np.asarray(blocks, dtype=np.int64)
-        idle = idx[self.ref[idx] == 0]
+        idle = np.unique(idx[self.ref[idx] == 0])  # a block listed twice leaves the ring once
         self._ring_pos[idle] = -1  # leave the ring lazily
         self._n_ring -= len(idle)
-        self.ref[idx] += 1
+        np.add.at(self.ref, idx, 1)  # counts every occurrence, unlike ref[idx] += 1
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference on each block; pass a request's blocks tail first."""
         if not blocks:
             return
         idx = np.asarray(blocks, dtype=np.int64)
-        self.ref[idx] -= 1
+        np.subtract.at(self.ref, idx, 1)  # counts every occurrence, unlike ref[idx] -= 1
         zero = idx[self.ref[idx] == 0]
+        if len(zero) > 1 and len(np.unique(zero)) < len(zero):  # keep the first of repeats
+            zero = np.asarray(list(dict.fromkeys(zero.tolist())), dtype=np.int64)
         hashed = self._hashed[zero]
         plain = zero[~hashed]
         self._stack[self._n_stack : self._n_stack + len(plain)] = plain

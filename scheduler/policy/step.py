@@ -43,7 +43,10 @@ class StepPlan:
     kv_load_first_block: np.ndarray = attrs.field(factory=_i32)
     kv_load_num_blocks: np.ndarray = attrs.field(factory=_i32)
     kv_send_req_ids: np.ndarray = attrs.field(factory=_i64)  # finished prefills to hold/send
-    finished_req_ids: np.ndarray = attrs.field(factory=_i64)  # runtime may drop their state
+    # Requests the core dropped (finished, aborted, preempted): the runtime forgets their
+    # state and cancels or completes their KV loads before running this plan, whose blocks
+    # the core may already have handed to other requests.
+    finished_req_ids: np.ndarray = attrs.field(factory=_i64)
     num_tokens: int = 0
     num_padded_tokens: int = 0  # set by the DP sync; == num_tokens without DP
     is_dummy: bool = False
