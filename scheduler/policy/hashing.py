@@ -76,7 +76,6 @@ class BlockHasher:
         )
         self._mul = consts | _U64(1)  # odd multipliers are bijections mod 2**64
         self._words_per_block = block_size // 2
-        self._bufs: dict[str, np.ndarray] = {}  # scratch: this object is single-threaded
         self._init_unsalted = np.zeros(2, np.uint64)
         self._init_unsalted = self.initial(b"")
 
@@ -146,22 +145,14 @@ class BlockHasher:
         more = self._bitgen.random_raw(grow).astype(np.uint64)
         self._keys = np.concatenate([self._keys, more])
 
-    def _scratch(self, name: str, n: int) -> np.ndarray:
-        """A reused uint64 buffer: fresh multi-MB arrays cost page faults on every prompt."""
-        buf = self._bufs.get(name)
-        if buf is None or len(buf) < n:
-            buf = self._bufs[name] = np.empty(max(n, 1 << 12), dtype=np.uint64)
-        return buf[:n]
-
     def _mixed_words(self, words: np.ndarray, first_word: int) -> np.ndarray:
-        n = len(words)
-        self._ensure_keys(first_word + n)
-        x = np.bitwise_xor(words, self._keys[first_word : first_word + n], out=self._scratch("x", n))
+        self._ensure_keys(first_word + len(words))
+        x = np.bitwise_xor(words, self._keys[first_word : first_word + len(words)])
         return self._permute(x)
 
     def _permute(self, x: np.ndarray) -> np.ndarray:
         x *= self._mul[0]
-        x ^= np.right_shift(x, _S32, out=self._scratch("t", len(x)))
+        x ^= np.right_shift(x, _S32)
         return x
 
     def _block_lanes(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -170,17 +161,11 @@ class BlockHasher:
         if wpb & (wpb - 1) or wpb < 2:  # not a power of two: numpy's slow axis reduction
             w = x.reshape(-1, wpb)
             return w.sum(axis=1, dtype=np.uint64), (w * (w >> _S32)).sum(axis=1, dtype=np.uint64)
-        # Halving with strided adds beats reshape(-1, 8).sum(axis=1) 4x; the levels reuse
-        # scratch buffers, and only the block-level lanes are new arrays.
-        half = len(x) // 2
-        last = half == len(x) // wpb
-        a = np.add(x[0::2], x[1::2], out=None if last else self._scratch("a", half))
-        b = np.multiply(x[0::2], x[1::2], out=None if last else self._scratch("b", half))
+        a = x[0::2] + x[1::2]  # halving with strided adds beats reshape(-1, 8).sum(axis=1) 4x
+        b = x[0::2] * x[1::2]
         while len(a) > len(x) // wpb:
-            half = len(a) // 2
-            last = half == len(x) // wpb
-            a = np.add(a[0::2], a[1::2], out=None if last else self._scratch("a2", half))
-            b = np.add(b[0::2], b[1::2], out=None if last else self._scratch("b2", half))
+            a = a[0::2] + a[1::2]
+            b = b[0::2] + b[1::2]
         return a, b
 
     def _finalize(self, a: np.ndarray, b: np.ndarray, index: np.ndarray) -> np.ndarray:
