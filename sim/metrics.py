@@ -95,6 +95,7 @@ class Metrics:
         tpot_all = np.zeros(done.sum())
         tpot_all[multi] = tpot
         good = (ttft <= slo_ttft) & (tpot_all <= slo_tpot)
+        total = len(self.arrival)  # rejected and unfinished requests miss the SLO too
         queries, hits, host_hits = prefix
         kv_mean, kv_max = self._kv_stats()
         rejected = sum(self.rejected.values())
@@ -112,7 +113,7 @@ class Metrics:
             "output_tokens_per_s_per_gpu": out_tokens / span / num_gpus,
             "goodput": {
                 "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
-                "requests": int(good.sum()), "fraction": float(good.mean()) if len(good) else None,
+                "requests": int(good.sum()), "fraction": float(good.sum() / total) if total else None,
                 "requests_per_s": float(good.sum() / span),
             },
             "prefix_cache": {"queries": int(queries), "hits": int(hits),

@@ -21,7 +21,7 @@ from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.deployment import Deployment, PoolSpec
 from lockstep.policy.hashing import BlockHasher
-from lockstep.policy.request import Request, SamplingParams
+from lockstep.policy.request import Request, RequestError, SamplingParams
 from lockstep.policy.router import PrefixAffinityRouter
 from lockstep.policy.step import StepPlan, StepResult
 
@@ -100,13 +100,9 @@ class Simulator:
     def _admit(self, rid: int, now: float) -> None:
         w = self.workload[rid]
         self.metrics.arrival[rid] = w.arrival_s
-        inst = self.instances[0]
-        limit = inst.cores[0].config.max_model_len
-        if w.input_len + w.output_len > limit:
+        limit = self.instances[0].cores[0].config.max_model_len
+        if w.input_len + w.output_len > limit:  # before materializing a prompt that long
             self.metrics.reject(rid, "context_length")
-            return
-        if -(-(w.input_len + w.output_len) // self.d.scheduler.block_size) > inst.cores[0].config.num_blocks:
-            self.metrics.reject(rid, "kv_capacity")
             return
         prompt = segment_tokens(w.seg_ids, w.seg_lens, vocab_size=self.model.vocab_size, seed=self.seed)
         hashes, acc = self.hasher.hash_prompt(prompt)
@@ -119,7 +115,11 @@ class Simulator:
             pick = 0
         idx, core = self._ranks[pick]
         inst = self.instances[idx]
-        core.add_request(req)
+        try:
+            core.add_request(req)
+        except RequestError as e:  # counted with its reason, never dropped silently
+            self.metrics.reject(rid, e.reason)
+            return
         if not inst.busy:
             self._dispatch(idx, now, inst.plan(now))
 
@@ -137,6 +137,9 @@ class Simulator:
                 i += 1
                 if progress is not None:
                     progress(i)
+        stuck = len(self.workload) - int((~np.isnan(self.metrics.finish)).sum()) - sum(self.metrics.rejected.values())
+        if stuck:  # every request ends completed or rejected with a reason, never lost
+            raise RuntimeError(f"simulation ended with {stuck} requests neither completed nor rejected")
         return self.report()
 
     def _dispatch(self, idx: int, now: float, plans: list[StepPlan] | None) -> None:
@@ -173,7 +176,9 @@ class Simulator:
         live = (core.s_rid[slots] == plan.req_ids) & plan.samples
         rids = plan.req_ids[live]
         tokens = self.out_tokens[self.out_base[rids] + core.s_nout[slots[live]]]
-        result = StepResult(step_id=plan.step_id, num_sampled=live.astype(np.int32), token_ids=tokens)
+        # Host-tier loads are charged inside the step, so they are done when it ends.
+        result = StepResult(step_id=plan.step_id, num_sampled=live.astype(np.int32), token_ids=tokens,
+                            kv_loads_done=plan.kv_load_req_ids)
         out = core.update(plan, result, t)
         self.metrics.tokens(out.req_ids, t)
         for rid, _ in out.finished:

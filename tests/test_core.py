@@ -346,8 +346,9 @@ def workloads(draw, *, eos=True, aborts=True, kv=True, max_requests=10):
             abort_at=int(rng.integers(0, 40)) if aborts and rng.random() < 0.2 else None,
         ))
     need = max(-(-(len(s.prompt) + s.max_tokens) // bs) for s in specs)
+    num_blocks = draw(st.integers(need, 3 * need + 8))  # the low end forces preemption
     cfg = SchedulerConfig(
-        num_blocks=draw(st.integers(need, 3 * need + 8)),  # the low end forces preemption
+        num_blocks=num_blocks,
         block_size=bs,
         max_num_seqs=draw(st.integers(1, 6)),
         max_num_batched_tokens=draw(st.sampled_from([2, 3, 5, 8, 16, 33, 64, 256])),
@@ -356,7 +357,7 @@ def workloads(draw, *, eos=True, aborts=True, kv=True, max_requests=10):
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         max_new_prefills_per_step=draw(st.integers(0, 2)),
         max_kv_loads_per_step=draw(st.integers(0, 3)),
-        host_cache_blocks=draw(st.sampled_from([0, 0, 3, 16])),
+        host_cache_blocks=draw(st.sampled_from([0, 0, 2, 4])) * num_blocks,
         watermark=draw(st.sampled_from([0.0, 0.01])),
     )
     return cfg, specs

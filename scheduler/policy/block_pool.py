@@ -102,11 +102,12 @@ class BlockPool:
                 found = found[: int(np.argmin(ok))]
         return found
 
-    def match_host(self, hashes: np.ndarray, start: int) -> int:
-        """Blocks after the first ``start`` that the host tier can load."""
+    def match_host(self, hashes: np.ndarray, start: int, *, touch: bool = False) -> int:
+        """Blocks after the first ``start`` that the host tier can load (a query unless
+        ``touch``: only an admission marks them recently used)."""
         if self.host is None or start >= len(hashes):
             return 0
-        return self.host.match(hashes[start:])
+        return self.host.match(hashes[start:], touch=touch)
 
     def cached_prefix_len(self, hashes: np.ndarray) -> int:
         """Length of the cached prefix in blocks, GPU then host tier (for routing)."""

@@ -43,5 +43,12 @@ class SchedulerConfig:
             raise ConfigError(f"scheduler.policy must be one of {POLICIES}, got {self.policy!r}")
         if self.block_size % 2:
             raise ConfigError(f"scheduler.block_size must be even, got {self.block_size}")
+        if 0 < self.host_cache_blocks < 2 * self.num_blocks:
+            # An admission's evictions into the host tier must not push out the blocks it
+            # is about to load from there.
+            raise ConfigError(
+                f"scheduler.host_cache_blocks must be 0 (no host tier) or at least twice "
+                f"num_blocks ({2 * self.num_blocks}), got {self.host_cache_blocks}"
+            )
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"scheduler.watermark must be in [0, 1), got {self.watermark!r}")

@@ -77,12 +77,32 @@ class SchedulerCore(PlanAssembly, BulkDecode):
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
+        """Queue a request, or raise RequestError naming what is wrong (nothing is queued)."""
         if req.id in self.requests:
-            raise RequestError(f"request id {req.id} is already queued")
+            raise RequestError(f"request id {req.id} is already in this scheduler")
+        prompt = req.prompt
+        if not isinstance(prompt, np.ndarray) or prompt.dtype != np.int32 or prompt.ndim != 1:
+            raise RequestError(f"request {req.id}: prompt must be a 1-D int32 numpy array, got "
+                               f"{type(prompt).__name__} {getattr(prompt, 'dtype', '')}")
+        if len(prompt) == 0:
+            raise RequestError(f"request {req.id}: prompt must hold at least one token")
+        req.params.validate()
+        if not 0 <= req.remote_kv_tokens <= len(prompt):
+            raise RequestError(f"request {req.id}: remote_kv_tokens must be in [0, prompt length "
+                               f"{len(prompt)}], got {req.remote_kv_tokens}")
+        blocks = -(-req.max_total // self.bs)
+        room = self.pool.num_blocks - int(self.config.watermark * self.pool.num_blocks)
+        if blocks > room:
+            raise RequestError(
+                f"request {req.id}: prompt + max_tokens needs {blocks} KV blocks, but this rank "
+                f"can give one request at most {room}; shorten it or add KV capacity",
+                reason="kv_capacity",
+            )
         if req.max_total > self.config.max_model_len:
             raise RequestError(
                 f"request {req.id}: prompt ({req.prompt_len}) + max_tokens "
-                f"({req.params.max_tokens}) exceeds max_model_len {self.config.max_model_len}"
+                f"({req.params.max_tokens}) exceeds max_model_len {self.config.max_model_len}",
+                reason="context_length",
             )
         if req.hash_acc is None or len(req.block_hashes) != req.prompt_len // self.bs:
             req.block_hashes, req.hash_acc = self.hasher.hash_prompt(req.prompt, req.cache_salt)
@@ -102,8 +122,6 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         else:
             self._waiting = [e for e in self._waiting if e[1] is not req]
             heapq.heapify(self._waiting)
-            self.pool.free(req.blocks[::-1])
-            req.blocks = []
         self._finish(req, FinishReason.ABORT)
         return True
 
@@ -178,7 +196,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         if not self._prefilling:
             return budget
         self._chunked_now.clear()
-        for slot in sorted(self._prefilling):
+        for slot in sorted(self._prefilling, key=lambda s: self._key(self.s_req[s])):
             if budget <= 0:
                 break
             req = self.s_req[slot]
@@ -236,6 +254,8 @@ class SchedulerCore(PlanAssembly, BulkDecode):
             self.prefix_hits += cached
             self.host_hits += host * self.bs
         self.pool.touch(hit)
+        if host:  # most recently used before allocating, whose evictions go to the host tier
+            self.pool.match_host(req.block_hashes[: len(hit) + host], len(hit), touch=True)
         req.blocks = hit + self.pool.allocate(need)
         req.num_computed = cached
         if req.num_cached_tokens < 0:
@@ -244,7 +264,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         self.caps.note_prefill()
         if host:
             self.caps.note_kv_load()
-            self._publish_prompt_blocks(req, len(hit) * self.bs)  # loaded before the step runs
+            req.host_load_first = len(hit)  # publication waits for the runtime's report
         return n, host
 
     def _admission_need(self, req: Request, budget: int) -> tuple[list[int], int, int, int]:
@@ -322,6 +342,8 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         return (req, n, start, tokens, req.blocks[block_start:], block_start, sampled)
 
     def _publish_prompt_blocks(self, req: Request, old_computed: int) -> None:
+        if req.host_load_first >= 0:  # KV built on a load not yet confirmed: not yet
+            return
         lo, hi = old_computed // self.bs, req.num_computed // self.bs
         if hi > lo and self.config.enable_prefix_caching:
             hashes = self._known_hashes(req)
@@ -347,30 +369,15 @@ class SchedulerCore(PlanAssembly, BulkDecode):
             raise ValueError(f"step {plan.step_id} was not planned by this core, or was applied twice")
         # A slot's owner may have finished, been preempted or even re-admitted meanwhile.
         live = (self.s_epoch[slots] == epochs) & plan.samples & (ns > 0)
-        if live.all() and len(result.token_ids) == len(slots):
+        if live.all() and len(result.token_ids) == len(slots) and len(ns) == len(slots):
             return self._confirm(slots, result.token_ids, plan.req_ids)
         idx = np.flatnonzero(live)
         offs = np.zeros(len(ns) + 1, dtype=np.int64)
         np.cumsum(ns, out=offs[1:])
-        if (ns[idx] == 1).all():
-            return self._confirm(slots[idx], result.token_ids[offs[idx]], plan.req_ids[idx])
-        return self._confirm_columns(slots[idx], plan.req_ids[idx], ns[idx], result, offs[idx])
-
-    def _confirm_columns(self, slots, req_ids, ns, result, offs) -> StepOutputs:
-        """Several tokens per request (accepted speculative tokens): one column at a time."""
-        parts, finished = [], []
-        for j in range(int(ns.max())):
-            keep = (ns > j) & (self.s_rid[slots] == req_ids) & self.s_active[slots]
-            out = self._confirm(slots[keep], result.token_ids[offs[keep] + j], req_ids[keep])
-            parts.append(out)
-            finished.extend(out.finished)
-        return StepOutputs(
-            req_ids=np.concatenate([o.req_ids for o in parts]),
-            num_tokens=np.concatenate([o.num_tokens for o in parts]),
-            token_ids=np.concatenate([o.token_ids for o in parts]),
-            finished=tuple(finished),
-            first_token_ids=np.concatenate([o.first_token_ids for o in parts]),
-        )
+        if (ns > plan.samples).any():  # more than one token needs speculative decoding
+            raise ValueError(f"step {plan.step_id}: a request sampled {int(ns.max())} tokens; "
+                             "without speculative tokens in the plan each may sample at most 1")
+        return self._confirm(slots[idx], result.token_ids[offs[idx]], plan.req_ids[idx])
 
     def _confirm(self, slots: np.ndarray, tokens: np.ndarray, req_ids: np.ndarray) -> StepOutputs:
         """One confirmed token for each slot (the fast path)."""
@@ -420,7 +427,18 @@ class SchedulerCore(PlanAssembly, BulkDecode):
 
     def _kv_load_finished(self, rid: int, *, ok: bool) -> None:
         req = self.requests.get(rid)
-        if req is None or req.state is not RequestState.WAITING_FOR_KV:
+        if req is None:
+            return
+        if req.host_load_first >= 0:  # a host-tier prefix load
+            first, req.host_load_first = req.host_load_first, -1
+            if req.slot < 0:
+                return
+            if ok:  # now the loaded blocks, and what was computed on them, can be shared
+                self._publish_prompt_blocks(req, first * self.bs)
+            else:  # nothing was published: recompute from scratch
+                self._preempt(req)
+            return
+        if req.state is not RequestState.WAITING_FOR_KV:
             return
         req.state = RequestState.RUNNING
         req.num_computed = min(req.remote_kv_tokens, req.num_known - 1) if ok else 0

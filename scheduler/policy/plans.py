@@ -30,6 +30,14 @@ class PlanConstants:
 
 
 class PlanAssembly:
+    def _take_drops(self, n: int) -> list[int]:
+        """Drop notices ride on the next plan that has requests: an empty plan may never
+        reach the runtime, and only a plan with requests can reuse the dropped blocks."""
+        if n == 0:
+            return []
+        dropped, self._to_drop = self._to_drop, []
+        return dropped
+
     def _build_plan(self, dec_slots, grown, entries, loads) -> StepPlan:
         """Assemble the StepPlan: decodes first (slot order), then prefill chunks, then the
         requests whose whole KV arrives from elsewhere (entries with no tokens)."""
@@ -71,7 +79,7 @@ class PlanAssembly:
         blk_offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=blk_offsets[1:])
         flat_blocks = [b for part in blk_parts for b in part]
-        dropped, self._to_drop = self._to_drop, []
+        dropped = self._take_drops(n)
         total = int(tok_offsets[-1])
         if n:  # every plan with requests must be applied; empty ones need not be
             self._plan_epochs[self._step] = self.s_epoch[slots]
@@ -101,7 +109,7 @@ class PlanAssembly:
             counts_off = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(counts, out=counts_off[1:])
             block_ids = grown[1].astype(np.int32)
-        dropped, self._to_drop = self._to_drop, []
+        dropped = self._take_drops(n)
         slots32 = slots.astype(np.int32)
         if n:  # every plan with requests must be applied; empty ones need not be
             self._plan_epochs[self._step] = self.s_epoch[slots]

@@ -28,7 +28,12 @@ class FinishReason(enum.Enum):
 
 
 class RequestError(ValueError):
-    """A request that cannot be accepted; the message names the field and what is allowed."""
+    """A request that cannot be accepted; the message names the field and what is allowed,
+    and ``reason`` is a short tag for counting rejections."""
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @attrs.frozen
@@ -80,6 +85,7 @@ class Request:
     num_output: int = 0  # confirmed output tokens
     num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not yet)
     num_preemptions: int = 0
+    host_load_first: int = -1  # first block of a host-tier load not yet reported done
     slot: int = -1
     output: np.ndarray = attrs.field(factory=lambda: np.empty(0, np.int32))
     finish_reason: FinishReason | None = None
