@@ -39,8 +39,9 @@ class Metrics:
         self._itl_w: list[np.ndarray] = []
         self._tok_t: list[np.ndarray] = []
         self._tok_n: list[np.ndarray] = []
-        self._kv_t: list[float] = []
-        self._kv_use: list[float] = []
+        # KV use per instance, as (times, blocks used) pieces: instances advance their
+        # clocks independently, so the deployment-wide series is merged at report time.
+        self._kv: dict[int, tuple[list, list]] = {}
         self.total_blocks = total_blocks
         self.steps = 0
 
@@ -73,9 +74,24 @@ class Metrics:
             self._tok_t.append(ends[1:])
             self._tok_n.append(np.full(len(ends) - 1, len(rids)))
 
-    def kv_sample(self, t: float, used_blocks: int) -> None:
-        self._kv_t.append(t)
-        self._kv_use.append(used_blocks / self.total_blocks)
+    def kv_sample(self, instance: int, t, used_blocks) -> None:
+        """Blocks in use on one instance from time t on (scalars, or arrays of both)."""
+        ts, us = self._kv.setdefault(instance, ([], []))
+        ts.append(np.atleast_1d(np.asarray(t, dtype=np.float64)))
+        us.append(np.atleast_1d(np.asarray(used_blocks, dtype=np.float64)))
+
+    def _kv_series(self) -> tuple[np.ndarray, np.ndarray]:
+        """Deployment-wide share of KV blocks in use, as a step function (times, use)."""
+        if not self._kv:
+            return np.zeros(0), np.zeros(0)
+        times, deltas = [], []
+        for ts, us in self._kv.values():
+            t, u = np.concatenate(ts), np.concatenate(us)
+            times.append(t)
+            deltas.append(np.diff(u, prepend=0.0))  # each sample replaces the instance's last
+        t, d = np.concatenate(times), np.concatenate(deltas)
+        order = np.argsort(t, kind="stable")
+        return t[order], np.cumsum(d[order]) / self.total_blocks
 
     # -- the report --------------------------------------------------------------------------
     def report(self, *, num_gpus: int, slo_ttft: float, slo_tpot: float, prefix: tuple[int, int],
@@ -125,9 +141,9 @@ class Metrics:
         }
 
     def _kv_stats(self) -> tuple[float, float]:
-        if len(self._kv_t) < 2:
-            return (self._kv_use[0], self._kv_use[0]) if self._kv_use else (0.0, 0.0)
-        t, u = np.asarray(self._kv_t), np.asarray(self._kv_use)
+        t, u = self._kv_series()
+        if len(t) < 2:
+            return (float(u[0]), float(u[0])) if len(u) else (0.0, 0.0)
         dt = np.diff(t)
         mean = float((u[:-1] * dt).sum() / dt.sum()) if dt.sum() > 0 else float(u.mean())
         return mean, float(u.max())
@@ -136,8 +152,9 @@ class Metrics:
         """Time series for plots: token throughput and KV use."""
         tok_t = np.concatenate(self._tok_t) if self._tok_t else np.zeros(0)
         tok_n = np.concatenate(self._tok_n) if self._tok_n else np.zeros(0)
-        return {"tok_t": tok_t, "tok_n": tok_n, "kv_t": np.asarray(self._kv_t),
-                "kv_use": np.asarray(self._kv_use), "ttft": self.first - self.arrival,
+        kv_t, kv_use = self._kv_series()
+        return {"tok_t": tok_t, "tok_n": tok_n, "kv_t": kv_t,
+                "kv_use": kv_use, "ttft": self.first - self.arrival,
                 "e2e": self.finish - self.arrival}
 
 

@@ -163,7 +163,7 @@ class Simulator:
         for core, plan in zip(inst.cores, inst.executing):
             if plan.num_reqs:
                 self._apply(core, plan, t)
-        self.metrics.kv_sample(t, sum(c.pool.num_used for i in self.instances for c in i.cores))
+        self.metrics.kv_sample(idx, t, sum(c.pool.num_used for c in inst.cores))
         plans = inst.planned
         if plans is None and any(c.has_work() for c in inst.cores):
             plans = inst.plan(t)
@@ -197,6 +197,12 @@ class Simulator:
         if k < 2:
             return plans, t
         ends = ends[:k]
+        # KV use at each step end of the run: plan r takes the blocks its fed position needs.
+        j = np.arange(1, k + 1)
+        used = sum(c.pool.num_used for c in inst.cores) + sum(
+            (-(-(c.s_ncomp[c.s_active][:, None] + j) // c.bs) - c.s_nblocks[c.s_active][:, None])
+            .clip(0).sum(axis=0) for c in inst.cores)
+        self.metrics.kv_sample(self.instances.index(inst), ends, used)
         new_plans = []
         for core, plan in zip(inst.cores, plans):
             if not plan.num_reqs:  # an idle rank: its dummy steps change nothing
@@ -211,7 +217,6 @@ class Simulator:
                 self.metrics.finish[rid] = ends[-1]
             new_plans.append(nxt)
         self.metrics.steps += k
-        self.metrics.kv_sample(float(ends[-1]), sum(c.pool.num_used for i in self.instances for c in i.cores))
         return new_plans, float(ends[-1])
 
     def _identical_steps(self, inst: Instance, plans: list[StepPlan]) -> int:
