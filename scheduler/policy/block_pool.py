@@ -191,8 +191,7 @@ class BlockPool:
 
     def _push_ring(self, blocks: np.ndarray) -> None:
         if self._tail + len(blocks) > len(self._ring):
-            live = self._ring[self._head : self._tail]
-            live = live[self._ring_pos[live] == np.arange(self._head, self._tail)]
+            live = self._live_ring()
             self._ring[: len(live)] = live
             self._ring_pos[live] = np.arange(len(live))
             self._head, self._tail = 0, len(live)
@@ -225,8 +224,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (free cached blocks become plain free blocks)."""
-        live = self._ring[self._head : self._tail]
-        live = live[self._ring_pos[live] == np.arange(self._head, self._tail)]
+        live = self._live_ring()
         self._ring_pos[live] = -1
         self._n_ring = 0
         self._head = self._tail = 0
@@ -242,10 +240,13 @@ class BlockPool:
             return None
         return block
 
-    def free_blocks(self) -> np.ndarray:
+    def _live_ring(self) -> np.ndarray:
+        """The ring's entries that still stand for a free cached block, oldest first."""
         live = self._ring[self._head : self._tail]
-        live = live[self._ring_pos[live] == np.arange(self._head, self._tail)]
-        return np.concatenate([self._stack[: self._n_stack], live])
+        return live[self._ring_pos[live] == np.arange(self._head, self._tail)]
+
+    def free_blocks(self) -> np.ndarray:
+        return np.concatenate([self._stack[: self._n_stack], self._live_ring()])
 
     def check_integrity(self) -> None:
         free_list = self.free_blocks()

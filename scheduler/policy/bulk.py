@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .request import Request
-from .step import StepOutputs, StepPlan
+from .step import EMPTY_I64, StepOutputs, StepPlan
 
-_EMPTY_I64 = np.zeros(0, dtype=np.int64)
 
 
 class BulkDecode:
@@ -117,7 +116,7 @@ class BulkDecode:
             corder = np.lexsort((c_owner, c_round))
             c_owner, c_round, c_index = c_owner[corder], c_round[corder], c_index[corder]
         else:
-            c_round = _EMPTY_I64
+            c_round = EMPTY_I64
         got_all = []
         for r in np.union1d(a_round, c_round).tolist():
             lo, hi = np.searchsorted(a_round, [r, r + 1])

@@ -26,9 +26,8 @@ from .config import SchedulerConfig
 from .hashing import BlockHasher
 from .plans import PlanAssembly, PlanConstants
 from .request import FinishReason, Request, RequestError, RequestState
-from .step import StepOutputs, StepPlan, StepResult
+from .step import EMPTY_I64, StepOutputs, StepPlan, StepResult
 
-_EMPTY_I64 = np.zeros(0, dtype=np.int64)
 
 
 class SchedulerCore(PlanAssembly, BulkDecode):
@@ -170,15 +169,15 @@ class SchedulerCore(PlanAssembly, BulkDecode):
     def _schedule_decodes(self, budget: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """One token for every decoding slot; returns the slots and (slots grown, new blocks)."""
         if len(self._free_slots) == self.config.max_num_seqs:  # nothing running
-            return _EMPTY_I64, (_EMPTY_I64, _EMPTY_I64)
+            return EMPTY_I64, (EMPTY_I64, EMPTY_I64)
         ready = self.s_decodable & (self.s_nknown - self.s_ncomp == 1)
         ready &= (self.s_ncomp >= self.s_prefill_end) & (self.s_nknown < self.s_maxtotal)
         slots = np.flatnonzero(ready)[:budget]
         if len(slots) == 0:
-            return slots, (_EMPTY_I64, _EMPTY_I64)
+            return slots, (EMPTY_I64, EMPTY_I64)
         need = (self.s_ncomp[slots] + self.bs) // self.bs > self.s_nblocks[slots]
         grow = slots[need]
-        got = _EMPTY_I64
+        got = EMPTY_I64
         if len(grow):
             while len(grow) > self.pool.num_free:
                 self._preempt(self._pick_victim())
@@ -346,7 +345,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
             return
         lo, hi = old_computed // self.bs, req.num_computed // self.bs
         if hi > lo and self.config.enable_prefix_caching:
-            hashes = self._known_hashes(req)
+            hashes = req.block_hashes  # prompt blocks, then output blocks as they close
             hi = min(hi, len(hashes))
             self.pool.cache(req.blocks[lo:hi], hashes[lo:hi])
 
@@ -362,7 +361,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         ns = result.num_sampled
         epochs = self._plan_epochs.pop(plan.step_id, None)
         if plan.num_reqs == 0:  # a step that only carried KV-load completions
-            e = _EMPTY_I64
+            e = EMPTY_I64
             return StepOutputs(req_ids=e, num_tokens=e.astype(np.int32),
                                token_ids=e.astype(np.int32), finished=(), first_token_ids=e)
         if epochs is None:
@@ -530,9 +529,6 @@ class SchedulerCore(PlanAssembly, BulkDecode):
             return req.prompt[lo:hi]
         head = req.prompt[lo:p] if lo < p else req.prompt[:0]
         return np.concatenate([head, req.output[max(lo - p, 0) : hi - p]])
-
-    def _known_hashes(self, req: Request) -> np.ndarray:
-        return req.block_hashes
 
     # -- invariants ------------------------------------------------------------------------
     def check_integrity(self) -> None:

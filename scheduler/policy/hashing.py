@@ -11,6 +11,7 @@ The fast method ("keyed") works on 64-bit words (two int32 tokens each):
                                               one key per absolute word position
     a_i   = sum of the x_j of block i         two 64-bit lanes per block; lane b multiplies
     b_i   = sum of x_2j * x_2j+1 of block i   word pairs, so it is not a function of lane a
+                                              (an odd last word adds x * (x >> 32))
     A_i   = salt + cumsum(a)_i, B_i likewise  the chain: a prefix sum over blocks
     H_i   = final(A_i, B_i, i)                non-linear mix of both lanes into 128 bits
 
@@ -158,9 +159,13 @@ class BlockHasher:
     def _block_lanes(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-block lane sums of the mixed words x (whole blocks, flat)."""
         wpb = self._words_per_block
-        if wpb & (wpb - 1) or wpb < 2:  # not a power of two: numpy's slow axis reduction
+        if wpb & (wpb - 1) or wpb < 2:  # not a power of two: the same sums, by a slower path
             w = x.reshape(-1, wpb)
-            return w.sum(axis=1, dtype=np.uint64), (w * (w >> _S32)).sum(axis=1, dtype=np.uint64)
+            pairs = w[:, : wpb - wpb % 2].reshape(len(w), -1, 2)
+            b = (pairs[:, :, 0] * pairs[:, :, 1]).sum(axis=1, dtype=np.uint64)
+            if wpb % 2:  # an odd last word pairs with itself shifted, so it still counts
+                b += w[:, -1] * (w[:, -1] >> _S32)
+            return w.sum(axis=1, dtype=np.uint64), b
         a = x[0::2] + x[1::2]  # halving with strided adds beats reshape(-1, 8).sum(axis=1) 4x
         b = x[0::2] * x[1::2]
         while len(a) > len(x) // wpb:

@@ -100,7 +100,3 @@ class Request:
     @property
     def max_total(self) -> int:
         return len(self.prompt) + self.params.max_tokens
-
-    def all_tokens(self) -> np.ndarray:
-        """Prompt plus confirmed output (what a recompute after preemption must prefill)."""
-        return np.concatenate([self.prompt, self.output[: self.num_output]])

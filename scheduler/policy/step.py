@@ -12,6 +12,8 @@ import attrs
 import numpy as np
 
 PLACEHOLDER = -1  # token id: "the token this request sampled in the previous step"
+EMPTY_I64 = np.zeros(0, dtype=np.int64)
+EMPTY_I64.setflags(write=False)
 
 
 def _i32(n: int = 0) -> np.ndarray:
