@@ -85,21 +85,29 @@ class BlockPool:
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
-    def match_prefix(self, hashes: np.ndarray) -> list[int]:
-        """Block ids holding the longest cached prefix of ``hashes`` ((n, 2) uint64)."""
+    def match_prefix(self, hashes: np.ndarray, hint: list[int] | None = None) -> list[int]:
+        """Block ids holding the longest cached prefix of ``hashes`` ((n, 2) uint64).
+
+        ``hint``: what an earlier call returned for the same hashes. It is checked in one
+        vector pass and the search goes on from where it stops holding, so a request that
+        waits at the head of the queue does not redo 53K dict lookups every step.
+        """
         if not self.enable_prefix_cache or len(hashes) == 0:
             return []
-        table = self._table
         found: list[int] = []
-        for key in hashes[:, 0].tolist():
-            block = table.get(key)
-            if block is None:
-                break
-            found.append(block)
-        if found:  # the second lane must match too
-            ok = self._hash[found, 1] == hashes[: len(found), 1]
-            if not ok.all():
-                found = found[: int(np.argmin(ok))]
+        if hint:
+            h = np.asarray(hint[: len(hashes)], dtype=np.int64)
+            ok = self._hashed[h] & (self._hash[h] == hashes[: len(h)]).all(axis=1)
+            found = hint[: len(h) if ok.all() else int(np.argmin(ok))]
+        table, n = self._table, len(found)
+        while n < len(hashes):  # in chunks: a short match converts a short slice only
+            chunk = hashes[n : n + 64]
+            for key, lane1 in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist()):
+                block = table.get(key)
+                if block is None or self._hash[block, 1] != lane1:
+                    return found
+                found.append(block)
+            n += len(chunk)
         return found
 
     def match_host(self, hashes: np.ndarray, start: int, *, touch: bool = False) -> int:

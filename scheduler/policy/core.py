@@ -278,7 +278,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         bs = self.bs
         max_hit = (req.num_known - 1) // bs  # the last token must be computed for logits
         hashes = req.block_hashes[:max_hit]
-        hit = self.pool.match_prefix(hashes)
+        hit = req.prefix_hint = self.pool.match_prefix(hashes, req.prefix_hint)
         host = self.pool.match_host(hashes, len(hit))
         if host and not self.caps.may_start_kv_load():
             return hit, 0, 0, 0  # wait for the next step rather than recompute cached KV

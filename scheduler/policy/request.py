@@ -86,6 +86,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not yet)
     num_preemptions: int = 0
     host_load_first: int = -1  # first block of a host-tier load not yet reported done
+    prefix_hint: list[int] = attrs.field(factory=list)  # last prefix match, while waiting
     slot: int = -1
     output: np.ndarray = attrs.field(factory=lambda: np.empty(0, np.int32))
     finish_reason: FinishReason | None = None
