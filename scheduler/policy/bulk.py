@@ -118,7 +118,7 @@ class BulkDecode:
         else:
             c_round = EMPTY_I64
         got_all = []
-        for r in np.union1d(a_round, c_round).tolist():
+        for r in sorted(set(a_round.tolist()) | set(c_round.tolist())):
             lo, hi = np.searchsorted(a_round, [r, r + 1])
             if hi > lo:
                 got = self.pool.allocate(int(hi - lo))

@@ -44,6 +44,17 @@ class HashConfigError(ValueError):
     pass
 
 
+_MASK = (1 << 64) - 1
+_M1_INT, _M2_INT = int(_M1), int(_M2)
+_SCALAR_MAX = 4  # extend() on at most this many blocks uses Python ints
+
+
+def _fmix_int(z: int, mul: int) -> int:
+    z ^= z >> 33
+    z = (z * mul) & _MASK
+    return z ^ (z >> 29)
+
+
 def _fmix(z: np.ndarray, mul: np.uint64) -> np.ndarray:
     z ^= z >> _S33
     z *= mul
@@ -129,6 +140,8 @@ class BlockHasher:
         wpb = self._words_per_block
         pos = (block_index.astype(np.int64)[:, None] * wpb + np.arange(wpb)).ravel()
         self._ensure_keys(int(pos.max()) + 1 if m else 0)
+        if m <= _SCALAR_MAX:  # numpy's per-call cost dominates a few blocks: same math in ints
+            return self._extend_ints(parent_acc, blocks, block_index)
         x = self._permute(blocks.view(np.uint64).ravel() ^ self._keys[pos])
         a, b = self._block_lanes(x)
         acc = parent_acc.astype(np.uint64, copy=True)
@@ -136,6 +149,28 @@ class BlockHasher:
         acc[:, 1] += b
         a, b = acc[:, 0].copy(), acc[:, 1].copy()
         return self._finalize(a, b, block_index.astype(np.uint64)), acc
+
+    def _extend_ints(self, parent_acc, blocks, block_index) -> tuple[np.ndarray, np.ndarray]:
+        """``extend`` in Python ints mod 2**64: bit-identical to the numpy path."""
+        wpb, mask = self._words_per_block, _MASK
+        m0, m2, m3 = (int(v) for v in self._mul[[0, 2, 3]])
+        hashes = np.empty((len(blocks), 2), dtype=np.uint64)
+        accs = np.empty((len(blocks), 2), dtype=np.uint64)
+        for r, (words, i, (pa, pb)) in enumerate(
+            zip(blocks.view(np.uint64).tolist(), block_index.tolist(), parent_acc.tolist())
+        ):
+            xs = []
+            for w, k in zip(words, self._keys[i * wpb : (i + 1) * wpb].tolist()):
+                x = ((w ^ k) * m0) & mask
+                xs.append(x ^ (x >> 32))
+            b = sum(xs[j] * xs[j + 1] for j in range(0, wpb - 1, 2))
+            if wpb % 2:
+                b += xs[-1] * (xs[-1] >> 32)
+            acc_a, acc_b = (pa + sum(xs)) & mask, (pb + b) & mask
+            h0 = _fmix_int(acc_a ^ ((acc_b * m2) & mask) ^ ((i * m3) & mask), _M1_INT)
+            hashes[r] = (h0, _fmix_int((acc_b + h0) & mask, _M2_INT))
+            accs[r] = (acc_a, acc_b)
+        return hashes, accs
 
     # -- internals -----------------------------------------------------------------------
     def _ensure_keys(self, n_words: int) -> None:
