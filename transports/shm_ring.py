@@ -1,0 +1,173 @@
+"""Single-producer/single-consumer rings in anonymous shared memory, woken by eventfds.
+
+This is how the scheduler talks to its runtime process (DESIGN.md): one ``Ring`` per
+direction, its memory from ``memfd_create`` and its wake-ups from an ``eventfd``. Nothing is
+named, so nothing can leak when either process is killed; the fds travel to the other
+process over a Unix socket (``send_ring`` / ``recv_ring``, SCM_RIGHTS).
+
+Layout of one ring: a 192-byte header, then ``capacity`` bytes of frames.
+  [0:8)     head: bytes ever written (the producer's)
+  [64:72)   tail: bytes ever read (the consumer's), on its own cache line
+  [128:136) sleeping: 1 while the consumer blocks on the eventfd
+A frame is a 16-byte header (payload length, sequence number, message kind, pad) and the
+payload, padded to 8 bytes. A frame never wraps: one that does not fit before the end is
+preceded by a WRAP marker and starts again at offset 0. The consumer spins briefly, then
+sets ``sleeping`` and blocks on the eventfd; the producer writes the eventfd only then.
+Python has no store-load fence, so the consumer's block has a short timeout and re-checks:
+a wake-up lost to reordering costs at most ``_SAFETY_S``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+
+_HEAD, _TAIL, _SLEEP = 0, 64, 128
+_HDR = 192
+_FRAME = struct.Struct("<IIII")  # length, seq, kind, pad
+_WRAP = 0xFFFFFFFF
+_SAFETY_S = 0.001
+
+
+class RingError(RuntimeError):
+    pass
+
+
+class MessageTooLarge(RingError):
+    pass
+
+
+class Ring:
+    """One direction. Make it with ``Ring.create``; the other process gets it with
+    ``recv_ring``. A ring has exactly one producer and one consumer."""
+
+    def __init__(self, mem_fd: int, event_fd: int, capacity: int):
+        self.mem_fd, self.event_fd, self.capacity = mem_fd, event_fd, capacity
+        self._map = mmap.mmap(mem_fd, _HDR + capacity)
+        self._buf = memoryview(self._map)
+        self._seq = 0
+
+    @classmethod
+    def create(cls, capacity: int = 1 << 22) -> Ring:
+        if capacity < 4096 or capacity % 8:
+            raise ValueError(f"ring capacity must be a multiple of 8 and >= 4096 bytes, got {capacity}")
+        fd = os.memfd_create("lockstep-ring", os.MFD_CLOEXEC)
+        os.ftruncate(fd, _HDR + capacity)
+        efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        return cls(fd, efd, capacity)
+
+    def close(self) -> None:
+        if self._map is None:
+            return
+        self._buf.release()
+        self._map.close()
+        os.close(self.mem_fd)
+        os.close(self.event_fd)
+        self._map = None
+
+    def fileno(self) -> int:
+        """The eventfd: readable when the producer woke a sleeping consumer (for trio's
+        ``wait_readable``)."""
+        return self.event_fd
+
+    # -- producer ------------------------------------------------------------------------
+    def send(self, kind: int, *parts: bytes | memoryview) -> None:
+        """Write one message made of ``parts`` (concatenated); blocks while the ring is full."""
+        length = sum(len(p) for p in parts)
+        size = _FRAME.size + ((length + 7) & ~7)
+        if size > self.capacity // 2:
+            raise MessageTooLarge(
+                f"message of {length} bytes does not fit a ring of {self.capacity} bytes "
+                f"(at most {self.capacity // 2 - _FRAME.size}); raise the ring size"
+            )
+        buf, cap = self._buf, self.capacity
+        head = _u64(buf, _HEAD)
+        off = head % cap
+        wrap = cap - off if off + size > cap else 0
+        self._wait_space(head + wrap + size)
+        if wrap:
+            _FRAME.pack_into(buf, _HDR + off, 0, 0, _WRAP, 0)
+            head += wrap
+            off = 0
+        self._seq += 1
+        _FRAME.pack_into(buf, _HDR + off, length, self._seq & 0xFFFFFFFF, kind, 0)
+        pos = _HDR + off + _FRAME.size
+        for p in parts:
+            buf[pos : pos + len(p)] = p
+            pos += len(p)
+        _set_u64(buf, _HEAD, head + size)  # publish after the payload (x86 keeps store order)
+        if buf[_SLEEP]:
+            os.eventfd_write(self.event_fd, 1)
+
+    def _wait_space(self, upto: int) -> None:
+        while upto - _u64(self._buf, _TAIL) > self.capacity:
+            time.sleep(0)  # the consumer is behind: yield the core to it
+
+    # -- consumer ------------------------------------------------------------------------
+    def poll(self) -> tuple[int, int, bytes] | None:
+        """The next message as (kind, seq, payload), or None when the ring is empty."""
+        buf, cap = self._buf, self.capacity
+        tail = _u64(buf, _TAIL)
+        while tail != _u64(buf, _HEAD):
+            off = tail % cap
+            length, seq, kind, _ = _FRAME.unpack_from(buf, _HDR + off)
+            if kind == _WRAP:
+                tail += cap - off
+                _set_u64(buf, _TAIL, tail)
+                continue
+            start = _HDR + off + _FRAME.size
+            payload = bytes(buf[start : start + length])
+            _set_u64(buf, _TAIL, tail + _FRAME.size + ((length + 7) & ~7))
+            return kind, seq, payload
+        return None
+
+    def recv(self, timeout: float | None = None, spin: int = 2000) -> tuple[int, int, bytes]:
+        """Block until a message arrives: spin ``spin`` polls, then sleep on the eventfd."""
+        for _ in range(spin):
+            msg = self.poll()
+            if msg is not None:
+                return msg
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._buf[_SLEEP] = 1
+            msg = self.poll()
+            if msg is not None:
+                self._buf[_SLEEP] = 0
+                return msg
+            wait = _SAFETY_S if deadline is None else min(_SAFETY_S, deadline - time.monotonic())
+            if wait <= 0:
+                self._buf[_SLEEP] = 0
+                raise TimeoutError(f"no message within {timeout} s")
+            select.select([self.event_fd], [], [], wait)
+            self._buf[_SLEEP] = 0
+            try:
+                os.eventfd_read(self.event_fd)
+            except BlockingIOError:
+                pass
+
+
+_Q = struct.Struct("<Q")
+
+
+def _u64(buf: memoryview, off: int) -> int:
+    return _Q.unpack_from(buf, off)[0]
+
+
+def _set_u64(buf: memoryview, off: int, value: int) -> None:
+    _Q.pack_into(buf, off, value)
+
+
+# -- handing rings to another process -----------------------------------------------------------
+def send_ring(sock: socket.socket, ring: Ring) -> None:
+    socket.send_fds(sock, [struct.pack("<Q", ring.capacity)], [ring.mem_fd, ring.event_fd])
+
+
+def recv_ring(sock: socket.socket) -> Ring:
+    msg, fds, _, _ = socket.recv_fds(sock, 8, 2)
+    if len(fds) != 2 or len(msg) != 8:
+        raise RingError(f"expected a ring (8 bytes and 2 fds), got {len(msg)} bytes and {len(fds)} fds")
+    return Ring(fds[0], fds[1], struct.unpack("<Q", msg)[0])
