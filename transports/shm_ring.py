@@ -11,8 +11,9 @@ Layout of one ring: a 192-byte header, then ``capacity`` bytes of frames.
   [128:136) sleeping: 1 while the consumer blocks on the eventfd
 A frame is a 16-byte header (payload length, sequence number, message kind, pad) and the
 payload, padded to 8 bytes. A frame never wraps: one that does not fit before the end is
-preceded by a WRAP marker and starts again at offset 0. The consumer spins briefly, then
-sets ``sleeping`` and blocks on the eventfd; the producer writes the eventfd only then.
+preceded by a WRAP marker and starts again at offset 0. The consumer spins briefly,
+then yields, then sets ``sleeping`` and blocks on the eventfd; the producer writes the eventfd
+only then.
 Python has no store-load fence, so the consumer's block has a short timeout and re-checks:
 a wake-up lost to reordering costs at most ``_SAFETY_S``.
 """
@@ -125,12 +126,25 @@ class Ring:
             return kind, seq, payload
         return None
 
-    def recv(self, timeout: float | None = None, spin: int = 2000) -> tuple[int, int, bytes]:
-        """Block until a message arrives: spin ``spin`` polls, then sleep on the eventfd."""
-        for _ in range(spin):
+    def recv(self, timeout: float | None = None, *, spin_s: float = 50e-6,
+             yield_s: float = 2e-3) -> tuple[int, int, bytes]:
+        """Block until a message arrives: poll for ``spin_s``, then poll with
+        ``sched_yield`` (which lets a peer sharing this core run) for ``yield_s``, then
+        sleep on the eventfd."""
+        msg = self.poll()
+        if msg is not None:
+            return msg
+        now = time.perf_counter()
+        spin_end, yield_end = now + spin_s, now + spin_s + yield_s
+        while True:
             msg = self.poll()
             if msg is not None:
                 return msg
+            now = time.perf_counter()
+            if now >= yield_end:
+                break
+            if now >= spin_end:
+                os.sched_yield()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._buf[_SLEEP] = 1
