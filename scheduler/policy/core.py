@@ -29,11 +29,11 @@ from .request import FinishReason, Request, RequestError, RequestState
 from .step import EMPTY_I64, StepOutputs, StepPlan, StepResult
 
 
-
 class SchedulerCore(PlanAssembly, BulkDecode):
     def __init__(self, config: SchedulerConfig, hasher: BlockHasher):
         if hasher.block_size != config.block_size:
-            raise ValueError("hasher and scheduler disagree on block_size")
+            raise ValueError(f"the hasher hashes blocks of {hasher.block_size} tokens but "
+                             f"scheduler.block_size is {config.block_size}: build both from one config")
         self.config = config
         self.hasher = hasher
         self.bs = config.block_size
