@@ -82,37 +82,40 @@ def ring_pair(target):
     return proc, a, to_rt, from_rt
 
 
+def ring_round_trips(target, make_one) -> np.ndarray:
+    """Time ``make_one(to_rt, from_rt)``'s round trips against a spawned ``target``."""
+    proc, sock, to_rt, from_rt = ring_pair(target)
+    try:
+        return timed(make_one(to_rt, from_rt))
+    finally:
+        to_rt.send(0)
+        proc.join(10)
+        for x in (to_rt, from_rt, sock):
+            x.close()
+
+
 def bench_ring() -> np.ndarray:
-    proc, sock, to_rt, from_rt = ring_pair(echo_worker.serve)
     plans = [make_plan(i) for i in range(8)]
 
-    def one(i):
-        kind, parts = encode(plans[i % 8])
-        to_rt.send(kind, *parts)
-        k, _, payload = from_rt.recv()
-        decode(k, payload)
+    def make_one(to_rt, from_rt):
+        def one(i):
+            kind, parts = encode(plans[i % 8])
+            to_rt.send(kind, *parts)
+            k, _, payload = from_rt.recv()
+            decode(k, payload)
+        return one
 
-    ts = timed(one)
-    to_rt.send(0)
-    proc.join(10)
-    for x in (to_rt, from_rt, sock):
-        x.close()
-    return ts
+    return ring_round_trips(echo_worker.serve, make_one)
 
 
 def bench_floor() -> np.ndarray:
-    proc, sock, to_rt, from_rt = ring_pair(ping_worker)
+    def make_one(to_rt, from_rt):
+        def one(i):
+            to_rt.send(1, b"12345678")
+            from_rt.recv()
+        return one
 
-    def one(i):
-        to_rt.send(1, b"12345678")
-        from_rt.recv()
-
-    ts = timed(one)
-    to_rt.send(0)
-    proc.join(10)
-    for x in (to_rt, from_rt, sock):
-        x.close()
-    return ts
+    return ring_round_trips(ping_worker, make_one)
 
 
 def bench_pipe() -> np.ndarray:
