@@ -126,6 +126,17 @@ class Ring:
             return kind, seq, payload
         return None
 
+    def set_sleeping(self, flag: bool) -> None:
+        """Ask the producer to write the eventfd on its next send (a consumer that blocks
+        elsewhere, such as trio's ``wait_readable``, sets this before waiting)."""
+        self._buf[_SLEEP] = 1 if flag else 0
+
+    def clear_wakeup(self) -> None:
+        try:
+            os.eventfd_read(self.event_fd)
+        except BlockingIOError:
+            pass
+
     def recv(self, timeout: float | None = None, *, spin_s: float = 50e-6,
              yield_s: float = 2e-3) -> tuple[int, int, bytes]:
         """Block until a message arrives: poll for ``spin_s``, then poll with

@@ -1,0 +1,105 @@
+"""The ``Runtime`` protocol, the messages a runtime process exchanges besides the step
+contract, and the registry of runtimes (the ``lockstep.runtimes`` entry-point group).
+
+A runtime executes StepPlans and answers StepResults; it decides nothing. It lives in its
+own process (``lockstep.runtime.main``), and the engine reaches it only through the
+shared-memory rings. Control messages are msgspec Structs, so nothing is pickled; the
+step messages themselves use ``lockstep.transports.step_codec``.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+from typing import Protocol
+
+import msgspec
+import numpy as np
+
+from lockstep.policy.step import StepPlan, StepResult
+
+ENTRY_POINT_GROUP = "lockstep.runtimes"
+
+# Message kinds on the rings (1 and 2 are StepPlan and StepResult, see step_codec).
+SHUTDOWN, PLAN, RESULT, READY, NEW_REQUESTS, FORGET, FAILURE = 0, 1, 2, 3, 4, 5, 6
+
+
+class RuntimeSpec(msgspec.Struct, frozen=True):
+    """What a runtime process is asked to be: handed to it at start."""
+
+    runtime: str = "torch"  # a name in the lockstep.runtimes registry
+    model: str = "tiny"  # a preset name or a checkpoint directory
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_blocks: int = 512
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    seed: int = 0
+    options: dict = {}  # runtime-specific (the timing runtime's deployment, say)
+
+
+class Ready(msgspec.Struct, frozen=True):
+    """The runtime loaded its model: what the engine needs to know about it."""
+
+    name: str
+    vocab_size: int
+    eos_token_id: int
+    num_layers: int
+    num_experts: int
+    pid: int
+
+
+class NewRequests(msgspec.Struct, frozen=True):
+    """Sampling settings of requests about to appear in plans (sent once per request)."""
+
+    req_ids: list[int]
+    temperature: list[float]
+    top_p: list[float]
+    top_k: list[int]
+    seed: list[int]  # -1: unseeded
+
+
+class Forget(msgspec.Struct, frozen=True):
+    """Requests that are over for good (finished or aborted): drop their settings."""
+
+    req_ids: list[int]
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """The runtime could not go on: its last words before it exits."""
+
+    error: str
+
+
+class Runtime(Protocol):
+    """One model on one device. ``load`` runs once in the runtime process; ``execute`` runs
+    every step, in plan order, and must resolve PLACEHOLDER tokens from the previous
+    step's samples of the same slot."""
+
+    def load(self, spec: RuntimeSpec) -> Ready: ...
+
+    def add_requests(self, msg: NewRequests) -> None: ...
+
+    def forget(self, req_ids: list[int]) -> None: ...
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+def available() -> dict[str, object]:
+    """Runtime names to entry points: built-ins and any installed package's."""
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def create(name: str) -> Runtime:
+    eps = available()
+    if name not in eps:
+        raise ValueError(f"runtime {name!r} is not registered in entry-point group "
+                         f"{ENTRY_POINT_GROUP!r}; available: {sorted(eps)}")
+    return eps[name].load()()
+
+
+def sample_slot_rows(plan: StepPlan) -> np.ndarray:
+    """Index, in the plan's flat token array, of each sampling entry's last fed token."""
+    return plan.token_offsets[1:][plan.samples] - 1

@@ -1,0 +1,92 @@
+"""The runtime process: receive its two rings, load the runtime, then execute plans.
+
+Started by the engine's RuntimeClient from a forkserver that already imported torch, with
+one end of a socketpair. Over that socket come the two rings (SCM_RIGHTS); the socket then
+only tells the runtime that the engine is gone (EOF), so a runtime never outlives it.
+A runtime that raises sends a ``Failure`` with the traceback and exits.
+"""
+
+from __future__ import annotations
+
+import select
+import signal
+import socket
+import traceback
+
+import msgspec
+
+from lockstep.transports.shm_ring import Ring, recv_ring
+from lockstep.transports.step_codec import decode, encode
+
+from .base import (FAILURE, FORGET, NEW_REQUESTS, PLAN, READY, SHUTDOWN, Forget, Failure,
+                   NewRequests, RuntimeSpec, create)
+
+_ENC = msgspec.msgpack.Encoder()
+_NEW = msgspec.msgpack.Decoder(NewRequests)
+_FORGET = msgspec.msgpack.Decoder(Forget)
+
+
+def run(sock: socket.socket, spec_bytes: bytes) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine owns shutdown
+    inbox, outbox = recv_ring(sock), recv_ring(sock)
+    runtime = None
+    try:
+        spec = msgspec.msgpack.decode(spec_bytes, type=RuntimeSpec)
+        runtime = create(spec.runtime)
+        outbox.send(READY, _ENC.encode(runtime.load(spec)))
+        _serve(runtime, inbox, outbox, sock)
+    except BaseException:
+        try:
+            outbox.send(FAILURE, _ENC.encode(Failure(traceback.format_exc())))
+        finally:
+            raise
+    finally:
+        if runtime is not None:
+            runtime.shutdown()
+        inbox.close()
+        outbox.close()
+        sock.close()
+
+
+def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
+    while True:
+        msg = _next(inbox, sock)
+        if msg is None:
+            return
+        kind, _, payload = msg
+        match kind:
+            case 1:  # PLAN
+                k, parts = encode(runtime.execute(decode(PLAN, payload)))
+                outbox.send(k, *parts)
+            case 4:  # NEW_REQUESTS
+                runtime.add_requests(_NEW.decode(payload))
+            case 5:  # FORGET
+                runtime.forget(_FORGET.decode(payload).req_ids)
+            case 0:  # SHUTDOWN
+                return
+            case _:
+                raise ValueError(f"runtime got message kind {kind}; expected one of "
+                                 f"{[SHUTDOWN, PLAN, NEW_REQUESTS, FORGET]}")
+
+
+def _next(inbox: Ring, sock: socket.socket):
+    """The next message, or None once the engine is gone (its socket end closed)."""
+    while True:
+        try:
+            return inbox.recv(timeout=0.5)
+        except TimeoutError:
+            if _peer_gone(sock):
+                return None
+
+
+def _peer_gone(sock: socket.socket) -> bool:
+    readable, _, _ = select.select([sock], [], [], 0)
+    if not readable:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+__all__ = ["run", "FORGET", "NEW_REQUESTS", "FAILURE"]

@@ -1,0 +1,61 @@
+"""The ``timing`` runtime: no model, just the simulator's cost model.
+
+Each step costs what ``lockstep.sim``'s analytic model predicts for its plan (the same
+code, so the engine and the simulator agree on step time). The runtime either sleeps for
+that long (load tests, ``bench_engine``) or only reports it in ``StepResult.gpu_s``
+(``options["sleep"] = False``: the sim-parity test runs the engine in step time).
+Sampled tokens are stand-ins that never equal the end-of-sequence token.
+
+Options: ``deployment`` (a TOML path; default the built-in), ``pool`` (index, default 0),
+``sleep`` (default True).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from lockstep.policy.deployment import default_deployment, load_deployment
+from lockstep.policy.step import StepPlan, StepResult
+from lockstep.sim.cost import AnalyticCost
+from lockstep.sim.load import plan_load
+
+from .base import NewRequests, Ready, RuntimeSpec
+
+
+class TimingRuntime:
+    def load(self, spec: RuntimeSpec) -> Ready:
+        opts = spec.options
+        dep = load_deployment(opts["deployment"]) if opts.get("deployment") else default_deployment()
+        pool = dep.pools[int(opts.get("pool", 0))]
+        self.model = dep.model(pool.model)
+        self.cost = AnalyticCost(self.model, dep.hardware, dep.cost, pool.dep)
+        self.block_size = spec.block_size
+        self.sleep = bool(opts.get("sleep", True))
+        self.vocab = self.model.vocab_size
+        self.eos = self.model.eos_token_id
+        return Ready(name="timing", vocab_size=self.vocab, eos_token_id=self.eos,
+                     num_layers=self.model.num_layers, num_experts=self.model.num_routed_experts,
+                     pid=os.getpid())
+
+    def add_requests(self, msg: NewRequests) -> None:
+        pass
+
+    def forget(self, req_ids: list[int]) -> None:
+        pass
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t = float(self.cost.step_time(plan_load([plan], self.block_size)))
+        if self.sleep:
+            time.sleep(t)
+        rids = plan.req_ids[plan.samples]
+        pos = (plan.start_pos + plan.num_new)[plan.samples].astype(np.int64)
+        tokens = (rids * 7919 + pos) % (self.vocab - 1)
+        tokens += tokens >= self.eos  # skip the end-of-sequence id
+        return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
+                          token_ids=tokens.astype(np.int32), gpu_s=t)
+
+    def shutdown(self) -> None:
+        pass

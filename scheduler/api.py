@@ -1,0 +1,194 @@
+"""The Python API: ``open_engine`` (trio-native, streaming) and ``LLM`` (synchronous, batch).
+
+    async with lockstep.open_engine(EngineConfig(model="tiny")) as engine:
+        async for out in engine.generate("hello", SamplingParams(max_tokens=8)):
+            print(out.text, end="")
+
+``generate`` checks its arguments when called (a bad parameter raises ``RequestError`` there,
+and nothing is queued); a prompt that turns out too long once tokenized raises on the first
+iteration. Leaving the loop early aborts the request and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Sequence
+
+import attrs
+import numpy as np
+import trio
+
+from lockstep.engine.config import EngineConfig
+from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
+from lockstep.engine.output import RequestStream
+from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
+from lockstep.policy.request import FinishReason, RequestError, SamplingParams
+
+
+@attrs.frozen
+class RequestOutput:
+    """One streamed delta; the last one has ``finished`` set and the totals."""
+
+    request_id: int
+    text: str
+    token_ids: np.ndarray
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+
+@attrs.frozen
+class Completion:
+    """A whole answer (``LLM.generate`` and ``Engine.complete``)."""
+
+    request_id: int
+    text: str
+    token_ids: np.ndarray
+    finish_reason: str
+    num_prompt_tokens: int
+    ttft_s: float | None
+    e2e_s: float | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, frontend: Frontend, tokenizer):
+        self.config, self.scheduler, self.frontend, self.tokenizer = config, scheduler, frontend, tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        params = params or SamplingParams()
+        params.validate()
+        prompt = as_token_array(prompt)
+        if not isinstance(prompt, str):
+            check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size)
+        rid = next(self._ids)
+        stream = RequestStream(rid, len(prompt) if not isinstance(prompt, str) else 0, trio.current_time())
+        return self._stream(Prompt(rid, prompt, params, stream, priority, cache_salt))
+
+    async def _stream(self, p: Prompt) -> AsyncIterator[RequestOutput]:
+        stream, params = p.stream, p.params
+        detok = self.tokenizer and self._detokenizer()
+        stops = set(params.stop_token_ids)
+        n = 0
+        try:
+            await self.frontend.send_channel.send(p)
+            while True:
+                tokens, reason = await stream.next_delta()
+                if len(tokens) and (stops or params.stop):
+                    tokens, stopped = _cut_at_stop_ids(tokens, stops)
+                    if stopped:
+                        self.abort(p.req_id, FinishReason.STOP)
+                        reason = FinishReason.STOP
+                text = detok.feed(tokens) if detok else ""
+                if params.stop and text:
+                    text, hit = _cut_at_stop_strings(detok, text, params.stop)
+                    if hit:
+                        self.abort(p.req_id, FinishReason.STOP)
+                        reason = FinishReason.STOP
+                n += len(tokens)
+                yield self._output(stream, text, tokens, reason, n)
+                if reason is not None:
+                    return
+        finally:
+            if not stream.done:
+                self.abort(p.req_id)
+
+    def _output(self, s: RequestStream, text, tokens, reason, n) -> RequestOutput:
+        done = reason is not None
+        return RequestOutput(
+            request_id=s.req_id, text=text, token_ids=tokens, finished=done,
+            finish_reason=reason.value if done else None, num_prompt_tokens=s.num_prompt_tokens,
+            num_output_tokens=n, num_cached_tokens=s.num_cached_tokens,
+            ttft_s=None if s.first_token_at is None else s.first_token_at - s.arrival,
+            e2e_s=(s.finished_at - s.arrival) if done and s.finished_at is not None else None,
+        )
+
+    def _detokenizer(self):
+        from lockstep.runtime.tokenizer import IncrementalDetokenizer
+        return IncrementalDetokenizer(self.tokenizer)
+
+    async def complete(self, prompt, params: SamplingParams | None = None, **kw) -> Completion:
+        texts, ids, last = [], [], None
+        async for out in self.generate(prompt, params, **kw):
+            texts.append(out.text)
+            ids.append(out.token_ids)
+            last = out
+        return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
+                          last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s)
+
+    def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Stop a request wherever it is; its blocks are freed at the next step boundary."""
+        self.scheduler.send_channel.send_nowait(Abort(request_id, reason))
+
+    def statistics(self) -> SchedulerStats:
+        return self.scheduler.statistics()
+
+
+def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, bool]:
+    hits = np.flatnonzero(np.isin(tokens, list(stops))) if stops else ()
+    if len(hits):
+        return tokens[: hits[0] + 1], True
+    return tokens, False
+
+
+def _cut_at_stop_strings(detok, text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Cut the delta where a stop string ends up in the whole text (the stop string
+    itself is not returned, as in OpenAI's API)."""
+    full = detok.text
+    start = len(full) - len(text)
+    for s in stops:
+        i = full.find(s, max(0, start - len(s) + 1))
+        if i >= 0:
+            return text[: max(0, i - start)], True
+    return text, False
+
+
+@asynccontextmanager
+async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+    """Start the runtime process and the actors; stop them all on exit."""
+    config = config or EngineConfig()
+    async with trio.open_nursery() as nursery:
+        scheduler = Scheduler(config.make_core, config.make_client)
+        await nursery.start(scheduler.run)
+        ready = scheduler.client.ready
+        tokenizer = config.load_tokenizer()
+        frontend = Frontend(tokenizer, config.hasher(), scheduler.send_channel.clone(),
+                            max_model_len=config.scheduler.max_model_len, vocab_size=ready.vocab_size,
+                            eos_token_id=ready.eos_token_id, mailbox_size=config.mailbox_size)
+        await nursery.start(frontend.run)
+        try:
+            yield Engine(config, scheduler, frontend, tokenizer)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+class LLM:
+    """Synchronous batch generation for scripts: ``LLM("tiny").generate(["a", "b"])``.
+    Each call starts an engine, runs every prompt concurrently and stops it."""
+
+    def __init__(self, model: str = "tiny", **config):
+        self.config = EngineConfig(model=model, **config)
+
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        single = isinstance(prompts, str) or (len(prompts) and np.isscalar(prompts[0]))
+        prompts = [prompts] if single else list(prompts)
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise RequestError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        return trio.run(self._run, prompts, plist)
+
+    async def _run(self, prompts, plist) -> list[Completion]:
+        results: list[Completion | None] = [None] * len(prompts)
+        async with open_engine(self.config) as engine:
+            async def one(i):
+                results[i] = await engine.complete(prompts[i], plist[i])
+            async with trio.open_nursery() as n:
+                for i in range(len(prompts)):
+                    n.start_soon(one, i)
+        return results

@@ -1,0 +1,58 @@
+"""EngineConfig: what one engine (one DP rank) runs: model, runtime, device, scheduler limits."""
+
+from __future__ import annotations
+
+import attrs
+
+from lockstep.policy.config import ConfigError, SchedulerConfig
+from lockstep.policy.core import SchedulerCore
+from lockstep.policy.hashing import BlockHasher
+from lockstep.runtime.base import RuntimeSpec
+
+from .runtime_client import RuntimeClient
+
+
+def _small_scheduler() -> SchedulerConfig:
+    return SchedulerConfig(num_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096)
+
+
+@attrs.frozen
+class EngineConfig:
+    model: str = "tiny"  # a preset name or a Hugging Face checkpoint directory
+    runtime: str = "torch"  # a name in the lockstep.runtimes entry-point group
+    device: str = "cpu"
+    dtype: str = "float32"
+    scheduler: SchedulerConfig = attrs.field(factory=_small_scheduler)
+    tokenizer: str | None = ""  # "" means the model's own; None means token ids only
+    hash_secret: str = "lockstep"  # shared by every rank and router of a deployment
+    seed: int = 0
+    ring_bytes: int = 1 << 22
+    runtime_options: dict = attrs.field(factory=dict)
+    mailbox_size: int = 256
+
+    def __attrs_post_init__(self) -> None:
+        if self.device != "cpu" and not self.device.startswith("cuda"):
+            raise ConfigError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
+            raise ConfigError(f"engine.dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+
+    def runtime_spec(self) -> RuntimeSpec:
+        s = self.scheduler
+        return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
+                           num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
+                           max_model_len=s.max_model_len, seed=self.seed, options=dict(self.runtime_options))
+
+    def hasher(self) -> BlockHasher:
+        return BlockHasher(self.hash_secret.encode(), self.scheduler.block_size)
+
+    def make_core(self) -> SchedulerCore:
+        return SchedulerCore(self.scheduler, self.hasher())
+
+    def make_client(self) -> RuntimeClient:
+        return RuntimeClient(self.runtime_spec(), ring_bytes=self.ring_bytes)
+
+    def load_tokenizer(self):
+        if self.tokenizer is None:
+            return None
+        from lockstep.runtime.tokenizer import load_tokenizer
+        return load_tokenizer(self.tokenizer or self.model)

@@ -1,0 +1,94 @@
+"""The Frontend actor: turns submissions into Requests (tokenize, check, hash) and hands
+them to the Scheduler.
+
+Tokenizing and hashing a long prompt costs milliseconds, so it runs in a worker thread
+(``tokenizers`` and numpy release the GIL) and never in the Scheduler's task. A prompt that
+cannot be served fails its stream with a ``RequestError`` naming the field; nothing of it is
+queued.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import trio
+
+from lockstep.policy.hashing import BlockHasher
+from lockstep.policy.request import Request, RequestError, SamplingParams
+
+from .output import RequestStream
+from .scheduler import Submit
+
+
+@attrs.frozen
+class Prompt:
+    req_id: int
+    prompt: object  # str, or a 1-D int32 array of token ids
+    params: SamplingParams
+    stream: RequestStream
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class Frontend:
+    def __init__(self, tokenizer, hasher: BlockHasher, scheduler_channel: trio.MemorySendChannel,
+                 *, max_model_len: int, vocab_size: int, eos_token_id: int, mailbox_size: int = 256):
+        self.tokenizer, self.hasher = tokenizer, hasher
+        self.to_scheduler = scheduler_channel
+        self.max_model_len, self.vocab_size, self.eos = max_model_len, vocab_size, eos_token_id
+        self.send_channel, self._inbox = trio.open_memory_channel(mailbox_size)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async with self._inbox:
+            async for msg in self._inbox:
+                match msg:
+                    case Prompt():
+                        await self._admit(msg)
+                    case _:
+                        raise TypeError(f"Frontend got an unknown message {msg!r}")
+
+    async def _admit(self, p: Prompt) -> None:
+        try:
+            tokens, hashes, acc = await trio.to_thread.run_sync(self._prepare, p)
+        except RequestError as e:
+            p.stream.fail(e, trio.current_time())
+            return
+        p.stream.num_prompt_tokens = len(tokens)
+        req = Request(id=p.req_id, prompt=tokens, params=p.params, arrival_time=p.stream.arrival,
+                      priority=p.priority, block_hashes=hashes, hash_acc=acc,
+                      cache_salt=p.cache_salt, eos_token_id=self.eos)
+        await self.to_scheduler.send(Submit(req, p.stream))
+
+    def _prepare(self, p: Prompt):
+        if isinstance(p.prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt: this engine has no tokenizer; pass token ids")
+            tokens = np.asarray(self.tokenizer.encode(p.prompt), dtype=np.int32)
+        else:
+            tokens = p.prompt
+        check_prompt(tokens, p.params, self.max_model_len, self.vocab_size)
+        hashes, acc = self.hasher.hash_prompt(tokens, p.cache_salt)
+        return tokens, hashes, acc
+
+
+def as_token_array(prompt) -> object:
+    """A text prompt stays text; token ids become a 1-D int32 array (checked)."""
+    if isinstance(prompt, str):
+        return prompt
+    arr = np.asarray(prompt)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise RequestError(f"prompt must be a string or a 1-D sequence of integer token ids, "
+                           f"got {type(prompt).__name__} of shape {arr.shape} and dtype {arr.dtype}")
+    return arr.astype(np.int32, copy=False)
+
+
+def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+    if len(tokens) == 0:
+        raise RequestError("prompt must hold at least one token")
+    if len(tokens) + params.max_tokens > max_model_len:
+        raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                           f"the model's context of {max_model_len} tokens", reason="context_length")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got one of {lo if lo < 0 else hi}")

@@ -1,0 +1,129 @@
+"""RuntimeClient: owns one runtime process and the two rings to it.
+
+The process starts from a forkserver that has already imported torch and the runtimes, so
+a start costs a fork, not an import. The rings are handed over a socketpair (SCM_RIGHTS);
+the socket then stays open only so the runtime sees EOF when the engine goes away. A dead
+runtime is noticed through its process sentinel while a step is awaited, and surfaces as
+``RuntimeDied`` naming the exit code and, when the runtime said them, its last words.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+
+import msgspec
+import trio
+
+from lockstep.policy.step import StepPlan, StepResult
+from lockstep.runtime import main as runtime_main
+from lockstep.runtime.base import (FAILURE, FORGET, NEW_REQUESTS, READY, RESULT, SHUTDOWN,
+                                   Failure, Forget, NewRequests, Ready, RuntimeSpec)
+from lockstep.transports import trio_ring
+from lockstep.transports.shm_ring import Ring, send_ring
+from lockstep.transports.step_codec import decode, encode
+
+_ENC = msgspec.msgpack.Encoder()
+_PRELOAD = ["lockstep.runtime.main", "lockstep.runtime.timing", "lockstep.runtime.torch_runtime"]
+
+
+class RuntimeDied(RuntimeError):
+    """The runtime process exited or failed; in-flight steps are lost."""
+
+
+def forkserver_context() -> multiprocessing.context.BaseContext:
+    """The forkserver every runtime starts from (torch imported once, in the server)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # a module that fails to import is skipped
+    return ctx
+
+
+class RuntimeClient:
+    def __init__(self, spec: RuntimeSpec, *, ring_bytes: int = 1 << 22, start_timeout: float = 120.0):
+        self.spec = spec
+        self.ring_bytes = ring_bytes
+        self.start_timeout = start_timeout
+        self.proc = None
+        self.ready: Ready | None = None
+        self._to: Ring | None = None
+        self._from: Ring | None = None
+        self._sock: socket.socket | None = None
+        self._pending: list[tuple[int, bytes]] = []  # control messages sent with the next plan
+
+    # -- life cycle ----------------------------------------------------------------------------
+    async def start(self) -> Ready:
+        ctx = forkserver_context()
+        mine, theirs = socket.socketpair()
+        self._to, self._from = Ring.create(self.ring_bytes), Ring.create(self.ring_bytes)
+        self._sock = mine
+        self.proc = ctx.Process(target=runtime_main.run, name=f"lockstep-runtime-{self.spec.runtime}",
+                                args=(theirs, _ENC.encode(self.spec)), daemon=True)
+        try:
+            await trio.to_thread.run_sync(self.proc.start)
+            send_ring(mine, self._to)
+            send_ring(mine, self._from)
+        finally:
+            theirs.close()
+        with trio.fail_after(self.start_timeout):
+            kind, _, payload = await self._recv()
+        if kind != READY:
+            raise RuntimeDied(f"runtime sent message kind {kind} before READY")
+        self.ready = msgspec.msgpack.decode(payload, type=Ready)
+        return self.ready
+
+    async def aclose(self, timeout: float = 5.0) -> None:
+        """Ask the runtime to stop, wait up to ``timeout``, then kill it; release the rings."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            if proc.is_alive():
+                try:
+                    self._to.send(SHUTDOWN)
+                except Exception:
+                    pass
+                with trio.move_on_after(timeout):
+                    await trio.to_thread.run_sync(proc.join, abandon_on_cancel=True)
+                if proc.is_alive():
+                    proc.kill()
+                    await trio.to_thread.run_sync(proc.join)
+            proc.close()
+        for ring in (self._to, self._from):
+            if ring is not None:
+                ring.close()
+        self._to = self._from = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    # -- messages ------------------------------------------------------------------------------
+    def add_requests(self, msg: NewRequests) -> None:
+        self._pending.append((NEW_REQUESTS, _ENC.encode(msg)))
+
+    def forget(self, req_ids: list[int]) -> None:
+        self._pending.append((FORGET, _ENC.encode(Forget(req_ids))))
+
+    def send_plan(self, plan: StepPlan) -> None:
+        for kind, payload in self._pending:
+            self._to.send(kind, payload)
+        self._pending.clear()
+        kind, parts = encode(plan)
+        self._to.send(kind, *parts)
+
+    async def receive_result(self) -> StepResult:
+        kind, _, payload = await self._recv()
+        if kind != RESULT:
+            raise RuntimeDied(f"runtime sent message kind {kind}, expected a StepResult")
+        return decode(kind, payload)
+
+    async def _recv(self) -> tuple[int, int, bytes]:
+        try:
+            msg = await trio_ring.recv(self._from, self.alive)
+        except EOFError:
+            code = None if self.proc is None else self.proc.exitcode
+            raise RuntimeDied(f"runtime process {self.spec.runtime!r} exited (code {code})") from None
+        if msg[0] == FAILURE:
+            raise RuntimeDied(f"runtime process {self.spec.runtime!r} failed:\n"
+                              + msgspec.msgpack.decode(msg[2], type=Failure).error)
+        return msg

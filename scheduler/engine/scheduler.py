@@ -1,0 +1,235 @@
+"""The Scheduler actor: owns one SchedulerCore and drives one runtime through its client.
+
+Each step: apply the step that just ended (``update``), hand its tokens to the request
+streams, dispatch the plan made while it ran, and plan the next one (async scheduling: step
+N+1 is planned while step N executes, exactly as the simulator models it). Messages
+(submissions, aborts) are taken at step boundaries. A runtime that dies fails every request
+it held with a clear error; the actor then starts a fresh runtime and a fresh core and goes
+on serving.
+
+Time comes from a ``Pacer``: real time by default; the sim-parity test and trace replays use
+step time (each step lasts what the runtime reports, and arrivals are released at step
+boundaries).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import attrs
+import structlog
+import trio
+
+from lockstep.policy.core import SchedulerCore
+from lockstep.policy.request import FinishReason, Request, RequestError
+from lockstep.policy.step import StepPlan, StepResult
+from lockstep.runtime.base import NewRequests
+
+from .output import RequestStream, deliver
+from .runtime_client import RuntimeClient, RuntimeDied
+
+log = structlog.get_logger("lockstep.scheduler")
+
+
+@attrs.frozen
+class Submit:
+    req: Request
+    stream: RequestStream
+
+
+@attrs.frozen
+class Abort:
+    req_id: int
+    reason: FinishReason = FinishReason.ABORT
+
+
+@attrs.frozen
+class Stop:
+    """Finish the steps in flight, then return."""
+
+
+class Pacer(Protocol):
+    def now(self) -> float: ...
+
+    def step_done(self, result: StepResult) -> None: ...
+
+    def due(self, now: float) -> list[Submit]: ...
+
+    def next_arrival(self) -> float: ...
+
+
+class RealTime:
+    def now(self) -> float:
+        return trio.current_time()
+
+    def step_done(self, result: StepResult) -> None:
+        pass
+
+    def due(self, now: float) -> list[Submit]:
+        return []
+
+    def next_arrival(self) -> float:
+        return math.inf
+
+
+@attrs.frozen
+class SchedulerStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    steps: int
+    generated_tokens: int
+    runtime_restarts: int
+
+
+class Scheduler:
+    def __init__(self, make_core: Callable[[], SchedulerCore], make_client: Callable[[], RuntimeClient],
+                 *, pacer: Pacer | None = None, on_plan: Callable[[StepPlan], None] | None = None):
+        self.make_core, self.make_client = make_core, make_client
+        self.core = make_core()
+        self.client: RuntimeClient | None = None
+        self.pacer = pacer or RealTime()
+        self.on_plan = on_plan  # observer (parity tests)
+        self.streams: dict[int, RequestStream] = {}
+        self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
+        self._executing: StepPlan | None = None
+        self._planned: StepPlan | None = None
+        self._stopping = False
+        self.steps = self.generated = self.restarts = 0
+        self._old = (0, 0, 0)  # prefix queries, hits, preemptions of cores replaced on restarts
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        self.client = self.make_client()
+        try:
+            await self.client.start()
+            task_status.started()
+            await self._loop()
+        finally:
+            with trio.CancelScope(shield=True):
+                self._fail_all(RuntimeError("the engine shut down"))
+                await self.client.aclose()
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while not (self._stopping and self._executing is None):
+            if self._executing is None:
+                await self._idle()
+                continue
+            try:
+                result = await self.client.receive_result()
+            except RuntimeDied as e:
+                await self._restart(e)
+                continue
+            self.pacer.step_done(result)
+            now = self.pacer.now()
+            self._take_messages(now)
+            self._apply(self._executing, result, now)
+            nxt = self._planned
+            if nxt is None and self.core.has_work():
+                nxt = self._plan(now)
+            self._dispatch(nxt, now)
+
+    async def _idle(self) -> None:
+        """Nothing in flight: wait for a message (or, in step time, jump to the next arrival)."""
+        t = self.pacer.next_arrival()
+        if t < math.inf:
+            self._handle(self.pacer.due(t)[0], t)
+        else:
+            self._handle(await self._inbox.receive(), self.pacer.now())
+        now = self.pacer.now() if t == math.inf else t
+        self._take_messages(now)
+        if self.core.has_work():
+            self._dispatch(self._plan(now), now)
+
+    def _take_messages(self, now: float) -> None:
+        for sub in self.pacer.due(now):
+            self._handle(sub, now)
+        while True:
+            try:
+                msg = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            self._handle(msg, now)
+
+    def _handle(self, msg, now: float) -> None:
+        match msg:
+            case Submit(req=req, stream=stream):
+                try:
+                    self.core.add_request(req)
+                except RequestError as e:
+                    stream.fail(e, now)
+                    return
+                self.streams[req.id] = stream
+                p = req.params
+                self.client.add_requests(NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k],
+                                                     [-1 if p.seed is None else p.seed]))
+            case Abort(req_id=rid, reason=reason):
+                if self.core.abort(rid):
+                    self.client.forget([rid])
+                s = self.streams.pop(rid, None)
+                if s is not None:
+                    s.finish(reason, now)
+            case Stop():
+                self._stopping = True
+            case _:
+                raise TypeError(f"Scheduler got an unknown message {msg!r}")
+
+    def _plan(self, now: float) -> StepPlan | None:
+        plan = self.core.schedule(now)
+        return None if plan.is_empty() else plan
+
+    def _dispatch(self, plan: StepPlan | None, now: float) -> None:
+        self._executing = plan
+        self._planned = None
+        if plan is None:
+            return
+        if self.on_plan is not None:
+            self.on_plan(plan)
+        self.client.send_plan(plan)
+        self.steps += 1
+        if self.core.config.async_scheduling:
+            self._planned = self._plan(now)
+
+    def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        out = self.core.update(plan, result, now)
+        self.generated += int(out.num_tokens.sum())
+        deliver(self.streams, out.req_ids, out.num_tokens, out.token_ids, out.finished, now)
+        if out.finished:
+            self.client.forget([rid for rid, _ in out.finished])
+
+    # -- faults --------------------------------------------------------------------------------
+    async def _restart(self, error: RuntimeDied) -> None:
+        log.error("runtime died; failing its requests and restarting it", error=str(error).splitlines()[0])
+        self._fail_all(error)
+        old = self.core
+        self._old = (self._old[0] + old.prefix_queries, self._old[1] + old.prefix_hits,
+                     self._old[2] + old.num_preemptions)
+        self.core = self.make_core()
+        self._executing = self._planned = None
+        await self.client.aclose()
+        self.client = self.make_client()
+        await self.client.start()
+        self.restarts += 1
+
+    def _fail_all(self, error: BaseException) -> None:
+        now = self.pacer.now()
+        for rid in list(self.core.requests):
+            self.core.abort(rid)
+        streams, self.streams = self.streams, {}
+        for s in streams.values():
+            s.fail(error, now)
+
+    # -- queries -------------------------------------------------------------------------------
+    def statistics(self) -> SchedulerStats:
+        c = self.core
+        return SchedulerStats(
+            running=c.num_running, waiting=c.num_waiting, kv_blocks_used=c.pool.num_used,
+            kv_blocks_total=c.pool.num_blocks, prefix_queries=self._old[0] + c.prefix_queries,
+            prefix_hits=self._old[1] + c.prefix_hits, preemptions=self._old[2] + c.num_preemptions,
+            steps=self.steps, generated_tokens=self.generated, runtime_restarts=self.restarts,
+        )
