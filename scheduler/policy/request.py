@@ -44,6 +44,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
     ignore_eos: bool = False
 
     def validate(self) -> None:
@@ -55,6 +56,12 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k != -1 and self.top_k < 1:
             raise RequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
 
 
 @attrs.define(eq=False, slots=True)
