@@ -55,7 +55,8 @@ class TimingRuntime:
         tokens = (rids * 7919 + pos) % (self.vocab - 1)
         tokens += tokens >= self.eos  # skip the end-of-sequence id
         return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
-                          token_ids=tokens.astype(np.int32), gpu_s=t)
+                          token_ids=tokens.astype(np.int32), gpu_s=t,
+                          kv_loads_done=plan.kv_load_req_ids)  # loads are charged inside the step
 
     def shutdown(self) -> None:
         pass

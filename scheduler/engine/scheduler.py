@@ -15,7 +15,7 @@ boundaries).
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from typing import Callable
 
 import attrs
 import structlog
@@ -27,6 +27,7 @@ from lockstep.policy.step import StepPlan, StepResult
 from lockstep.runtime.base import NewRequests
 
 from .output import RequestStream, deliver
+from .pacing import Pacer, RealTime
 from .runtime_client import RuntimeClient, RuntimeDied
 
 log = structlog.get_logger("lockstep.scheduler")
@@ -47,30 +48,6 @@ class Abort:
 @attrs.frozen
 class Stop:
     """Finish the steps in flight, then return."""
-
-
-class Pacer(Protocol):
-    def now(self) -> float: ...
-
-    def step_done(self, result: StepResult) -> None: ...
-
-    def due(self, now: float) -> list[Submit]: ...
-
-    def next_arrival(self) -> float: ...
-
-
-class RealTime:
-    def now(self) -> float:
-        return trio.current_time()
-
-    def step_done(self, result: StepResult) -> None:
-        pass
-
-    def due(self, now: float) -> list[Submit]:
-        return []
-
-    def next_arrival(self) -> float:
-        return math.inf
 
 
 @attrs.frozen
@@ -135,14 +112,17 @@ class Scheduler:
             self._dispatch(nxt, now)
 
     async def _idle(self) -> None:
-        """Nothing in flight: wait for a message (or, in step time, jump to the next arrival)."""
-        t = self.pacer.next_arrival()
-        if t < math.inf:
-            self._handle(self.pacer.due(t)[0], t)
+        """Nothing in flight: wait for a message (in step time: jump to the next arrival,
+        which is planned alone, as the simulator does)."""
+        sub = self.pacer.wake()
+        if sub is not None:
+            now = self.pacer.now()
+            self._handle(sub, now)
         else:
-            self._handle(await self._inbox.receive(), self.pacer.now())
-        now = self.pacer.now() if t == math.inf else t
-        self._take_messages(now)
+            msg = await self._inbox.receive()
+            now = self.pacer.now()
+            self._handle(msg, now)
+            self._take_messages(now)
         if self.core.has_work():
             self._dispatch(self._plan(now), now)
 
