@@ -73,24 +73,22 @@ class Engine:
 
     async def _stream(self, p: Prompt) -> AsyncIterator[RequestOutput]:
         stream, params = p.stream, p.params
-        detok = self.tokenizer and self._detokenizer()
-        stops = set(params.stop_token_ids)
-        n = 0
+        detok = self._detokenizer()
+        stops, said, n = set(params.stop_token_ids), "", 0
         try:
             await self.frontend.send_channel.send(p)
             while True:
                 tokens, reason = await stream.next_delta()
-                if len(tokens) and (stops or params.stop):
-                    tokens, stopped = _cut_at_stop_ids(tokens, stops)
-                    if stopped:
-                        self.abort(p.req_id, FinishReason.STOP)
-                        reason = FinishReason.STOP
-                text = detok.feed(tokens) if detok else ""
+                if stops and len(tokens):
+                    tokens, hit = _cut_at_stop_ids(tokens, stops)
+                    reason = self._stopped(p.req_id) if hit else reason
+                text = ""
+                if detok is not None:
+                    text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
                 if params.stop and text:
-                    text, hit = _cut_at_stop_strings(detok, text, params.stop)
-                    if hit:
-                        self.abort(p.req_id, FinishReason.STOP)
-                        reason = FinishReason.STOP
+                    text, hit = _cut_at_stop_strings(said, text, params.stop)
+                    reason = self._stopped(p.req_id) if hit else reason
+                said += text
                 n += len(tokens)
                 yield self._output(stream, text, tokens, reason, n)
                 if reason is not None:
@@ -98,6 +96,10 @@ class Engine:
         finally:
             if not stream.done:
                 self.abort(p.req_id)
+
+    def _stopped(self, req_id: int) -> FinishReason:
+        self.abort(req_id, FinishReason.STOP)
+        return FinishReason.STOP
 
     def _output(self, s: RequestStream, text, tokens, reason, n) -> RequestOutput:
         done = reason is not None
@@ -110,6 +112,8 @@ class Engine:
         )
 
     def _detokenizer(self):
+        if self.tokenizer is None:
+            return None
         from lockstep.runtime.tokenizer import IncrementalDetokenizer
         return IncrementalDetokenizer(self.tokenizer)
 
@@ -137,16 +141,18 @@ def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, b
     return tokens, False
 
 
-def _cut_at_stop_strings(detok, text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """Cut the delta where a stop string ends up in the whole text (the stop string
-    itself is not returned, as in OpenAI's API)."""
-    full = detok.text
-    start = len(full) - len(text)
+def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """Cut the new ``text`` where a stop string first ends up in ``said + text``; the stop
+    string itself is not returned (as in OpenAI's API)."""
+    full = said + text
+    cut = None
     for s in stops:
-        i = full.find(s, max(0, start - len(s) + 1))
-        if i >= 0:
-            return text[: max(0, i - start)], True
-    return text, False
+        i = full.find(s, max(0, len(said) - len(s) + 1))
+        if i >= 0 and (cut is None or i < cut):
+            cut = i
+    if cut is None:
+        return text, False
+    return text[: max(0, cut - len(said))], True
 
 
 @asynccontextmanager
@@ -176,7 +182,7 @@ class LLM:
         self.config = EngineConfig(model=model, **config)
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        single = isinstance(prompts, str) or (len(prompts) and np.isscalar(prompts[0]))
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         prompts = [prompts] if single else list(prompts)
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):

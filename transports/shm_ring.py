@@ -10,10 +10,10 @@ Layout of one ring: a 192-byte header, then ``capacity`` bytes of frames.
   [64:72)   tail: bytes ever read (the consumer's), on its own cache line
   [128:136) sleeping: 1 while the consumer blocks on the eventfd
 A frame is a 16-byte header (payload length, sequence number, message kind, pad) and the
-payload, padded to 8 bytes. A frame never wraps: one that does not fit before the end is
-preceded by a WRAP marker and starts again at offset 0. The consumer spins briefly,
-then yields, then sets ``sleeping`` and blocks on the eventfd; the producer writes the eventfd
-only then.
+payload, padded to 16 bytes (so a WRAP marker always fits before the end). A frame never
+wraps: one that does not fit before the end is preceded by a WRAP marker and starts again
+at offset 0. The consumer spins briefly, then yields, then sets ``sleeping`` and blocks on
+the eventfd; the producer writes the eventfd only then.
 Python has no store-load fence, so the consumer's block has a short timeout and re-checks:
 a wake-up lost to reordering costs at most ``_SAFETY_S``.
 """
@@ -28,6 +28,7 @@ import struct
 import time
 
 _HEAD, _TAIL, _SLEEP = 0, 64, 128
+_QHEAD, _QTAIL = _HEAD // 8, _TAIL // 8  # indexes in the header's u64 view
 _HDR = 192
 _FRAME = struct.Struct("<IIII")  # length, seq, kind, pad
 _WRAP = 0xFFFFFFFF
@@ -50,12 +51,16 @@ class Ring:
         self.mem_fd, self.event_fd, self.capacity = mem_fd, event_fd, capacity
         self._map = mmap.mmap(mem_fd, _HDR + capacity)
         self._buf = memoryview(self._map)
+        # Counters are read and written as whole aligned native u64s (one load or store
+        # each): struct's "<Q" goes byte by byte, and a torn read of ``head`` would make the
+        # consumer read a frame that is not written yet.
+        self._ctr = self._buf[:_HDR].cast("Q")
         self._seq = 0
 
     @classmethod
     def create(cls, capacity: int = 1 << 22) -> Ring:
-        if capacity < 4096 or capacity % 8:
-            raise ValueError(f"ring capacity must be a multiple of 8 and >= 4096 bytes, got {capacity}")
+        if capacity < 4096 or capacity % 16:
+            raise ValueError(f"ring capacity must be a multiple of 16 and >= 4096 bytes, got {capacity}")
         fd = os.memfd_create("lockstep-ring", os.MFD_CLOEXEC)
         os.ftruncate(fd, _HDR + capacity)
         efd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
@@ -64,6 +69,7 @@ class Ring:
     def close(self) -> None:
         if self._map is None:
             return
+        self._ctr.release()
         self._buf.release()
         self._map.close()
         os.close(self.mem_fd)
@@ -79,14 +85,15 @@ class Ring:
     def send(self, kind: int, *parts: bytes | memoryview) -> None:
         """Write one message made of ``parts`` (concatenated); blocks while the ring is full."""
         length = sum(len(p) for p in parts)
-        size = _FRAME.size + ((length + 7) & ~7)
+        size = _FRAME.size + ((length + 15) & ~15)
         if size > self.capacity // 2:
             raise MessageTooLarge(
                 f"message of {length} bytes does not fit a ring of {self.capacity} bytes "
                 f"(at most {self.capacity // 2 - _FRAME.size}); raise the ring size"
             )
         buf, cap = self._buf, self.capacity
-        head = _u64(buf, _HEAD)
+        ctr = self._ctr
+        head = ctr[_QHEAD]
         off = head % cap
         wrap = cap - off if off + size > cap else 0
         self._wait_space(head + wrap + size)
@@ -100,29 +107,30 @@ class Ring:
         for p in parts:
             buf[pos : pos + len(p)] = p
             pos += len(p)
-        _set_u64(buf, _HEAD, head + size)  # publish after the payload (x86 keeps store order)
+        ctr[_QHEAD] = head + size  # publish after the payload (x86 keeps store order)
         if buf[_SLEEP]:
             os.eventfd_write(self.event_fd, 1)
 
     def _wait_space(self, upto: int) -> None:
-        while upto - _u64(self._buf, _TAIL) > self.capacity:
+        while upto - self._ctr[_QTAIL] > self.capacity:
             time.sleep(0)  # the consumer is behind: yield the core to it
 
     # -- consumer ------------------------------------------------------------------------
     def poll(self) -> tuple[int, int, bytes] | None:
         """The next message as (kind, seq, payload), or None when the ring is empty."""
         buf, cap = self._buf, self.capacity
-        tail = _u64(buf, _TAIL)
-        while tail != _u64(buf, _HEAD):
+        ctr = self._ctr
+        tail = ctr[_QTAIL]
+        while tail != ctr[_QHEAD]:
             off = tail % cap
             length, seq, kind, _ = _FRAME.unpack_from(buf, _HDR + off)
             if kind == _WRAP:
                 tail += cap - off
-                _set_u64(buf, _TAIL, tail)
+                ctr[_QTAIL] = tail
                 continue
             start = _HDR + off + _FRAME.size
             payload = bytes(buf[start : start + length])
-            _set_u64(buf, _TAIL, tail + _FRAME.size + ((length + 7) & ~7))
+            ctr[_QTAIL] = tail + _FRAME.size + ((length + 15) & ~15)
             return kind, seq, payload
         return None
 
@@ -173,17 +181,6 @@ class Ring:
                 os.eventfd_read(self.event_fd)
             except BlockingIOError:
                 pass
-
-
-_Q = struct.Struct("<Q")
-
-
-def _u64(buf: memoryview, off: int) -> int:
-    return _Q.unpack_from(buf, off)[0]
-
-
-def _set_u64(buf: memoryview, off: int, value: int) -> None:
-    _Q.pack_into(buf, off, value)
 
 
 # -- handing rings to another process -----------------------------------------------------------

@@ -114,7 +114,7 @@ class RuntimeClient:
     async def receive_result(self) -> StepResult:
         kind, _, payload = await self._recv()
         if kind != RESULT:
-            raise RuntimeDied(f"runtime sent message kind {kind}, expected a StepResult")
+            raise RuntimeDied(f"runtime sent message kind {kind} (seq {_}, {len(payload)} bytes), expected a StepResult")
         return decode(kind, payload)
 
     async def _recv(self) -> tuple[int, int, bytes]:

@@ -1,0 +1,54 @@
+"""Sampling for the torch runtime: greedy, temperature, top-k and top-p, with per-request
+seeds.
+
+A seeded request draws each token from a generator seeded by (seed, position), so its
+output does not depend on what else shares its batch or on preemptions. Unseeded requests
+share the runtime's generator.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_MIX = 0x9E3779B97F4A7C15
+
+
+def sample(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
+           seeds: np.ndarray, positions: np.ndarray, gen: torch.Generator) -> np.ndarray:
+    """One token per row of ``logits`` (S, V); the arrays are per row."""
+    out = logits.argmax(dim=-1)
+    rand = np.flatnonzero(temperature > 0)
+    if len(rand):
+        probs = _probs(logits[rand], temperature[rand], top_p[rand], top_k[rand])
+        picks = torch.empty(len(rand), dtype=torch.int64, device=logits.device)
+        unseeded = np.flatnonzero(seeds[rand] < 0)
+        if len(unseeded):
+            picks[unseeded] = torch.multinomial(probs[unseeded].cpu(), 1, generator=gen).squeeze(1).to(picks.device)
+        for j in np.flatnonzero(seeds[rand] >= 0).tolist():
+            g = torch.Generator().manual_seed(_row_seed(int(seeds[rand[j]]), int(positions[rand[j]])))
+            picks[j] = torch.multinomial(probs[j].cpu(), 1, generator=g).item()
+        out[rand] = picks
+    return out.to(torch.int32).cpu().numpy()
+
+
+def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> torch.Tensor:
+    dev = logits.device
+    x = logits.float() / torch.as_tensor(temperature, dtype=torch.float32, device=dev)[:, None]
+    if (top_k > 0).any():
+        vocab = x.shape[-1]
+        k = torch.as_tensor(np.where(top_k > 0, np.minimum(top_k, vocab), vocab), device=dev)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if (top_p < 1).any():
+        srt, idx = x.sort(dim=-1, descending=True)
+        p = srt.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        drop = (p.cumsum(dim=-1) - p) >= torch.as_tensor(top_p, dtype=torch.float32, device=dev)[:, None]
+        srt = srt.masked_fill(drop, float("-inf"))
+        x = torch.full_like(x, float("-inf")).scatter(1, idx, srt)
+    return x.softmax(dim=-1)
+
+
+def _row_seed(seed: int, position: int) -> int:
+    return ((seed * _MIX) ^ (position * 0xBF58476D1CE4E5B9)) & 0x7FFFFFFFFFFFFFFF

@@ -1,0 +1,108 @@
+"""The ``torch`` runtime: the DeepSeek-V3 family on CPU or CUDA.
+
+State is kept by batch slot (the core's stable slot of each request), in arrays: each slot's
+block table and its last sampled token, so turning a StepPlan into a forward batch is a few
+vectorized numpy operations, with no per-request Python work on the decode path. PLACEHOLDER
+tokens (async scheduling: "what you sampled last step") are filled from the last-token array.
+Sampling settings arrive once per request (``NewRequests``) and are dropped on ``forget``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
+
+from .base import NewRequests, Ready, RuntimeSpec
+from .models import load_model
+from .models.batch import ForwardBatch
+from .sampling import sample
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16}
+
+
+class TorchRuntime:
+    def load(self, spec: RuntimeSpec) -> Ready:
+        if spec.device == "cpu":
+            torch.set_num_threads(int(spec.options.get("threads", 1)))
+        self.device = torch.device(spec.device)
+        self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed)
+        self.bs = spec.block_size
+        self.kv = self.model.make_kv_cache(spec.num_blocks, spec.block_size)
+        self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
+        self.last = np.zeros(spec.max_num_seqs, np.int32)
+        self.params: dict[int, tuple[float, float, int, int]] = {}
+        self.gen = torch.Generator().manual_seed(spec.seed)
+        cfg = self.model.cfg
+        return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
+                     num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid())
+
+    def add_requests(self, msg: NewRequests) -> None:
+        for i, rid in enumerate(msg.req_ids):
+            self.params[rid] = (msg.temperature[i], msg.top_p[i], msg.top_k[i], msg.seed[i])
+
+    def forget(self, req_ids: list[int]) -> None:
+        for rid in req_ids:
+            self.params.pop(rid, None)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        if plan.num_reqs == 0:
+            return StepResult(step_id=plan.step_id, num_sampled=np.zeros(0, np.int32),
+                              token_ids=np.zeros(0, np.int32), kv_loads_done=plan.kv_load_req_ids)
+        batch, positions = self._batch(plan)
+        t1 = time.perf_counter()
+        logits, counts = self.model(batch, self.kv)
+        tokens = self._sample(plan, logits, positions)
+        self.last[plan.slots[plan.samples]] = tokens
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t2 = time.perf_counter()
+        return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32), token_ids=tokens,
+                          kv_loads_done=plan.kv_load_req_ids, expert_counts=counts.cpu().numpy(),
+                          host_s=t1 - t0, gpu_s=t2 - t1)
+
+    def _batch(self, plan: StepPlan) -> tuple[ForwardBatch, np.ndarray]:
+        n, bs = plan.num_reqs, self.bs
+        slots = plan.slots.astype(np.int64)
+        # New block ids go into each slot's table at block_start onwards.
+        nb = np.diff(plan.block_offsets)
+        if len(plan.block_ids):
+            rows = np.repeat(slots, nb)
+            cols = np.repeat(plan.block_start.astype(np.int64) - plan.block_offsets[:-1], nb) + np.arange(len(plan.block_ids))
+            self.tables[rows, cols] = plan.block_ids
+        num_new = plan.num_new.astype(np.int64)
+        entry = np.repeat(np.arange(n), num_new)
+        ids = plan.token_ids.astype(np.int64)
+        ph = ids == PLACEHOLDER
+        if ph.any():
+            ids[ph] = self.last[slots[entry[ph]]]
+        pos = plan.start_pos.astype(np.int64)[entry] + np.arange(len(ids)) - plan.token_offsets[entry]
+        seq_lens = plan.start_pos.astype(np.int64) + num_new
+        width = int(-(-seq_lens.max() // bs))
+        table = self.tables[slots, :width]
+        slot_mapping = table[entry, pos // bs].astype(np.int64) * bs + pos % bs
+        sample_rows = plan.token_offsets[1:][plan.samples] - 1
+        d = self.device
+        batch = ForwardBatch(
+            input_ids=torch.from_numpy(ids).to(d), positions=torch.from_numpy(pos).to(d),
+            query_start=torch.from_numpy(np.array(plan.token_offsets, dtype=np.int64)).to(d),
+            seq_lens=torch.from_numpy(seq_lens).to(d), block_tables=torch.from_numpy(np.ascontiguousarray(table)).to(d),
+            slot_mapping=torch.from_numpy(slot_mapping).to(d), sample_index=torch.from_numpy(sample_rows).to(d),
+        )
+        return batch, pos[sample_rows]
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray) -> np.ndarray:
+        default = (1.0, 1.0, -1, -1)
+        rows = [self.params.get(r, default) for r in plan.req_ids[plan.samples].tolist()]
+        temp, top_p, top_k, seed = (np.array(col) for col in zip(*rows)) if rows else ([],) * 4
+        return sample(logits, np.asarray(temp, np.float64), np.asarray(top_p, np.float64),
+                      np.asarray(top_k, np.int64), np.asarray(seed, np.int64), positions, self.gen)
+
+    def shutdown(self) -> None:
+        self.kv = None

@@ -1,0 +1,200 @@
+"""The trio engine end to end: real runtime processes over shared memory, the tiny torch
+model on CPU, the Python API, aborts, bad input, a runtime killed mid-step, and leaks."""
+
+import functools
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from lockstep.api import LLM, open_engine
+from lockstep.engine.config import EngineConfig
+from lockstep.engine.runtime_client import RuntimeDied
+from lockstep.policy.config import SchedulerConfig
+from lockstep.policy.request import RequestError, SamplingParams
+from lockstep.runtime.models import load_model
+from lockstep.runtime.models.batch import ForwardBatch
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def config(**kw) -> EngineConfig:
+    # Small token budget: long prompts are prefilled in chunks across steps.
+    sched = SchedulerConfig(num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                            max_model_len=512)
+    return EngineConfig(model="tiny", dtype="float64", scheduler=sched, **kw)
+
+
+def prompts() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    base = rng.integers(3, 500, 150).astype(np.int32)
+    # Shared leading blocks give prefix-cache hits; lengths cross block boundaries.
+    return [base[:1], base[:37], base, np.concatenate([base[:64], [7, 8, 9]]).astype(np.int32),
+            rng.integers(3, 500, 90).astype(np.int32)]
+
+
+@functools.cache
+def tiny_model():
+    return load_model("tiny", dtype=torch.float64, device="cpu", seed=0)
+
+
+def reference_greedy(prompt: np.ndarray, n: int) -> list[int]:
+    """Greedy decoding of one sequence alone: the whole prompt in one forward, then one
+    token per forward (no batching, no chunks, no shared blocks)."""
+    model = tiny_model()
+    kv = model.make_kv_cache(64, 16)
+    seq = [int(t) for t in prompt]
+    table = list(range(-(-(len(seq) + n) // 16)))
+    logits, _ = model(ForwardBatch.build([seq], [0], [table], 16), kv)
+    out = [int(logits[0].argmax())]
+    for _ in range(n - 1):
+        logits, _ = model(ForwardBatch.build([[out[-1]]], [len(seq) + len(out) - 1], [table], 16), kv)
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+async def collect(engine, prompt, params):
+    toks, last = [], None
+    async for out in engine.generate(prompt, params):
+        toks.append(out.token_ids)
+        last = out
+    return np.concatenate(toks).tolist(), last
+
+
+async def test_greedy_matches_reference_with_batching_chunks_and_prefix_hits():
+    ps = prompts()
+    got = [None] * len(ps)
+    async with open_engine(config(tokenizer=None)) as engine:
+        async def one(i):
+            got[i], _ = await collect(engine, ps[i], GREEDY)
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+        stats = engine.statistics()
+        engine.scheduler.core.check_integrity()
+    assert stats.prefix_hits > 0
+    for p, g in zip(ps, got):
+        assert g == reference_greedy(p, GREEDY.max_tokens)
+
+
+async def test_seeded_sampling_repeats_whatever_shares_the_batch():
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
+    ps = prompts()
+    async with open_engine(config(tokenizer=None)) as engine:
+        alone, _ = await collect(engine, ps[2], params)
+        together = {}
+
+        async def one(i, p):
+            together[i], _ = await collect(engine, ps[i], p)
+        async with trio.open_nursery() as n:
+            n.start_soon(one, 2, params)
+            n.start_soon(one, 4, SamplingParams(max_tokens=10, temperature=1.0))
+    assert together[2] == alone
+
+
+async def test_stream_deltas_finish_reason_counts_and_text():
+    async with open_engine(config()) as engine:
+        outs = [o async for o in engine.generate("hello there", SamplingParams(max_tokens=6, ignore_eos=True))]
+    assert [o.finished for o in outs][-1] and not any(o.finished for o in outs[:-1])
+    last = outs[-1]
+    assert last.finish_reason == "length" and last.num_output_tokens == 6
+    assert last.num_prompt_tokens == len("hello there")
+    assert last.ttft_s is not None and last.e2e_s >= last.ttft_s
+    assert sum(len(o.token_ids) for o in outs) == 6
+
+
+async def test_stop_token_ids_end_the_request_early():
+    async with open_engine(config(tokenizer=None)) as engine:
+        full, _ = await collect(engine, prompts()[1], GREEDY)
+        stop = full[4]
+        cut, last = await collect(engine, prompts()[1], attrs_evolve(GREEDY, stop_token_ids=(stop,)))
+        await trio.sleep(0.05)  # the abort reaches the scheduler at the next step boundary
+        used = engine.statistics().kv_blocks_used
+    assert cut == full[: full.index(stop) + 1]
+    assert last.finish_reason == "stop"
+    assert used == 0
+
+
+def attrs_evolve(params, **kw):
+    import attrs
+    return attrs.evolve(params, **kw)
+
+
+async def test_leaving_the_loop_aborts_and_frees_blocks():
+    async with open_engine(config(tokenizer=None)) as engine:
+        agen = engine.generate(prompts()[2], SamplingParams(max_tokens=200, ignore_eos=True))
+        async for _ in agen:
+            break
+        await agen.aclose()
+        with trio.fail_after(5):
+            while engine.statistics().running or engine.statistics().kv_blocks_used:
+                await trio.sleep(0.01)
+        engine.scheduler.core.check_integrity()
+
+
+async def test_bad_input_fails_at_submission_and_queues_nothing():
+    async with open_engine(config(tokenizer=None)) as engine:
+        with pytest.raises(RequestError, match="temperature"):
+            engine.generate([5, 6], SamplingParams(temperature=-1))
+        with pytest.raises(RequestError, match="context"):
+            engine.generate(np.arange(3, 600), SamplingParams(max_tokens=1))
+        with pytest.raises(RequestError, match=r"token ids must be in \[0, 512\)"):
+            engine.generate([5, 9999], SamplingParams())
+        with pytest.raises(RequestError, match="1-D"):
+            engine.generate([[1, 2]], SamplingParams())
+        assert engine.statistics().waiting == 0 and engine.statistics().running == 0
+
+
+async def test_killed_runtime_fails_inflight_requests_then_engine_restarts_it():
+    async with open_engine(config(tokenizer=None)) as engine:
+        pid = engine.scheduler.client.ready.pid
+        agen = engine.generate(prompts()[2], SamplingParams(max_tokens=300, ignore_eos=True))
+        await agen.__anext__()
+        os.kill(pid, signal.SIGKILL)
+        with trio.fail_after(5):
+            with pytest.raises(RuntimeDied, match="exited"):
+                async for _ in agen:
+                    pass
+        toks, last = await collect(engine, prompts()[1], GREEDY)
+        assert len(toks) == GREEDY.max_tokens and last.finish_reason == "length"
+        assert engine.statistics().runtime_restarts == 1
+        assert engine.scheduler.client.ready.pid != pid
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _children() -> set[int]:
+    me = os.getpid()
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
+                        out.add(int(pid))
+            except OSError:
+                pass
+    return out
+
+
+async def test_engine_leaves_no_process_or_fd_behind():
+    async with open_engine(config(runtime="timing", tokenizer=None)) as engine:  # warm the forkserver
+        await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))
+    fds, kids = _fds(), _children()
+    for _ in range(3):
+        async with open_engine(config(tokenizer=None)) as engine:
+            await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))
+    assert _fds() == fds
+    assert _children() == kids
+
+
+def test_sync_llm_generates_text_for_each_prompt():
+    outs = LLM("tiny", dtype="float64").generate(["hello", "wörld"], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    assert all(len(o.token_ids) == 5 for o in outs)
+    assert outs[1].num_prompt_tokens == len("wörld".encode())
