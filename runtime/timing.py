@@ -4,6 +4,8 @@ Each step costs what ``lockstep.sim``'s analytic model predicts for its plan (th
 code, so the engine and the simulator agree on step time). The runtime either sleeps for
 that long (load tests, ``bench_engine``) or only reports it in ``StepResult.gpu_s``
 (``options["sleep"] = False``: the sim-parity test runs the engine in step time).
+``StepResult.host_s`` is the time the runtime sat idle waiting for the plan since its previous
+step: the share of the step the host did not hide behind the runtime.
 Sampled tokens are stand-ins that never equal the end-of-sequence token.
 
 Options: ``deployment`` (a TOML path; default the built-in), ``pool`` (index, default 0),
@@ -36,6 +38,7 @@ class TimingRuntime:
         self.sleep = bool(opts.get("sleep", True))
         self.vocab = self.model.vocab_size
         self.eos = self.model.eos_token_id
+        self._last_end = 0.0
         return Ready(name="timing", vocab_size=self.vocab, eos_token_id=self.eos,
                      num_layers=self.model.num_layers, num_experts=self.model.num_routed_experts,
                      pid=os.getpid())
@@ -47,15 +50,18 @@ class TimingRuntime:
         pass
 
     def execute(self, plan: StepPlan) -> StepResult:
+        start = time.perf_counter()
+        waited = start - self._last_end if self._last_end else 0.0  # idle, waiting on the host
         t = float(self.cost.step_time(plan_load([plan], self.block_size)))
         if self.sleep:
-            time.sleep(t)
+            time.sleep(max(0.0, t - (time.perf_counter() - start)))
+        self._last_end = time.perf_counter()
         rids = plan.req_ids[plan.samples]
         pos = (plan.start_pos + plan.num_new)[plan.samples].astype(np.int64)
         tokens = (rids * 7919 + pos) % (self.vocab - 1)
         tokens += tokens >= self.eos  # skip the end-of-sequence id
         return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
-                          token_ids=tokens.astype(np.int32), gpu_s=t,
+                          token_ids=tokens.astype(np.int32), gpu_s=t, host_s=waited,
                           kv_loads_done=plan.kv_load_req_ids)  # loads are charged inside the step
 
     def shutdown(self) -> None:

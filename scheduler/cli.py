@@ -1,4 +1,5 @@
-"""The `lockstep` command: `sim` today; `generate` and `serve` arrive with the engine."""
+"""The `lockstep` command: `sim` (replay a trace in virtual time) and `generate` (stream one
+answer from a model); `serve` arrives with the server."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="PATH", help="write latency CDFs, throughput and KV use as PNG")
     s.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows (counted)")
     s.add_argument("--no-advance", action="store_true", help="step one by one (for checking)")
+    from lockstep.generate_cli import add_parser
+
+    add_parser(sub)
     return p
 
 
@@ -40,7 +44,21 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:  # a missing or unreadable file
             print(f"lockstep sim: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
             return 2
+    if args.command == "generate":
+        return _generate(args)
     return 2
+
+
+def _generate(args) -> int:
+    from lockstep.generate_cli import run_generate
+    from lockstep.policy.config import ConfigError
+    from lockstep.policy.request import RequestError
+
+    try:
+        return run_generate(args)
+    except (ConfigError, RequestError, ValueError) as e:
+        print(f"lockstep generate: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

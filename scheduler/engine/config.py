@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import attrs
 
 from lockstep.policy.config import ConfigError, SchedulerConfig
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.hashing import BlockHasher
-from lockstep.runtime.base import RuntimeSpec
+from lockstep.runtime.base import RuntimeSpec, available
+from lockstep.runtime.models.config import preset_names
 
 from .runtime_client import RuntimeClient
 
@@ -35,6 +38,13 @@ class EngineConfig:
             raise ConfigError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise ConfigError(f"engine.dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+        runtimes = available()
+        if self.runtime not in runtimes:
+            raise ConfigError(f"engine.runtime must be one of the registered runtimes {sorted(runtimes)}, "
+                              f"got {self.runtime!r}")
+        if self.runtime == "torch" and self.model not in preset_names() and not (Path(self.model) / "config.json").is_file():
+            raise ConfigError(f"engine.model must be a preset {preset_names()} or a checkpoint directory "
+                              f"holding config.json, got {self.model!r}")
 
     def runtime_spec(self) -> RuntimeSpec:
         s = self.scheduler

@@ -15,6 +15,7 @@ boundaries).
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Callable
 
 import attrs
@@ -66,16 +67,19 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, make_core: Callable[[], SchedulerCore], make_client: Callable[[], RuntimeClient],
-                 *, pacer: Pacer | None = None, on_plan: Callable[[StepPlan], None] | None = None):
+                 *, pacer: Pacer | None = None, on_plan: Callable[[StepPlan], None] | None = None,
+                 on_result: Callable[[StepPlan, StepResult], None] | None = None):
         self.make_core, self.make_client = make_core, make_client
         self.core = make_core()
         self.client: RuntimeClient | None = None
         self.pacer = pacer or RealTime()
-        self.on_plan = on_plan  # observer (parity tests)
+        self.on_plan, self.on_result = on_plan, on_result  # observers (tests, benchmarks)
         self.streams: dict[int, RequestStream] = {}
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
-        self._executing: StepPlan | None = None
-        self._planned: StepPlan | None = None
+        # Plans sent and not yet answered, oldest first: with async scheduling the next plan
+        # is sent as soon as it is made, so the runtime starts it the moment it finishes
+        # the current one and never waits on the host.
+        self._in_flight: deque[StepPlan] = deque()
         self._stopping = False
         self.steps = self.generated = self.restarts = 0
         self._old = (0, 0, 0)  # prefix queries, hits, preemptions of cores replaced on restarts
@@ -93,8 +97,8 @@ class Scheduler:
 
     # -- the loop ------------------------------------------------------------------------------
     async def _loop(self) -> None:
-        while not (self._stopping and self._executing is None):
-            if self._executing is None:
+        while not (self._stopping and not self._in_flight):
+            if not self._in_flight:
                 await self._idle()
                 continue
             try:
@@ -102,14 +106,17 @@ class Scheduler:
             except RuntimeDied as e:
                 await self._restart(e)
                 continue
+            plan = self._in_flight.popleft()
             self.pacer.step_done(result)
+            if self.on_result is not None:
+                self.on_result(plan, result)
             now = self.pacer.now()
             self._take_messages(now)
-            self._apply(self._executing, result, now)
-            nxt = self._planned
-            if nxt is None and self.core.has_work():
-                nxt = self._plan(now)
-            self._dispatch(nxt, now)
+            self._apply(plan, result, now)
+            if not self._in_flight and self.core.has_work():
+                self._dispatch(self._plan(now), now)
+            elif self._in_flight:
+                self._plan_ahead(now)
 
     async def _idle(self) -> None:
         """Nothing in flight: wait for a message (in step time: jump to the next arrival,
@@ -164,16 +171,24 @@ class Scheduler:
         return None if plan.is_empty() else plan
 
     def _dispatch(self, plan: StepPlan | None, now: float) -> None:
-        self._executing = plan
-        self._planned = None
+        """Send ``plan``, then (async scheduling) plan the step after it and send that too."""
         if plan is None:
             return
+        self._send(plan)
+        self._plan_ahead(now)
+
+    def _plan_ahead(self, now: float) -> None:
+        if self.core.config.async_scheduling:
+            ahead = self._plan(now)
+            if ahead is not None:
+                self._send(ahead)
+
+    def _send(self, plan: StepPlan) -> None:
         if self.on_plan is not None:
             self.on_plan(plan)
         self.client.send_plan(plan)
+        self._in_flight.append(plan)
         self.steps += 1
-        if self.core.config.async_scheduling:
-            self._planned = self._plan(now)
 
     def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
         out = self.core.update(plan, result, now)
@@ -190,7 +205,7 @@ class Scheduler:
         self._old = (self._old[0] + old.prefix_queries, self._old[1] + old.prefix_hits,
                      self._old[2] + old.num_preemptions)
         self.core = self.make_core()
-        self._executing = self._planned = None
+        self._in_flight.clear()
         await self.client.aclose()
         self.client = self.make_client()
         await self.client.start()

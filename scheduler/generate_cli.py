@@ -1,0 +1,53 @@
+"""`lockstep generate`: stream one answer from a model, for trying a model or a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import trio
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="stream one completion from a model")
+    g.add_argument("prompt", help="prompt text")
+    g.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
+    g.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from lockstep.api import open_engine
+    from lockstep.engine.config import EngineConfig
+    from lockstep.policy.request import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    params.validate()
+    config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype)
+
+    async def main() -> None:
+        async with open_engine(config) as engine:
+            prompt = args.prompt
+            if args.chat:
+                prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            last = None
+            async for out in engine.generate(prompt, params):
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+                last = out
+            sys.stdout.write("\n")
+            rate = last.num_output_tokens / max(last.e2e_s - last.ttft_s, 1e-9) if last.num_output_tokens > 1 else 0.0
+            print(f"[{last.num_output_tokens} tokens, finish: {last.finish_reason}, "
+                  f"TTFT {last.ttft_s * 1e3:.1f} ms, {rate:.1f} tokens/s]", file=sys.stderr)
+
+    trio.run(main)
+    return 0
