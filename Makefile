@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 $(BIN)/lockstep: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# The pinned CPU build first: an unpinned torch (asked for by lockstep or transformers)
+	# would download a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 

@@ -1,0 +1,310 @@
+"""DeepSeek-V3-family model (MLA attention + MoE with shared experts) for the torch runtime.
+
+This is the readable reference that later Triton kernels are tested against: a loop over
+sequences for attention and over active experts for the MoE. Semantics follow Hugging
+Face's ``modeling_deepseek_v3`` (transformers 5.x), checked by tests/test_model_hf.py.
+
+Attention uses MLA's *expanded* form: each layer caches only the normalized KV latent and
+the rotated k_pe (``kv_lora_rank + qk_rope_head_dim`` values per token, in a paged cache),
+and at attention time kv_b_proj decompresses the cached latents into per-head k_nope and v.
+The absorbed form (folding kv_b_proj into the query and output) computes the same thing
+with less work for decode and is left to the kernels.
+
+Parameter names are Hugging Face's without the ``model.`` prefix, so loading is a lookup;
+routed experts are stacked per layer — gate_up (E, 2*I, H) and down (E, H, I) — so an
+expert-placement swap is an in-place copy of one slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.runtime.models.batch import ForwardBatch
+from lockstep.runtime.models.config import ModelConfig
+from lockstep.runtime.models.rope import Rope
+
+
+def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    # Uninitialized: a checkpoint load or random_init fills every parameter, and skipping
+    # nn.Linear's init saves minutes on a 16B-parameter model.
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _param(n_out, n_in, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, dim: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _param(vocab, dim, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 (at least), cast back, then scale: transformers' order,
+        # which matters for bit-level agreement in bf16.
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: the dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, device):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, dtype, device)
+        self.up_proj = Linear(hidden, inter, dtype, device)
+        self.down_proj = Linear(inter, hidden, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _SeqSpan:
+    """Where one sequence's queries and keys are, resolved once per forward (host ints)."""
+
+    __slots__ = ("start", "end", "seq_len", "blocks")
+
+    def __init__(self, start: int, end: int, seq_len: int, blocks: torch.Tensor):
+        self.start, self.end, self.seq_len, self.blocks = start, end, seq_len, blocks
+
+
+def _spans(batch: ForwardBatch, block_size: int) -> list[_SeqSpan]:
+    qs, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+    return [_SeqSpan(qs[i], qs[i + 1], n, batch.block_tables[i, :-(-n // block_size)].long())
+            for i, n in enumerate(lens)]
+
+
+class Attention(nn.Module):
+    """Multi-head latent attention over a paged latent KV cache (expanded form)."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope, dtype: torch.dtype, device):
+        super().__init__()
+        self.cfg, self.rope = cfg, rope
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(h, heads * cfg.qk_head_dim, dtype, device)
+        else:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, dtype, device)
+            # transformers builds both latent norms with eps 1e-6, not rms_norm_eps.
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype, device)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim, dtype, device)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.kv_cache_dim, dtype, device)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dtype, device)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                dtype, device)
+        self.o_proj = Linear(heads * cfg.v_head_dim, h, dtype, device)
+
+    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(x.shape[0], cfg.num_attention_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return torch.cat([q_nope, self.rope.apply(q_pe, cos, sin)], dim=-1)
+
+    def _write_latents(self, x: torch.Tensor, cos, sin, cache: torch.Tensor, slots) -> None:
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
+        entry = torch.cat([self.kv_a_layernorm(latent), self.rope.apply(k_pe, cos, sin)], dim=-1)
+        cache.view(-1, self.cfg.kv_cache_dim)[slots] = entry.to(cache.dtype)
+
+    def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached (L, kv_cache_dim) -> keys (L, heads, qk_head_dim), values (L, heads, v)."""
+        cfg, n = self.cfg, cached.shape[0]
+        latent, k_pe = cached.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(n, cfg.num_attention_heads, -1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k_pe = k_pe[:, None, :].expand(n, cfg.num_attention_heads, cfg.qk_rope_head_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), v
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, spans: list[_SeqSpan],
+                cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Write first: a sequence's new tokens attend to themselves through the cache.
+        self._write_latents(x, cos, sin, cache, batch.slot_mapping)
+        q = self._queries(x, cos, sin)
+        out = x.new_empty(x.shape[0], self.cfg.num_attention_heads, self.cfg.v_head_dim)
+        for s in spans:
+            cached = cache[s.blocks].flatten(0, 1)[:s.seq_len].to(x.dtype)
+            k, v = self._expand(cached)
+            scores = torch.einsum("thd,lhd->htl", q[s.start:s.end], k).float()
+            scores = scores * self.cfg.softmax_scale
+            future = (torch.arange(s.seq_len, device=x.device)[None, :]
+                      > batch.positions[s.start:s.end, None])
+            probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1).to(x.dtype)
+            out[s.start:s.end] = torch.einsum("htl,lhd->thd", probs, v)
+        return self.o_proj(out.flatten(1))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; the correction bias steers which experts are chosen, not their weights."""
+
+    def __init__(self, cfg: ModelConfig, device):
+        super().__init__()
+        self.cfg = cfg
+        # Kept in float32 whatever the model dtype, as transformers and DeepSeek do.
+        self.weight = _param(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32,
+                             device=device)
+        self.e_score_correction_bias = _param(cfg.n_routed_experts, dtype=torch.float32,
+                                              device=device)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights (T, k) float32, expert ids (T, k) int64)."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if cfg.topk_group < cfg.n_group:
+            # Group-limited routing: keep the groups with the best top-2 sums, so a token's
+            # experts span at most topk_group groups (nodes, in DeepSeek's deployment).
+            grouped = choice.view(x.shape[0], cfg.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(1)
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = _param(e, 2 * i, h, dtype=dtype, device=device)
+        self.down_proj = _param(e, h, i, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device):
+        super().__init__()
+        self.gate = Router(cfg, device)
+        self.experts = Experts(cfg, dtype, device)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                   dtype, device) if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        counts += torch.bincount(ids.flatten(), minlength=counts.shape[0]).to(counts.dtype)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: Rope, dtype: torch.dtype, device):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, rope, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = (MoE(cfg, dtype, device) if cfg.is_moe_layer(layer)
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, dtype, device))
+
+    def forward(self, x, batch, spans, cache, cos, sin, counts) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, spans, cache, cos, sin)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, counts) if isinstance(self.mlp, MoE) else self.mlp(h))
+
+
+class DeepseekV3(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.rope = Rope(cfg, device)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rope, dtype, device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, device)
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def random_init(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str = "cpu") -> DeepseekV3:
+        """Weights ~ N(0, initializer_range), norms 1, routing bias 0; same seed, same weights
+        on any device (drawn on the CPU)."""
+        model = cls(cfg, dtype, device)
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+                        device: torch.device | str = "cpu") -> DeepseekV3:
+        from lockstep.runtime.models.weights import iter_safetensors
+
+        model = cls(ModelConfig.from_pretrained(model_dir), dtype, device)
+        model.load_weights(iter_safetensors(model_dir))
+        return model
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]
+                     | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (fused or per-expert expert weights); raises
+        WeightLoadError naming any missing, unexpected or mis-shaped tensor."""
+        from lockstep.runtime.models.weights import load_weights
+
+        load_weights(self, weights)
+
+    def make_kv_cache(self, num_blocks: int, block_size: int,
+                      dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """One zeroed (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim) tensor per layer."""
+        shape = (num_blocks, block_size, self.cfg.kv_cache_dim)
+        return [torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
+                for _ in range(self.cfg.num_hidden_layers)]
+
+    # -- forward --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits (S, vocab) float32 for batch.sample_index, expert token counts
+        (layers, experts) int32 for this step, zero rows for dense layers)."""
+        cfg = self.cfg
+        if len(kv_cache) != cfg.num_hidden_layers:
+            raise ValueError(f"kv_cache has {len(kv_cache)} layers, the model {cfg.num_hidden_layers}")
+        spans = _spans(batch, kv_cache[0].shape[1])
+        cos, sin = self.rope.cos_sin(batch.positions, self.dtype)
+        counts = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.int32,
+                             device=self.device)
+        x = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, spans, kv_cache[i], cos, sin, counts[i])
+        logits = self.lm_head(self.norm(x[batch.sample_index]))
+        return logits.float(), counts
