@@ -47,6 +47,77 @@ class StepLoad:
 class AnalyticCost:
     def __init__(self, model: ModelSpec, hw: HardwareSpec, cost: CostSpec, dep: int):
         self.m, self.hw, self.c, self.dep = model, hw, cost, dep
+        self._distinct: dict[float, float] = {}
+
+    def rank_step_time(self, tokens: list[float], ctx: list[float], pairs: list[float],
+                       loaded: list[float]) -> float:
+        """``step_time`` of one step from per-rank Python floats: the same operations in the
+        same order, so the same bits, without numpy's per-call cost on arrays of one or a
+        few ranks (most steps of a sparse trace)."""
+        m, hw, c, n = self.m, self.hw, self.c, self.dep
+        total = sum(tokens)  # integer-valued floats: exact in any order
+        e, k = m.num_routed_experts, m.top_k
+        distinct = self._distinct.get(total)
+        if distinct is None:
+            distinct = self._distinct[total] = e * (1.0 - (1.0 - k / e) ** total)
+        experts_r = min(distinct / n / c.expert_balancedness, e / n)
+        moe_bytes = m.moe_layers * experts_r * m.expert_bytes
+        moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
+        gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
+        dense_bytes, moe_gemm = m.dense_bytes + moe_bytes, moe_flops * m.moe_layers
+        a2a_keep = 1 - c.a2a_overlap
+        worst = -np.inf
+        for tok, cx, pr, ld in zip(tokens, ctx, pairs, loaded):
+            bytes_r = dense_bytes + m.kv_bytes_per_token * (cx + tok)
+            gemm = 2 * tok * m.dense_params + moe_gemm
+            attn = m.attn_flops_per_pair * pr * m.num_layers
+            t = max(bytes_r / hw.hbm_bandwidth, gemm / gemm_rate + attn / hw.flops)
+            if n > 1:
+                t = t + a2a_keep * (m.moe_layers * tok * k * m.hidden_size * 3 / hw.link_bandwidth)
+            t = t + m.kv_bytes_per_token * ld / hw.host_bandwidth
+            worst = t if t > worst else worst
+        return worst + hw.host_overhead_s
+
+    def decode_run_ends(self, t: float, ns: list[float], bases: list[float], k: int,
+                        until: float) -> list[float]:
+        """End times of up to k identical decode steps from t, stopping before the first
+        that reaches ``until``. Rank r feeds ns[r] tokens and reads bases[r] + ns[r] * j of
+        context in step j: ``step_time`` on those loads, summed one step at a time (as
+        stepping would), in Python floats with its operations in its order."""
+        m, hw, c, n = self.m, self.hw, self.c, self.dep
+        total = sum(ns)
+        e, kk = m.num_routed_experts, m.top_k
+        distinct = self._distinct.get(total)
+        if distinct is None:
+            distinct = self._distinct[total] = e * (1.0 - (1.0 - kk / e) ** total)
+        experts_r = min(distinct / n / c.expert_balancedness, e / n)
+        dense = m.dense_bytes + m.moe_layers * experts_r * m.expert_bytes
+        moe_gemm = 2 * (total * kk / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param * m.moe_layers
+        gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
+        kvb, hbm, flops, afpp, layers = m.kv_bytes_per_token, hw.hbm_bandwidth, hw.flops, m.attn_flops_per_pair, m.num_layers
+        ranks, idle = [], -np.inf  # ranks without requests cost the same every step
+        for tok, base in zip(ns, bases):
+            a2a = (1 - c.a2a_overlap) * (m.moe_layers * tok * kk * m.hidden_size * 3 / hw.link_bandwidth) if n > 1 else None
+            gemm = (2 * tok * m.dense_params + moe_gemm) / gemm_rate
+            if tok or base:
+                ranks.append((tok, base, gemm, a2a))
+                continue
+            t_r = max((dense + kvb * (base + tok)) / hbm, gemm + afpp * base * layers / flops)
+            idle = max(idle, t_r if a2a is None else t_r + a2a)
+        ends = []
+        for j in range(k):
+            worst = idle
+            for tok, base, gemm, a2a in ranks:
+                ctx = base + tok * float(j)
+                t_r = max((dense + kvb * (ctx + tok)) / hbm, gemm + afpp * ctx * layers / flops)
+                if a2a is not None:
+                    t_r = t_r + a2a
+                worst = t_r if t_r > worst else worst
+            t = t + (worst + hw.host_overhead_s)
+            if t >= until:
+                break
+            ends.append(t)
+        return ends
 
     def step_time(self, load: StepLoad) -> np.ndarray:
         """Step time of the instance; ``load`` arrays are (n_ranks,) or (n_ranks, k)."""

@@ -35,12 +35,14 @@ class Metrics:
         self.finish = np.full(n_requests, np.nan)
         self.ntok = np.zeros(n_requests, dtype=np.int64)
         self.rejected: dict[str, int] = {}
-        self._itl_v: list[np.ndarray] = []
-        self._itl_w: list[np.ndarray] = []
-        self._tok_t: list[np.ndarray] = []
-        self._tok_n: list[np.ndarray] = []
-        # KV use per instance, as (times, blocks used) pieces: instances advance their
-        # clocks independently, so the deployment-wide series is merged at report time.
+        # Flat Python lists, turned into arrays at report time: a step adds a few values,
+        # which numpy would charge a few microseconds of call overhead each.
+        self._itl_v: list[float] = []
+        self._itl_w: list[float] = []
+        self._tok_t: list[float] = []
+        self._tok_n: list[int] = []
+        # KV use per instance, as (times, blocks used): instances advance their clocks
+        # independently, so the deployment-wide series is merged at report time.
         self._kv: dict[int, tuple[list, list]] = {}
         self.total_blocks = total_blocks
         self.steps = 0
@@ -52,33 +54,38 @@ class Metrics:
         """One token for each request in ``rids`` at time t."""
         if len(rids) == 0:
             return
-        had = self.ntok[rids] > 0
-        gaps = t - self.last[rids[had]]
-        self._itl_v.append(gaps)
-        self._itl_w.append(np.ones(len(gaps)))
-        self.first[rids[~had]] = t
-        self.last[rids] = t
-        self.ntok[rids] += 1
-        self._tok_t.append(np.array([t]))
-        self._tok_n.append(np.array([len(rids)]))
+        ntok, last, first = self.ntok, self.last, self.first
+        for r in rids.tolist():
+            if ntok[r] > 0:
+                self._itl_v.append(t - last[r])
+                self._itl_w.append(1.0)
+            else:
+                first[r] = t
+            last[r] = t
+            ntok[r] += 1
+        self._tok_t.append(t)
+        self._tok_n.append(len(rids))
 
-    def token_run(self, rids: np.ndarray, ends: np.ndarray) -> None:
+    def token_run(self, rids: np.ndarray, ends: list[float]) -> None:
         """k tokens for each request, at step ends ``ends`` (k,)."""
-        self.tokens(rids, float(ends[0]))
+        self.tokens(rids, ends[0])
         if len(ends) > 1:
-            durations = np.diff(ends)
-            self._itl_v.append(durations)
-            self._itl_w.append(np.full(len(durations), float(len(rids))))
+            self._itl_v += [b - a for a, b in zip(ends, ends[1:])]
+            self._itl_w += [float(len(rids))] * (len(ends) - 1)
             self.last[rids] = ends[-1]
             self.ntok[rids] += len(ends) - 1
-            self._tok_t.append(ends[1:])
-            self._tok_n.append(np.full(len(ends) - 1, len(rids)))
+            self._tok_t += ends[1:]
+            self._tok_n += [len(rids)] * (len(ends) - 1)
 
     def kv_sample(self, instance: int, t, used_blocks) -> None:
-        """Blocks in use on one instance from time t on (scalars, or arrays of both)."""
+        """Blocks in use on one instance from time t on (scalars, or lists of both)."""
         ts, us = self._kv.setdefault(instance, ([], []))
-        ts.append(np.atleast_1d(np.asarray(t, dtype=np.float64)))
-        us.append(np.atleast_1d(np.asarray(used_blocks, dtype=np.float64)))
+        if isinstance(t, list):
+            ts += t
+            us += used_blocks
+        else:
+            ts.append(t)
+            us.append(used_blocks)
 
     def _kv_series(self) -> tuple[np.ndarray, np.ndarray]:
         """Deployment-wide share of KV blocks in use, as a step function (times, use)."""
@@ -86,7 +93,7 @@ class Metrics:
             return np.zeros(0), np.zeros(0)
         times, deltas = [], []
         for ts, us in self._kv.values():
-            t, u = np.concatenate(ts), np.concatenate(us)
+            t, u = np.array(ts, dtype=np.float64), np.array(us, dtype=np.float64)
             times.append(t)
             deltas.append(np.diff(u, prepend=0.0))  # each sample replaces the instance's last
         t, d = np.concatenate(times), np.concatenate(deltas)
@@ -102,8 +109,8 @@ class Metrics:
         n = self.ntok[done]
         multi = n > 1
         tpot = ((self.last - self.first)[done][multi]) / (n[multi] - 1)
-        itl_v = np.concatenate(self._itl_v) if self._itl_v else np.zeros(0)
-        itl_w = np.concatenate(self._itl_w) if self._itl_w else np.zeros(0)
+        itl_v = np.array(self._itl_v, dtype=np.float64)
+        itl_w = np.array(self._itl_w, dtype=np.float64)
         start = float(np.nanmin(self.arrival)) if done.any() else 0.0
         end = float(np.nanmax(self.finish)) if done.any() else 0.0
         span = max(end - start, 1e-9)
@@ -150,8 +157,8 @@ class Metrics:
 
     def series(self) -> dict:
         """Time series for plots: token throughput and KV use."""
-        tok_t = np.concatenate(self._tok_t) if self._tok_t else np.zeros(0)
-        tok_n = np.concatenate(self._tok_n) if self._tok_n else np.zeros(0)
+        tok_t = np.array(self._tok_t, dtype=np.float64)
+        tok_n = np.array(self._tok_n, dtype=np.int64) if self._tok_n else np.zeros(0)
         kv_t, kv_use = self._kv_series()
         return {"tok_t": tok_t, "tok_n": tok_n, "kv_t": kv_t,
                 "kv_use": kv_use, "ttft": self.first - self.arrival,

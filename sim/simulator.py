@@ -13,6 +13,7 @@ not with steps. Plans skipped by an advance are not materialized.
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,11 +26,13 @@ from lockstep.policy.request import Request, RequestError, SamplingParams
 from lockstep.policy.router import PrefixAffinityRouter
 from lockstep.policy.step import StepPlan, StepResult
 
-from .cost import AnalyticCost, StepLoad
+from .cost import AnalyticCost
 from .metrics import Metrics, clean
 from .traces import TraceRequest, segment_tokens
 
 OUTPUT_SEG_BASE = 1 << 42  # output content ids for trace requests (disjoint from prompts)
+PROMPT_BATCH = 64  # prompts materialized in one pass, up to this many tokens:
+PROMPT_BATCH_TOKENS = 1 << 20
 
 
 class Instance:
@@ -85,6 +88,7 @@ class Simulator:
         self.metrics = Metrics(len(self.workload), total_blocks)
         self._events: list[tuple[float, int, int]] = []  # (time, seq, instance index)
         self._seq = 0
+        self._prompts: dict[int, tuple] = {}  # materialized ahead of arrival: _prompt
         self._build_outputs()
 
     # -- workload ------------------------------------------------------------------------------
@@ -97,15 +101,41 @@ class Simulator:
         np.cumsum(lens, out=self.out_base[1:])
         self.out_tokens = segment_tokens(ids, lens, vocab_size=self.model.vocab_size, seed=self.seed)
 
-    def _admit(self, rid: int, now: float) -> None:
+    def _too_long(self, w: TraceRequest) -> bool:
+        return w.input_len + w.output_len > self.instances[0].cores[0].config.max_model_len
+
+    def _prompt(self, rid: int, upcoming: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens, block hashes, chain accumulator) of a prompt. Materialized for the next
+        arrivals together: one numpy pass for many prompts instead of one per prompt."""
+        got = self._prompts.pop(rid, None)
+        if got is not None:
+            return got
+        batch, total = [], 0
+        for r in upcoming:  # starts with rid
+            w = self.workload[r]
+            if r in self._prompts or self._too_long(w):
+                continue
+            n = int(w.seg_lens.sum())
+            if batch and (len(batch) == PROMPT_BATCH or total + n > PROMPT_BATCH_TOKENS):
+                break
+            batch.append((r, w, n))
+            total += n
+        flat = segment_tokens(np.concatenate([w.seg_ids for _, w, _ in batch]),
+                              np.concatenate([w.seg_lens for _, w, _ in batch]),
+                              vocab_size=self.model.vocab_size, seed=self.seed)
+        ends = list(itertools.accumulate(n for _, _, n in batch))
+        prompts = [flat[e - n : e] for (_, _, n), e in zip(batch, ends)]
+        for (r, _, _), p, (h, acc) in zip(batch, prompts, self.hasher.hash_prompts(prompts)):
+            self._prompts[r] = (p, h, acc)
+        return self._prompts.pop(rid)
+
+    def _admit(self, rid: int, now: float, upcoming: Sequence[int] = ()) -> None:
         w = self.workload[rid]
         self.metrics.arrival[rid] = w.arrival_s
-        limit = self.instances[0].cores[0].config.max_model_len
-        if w.input_len + w.output_len > limit:  # before materializing a prompt that long
+        if self._too_long(w):  # before materializing a prompt that long
             self.metrics.reject(rid, "context_length")
             return
-        prompt = segment_tokens(w.seg_ids, w.seg_lens, vocab_size=self.model.vocab_size, seed=self.seed)
-        hashes, acc = self.hasher.hash_prompt(prompt)
+        prompt, hashes, acc = self._prompt(rid, upcoming or (rid,))
         req = Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=w.output_len, ignore_eos=True),
                       arrival_time=now, block_hashes=hashes, hash_acc=acc)
         # One router over every rank of every instance: prefix affinity, then least loaded.
@@ -133,7 +163,7 @@ class Simulator:
                 t, _, idx = heapq.heappop(self._events)
                 self._step_done(idx, t, t_arr)
             else:
-                self._admit(order[i], t_arr)
+                self._admit(order[i], t_arr, order[i : i + PROMPT_BATCH])
                 i += 1
                 if progress is not None:
                     progress(i)
@@ -151,7 +181,7 @@ class Simulator:
         if self.on_plan is not None:
             for rank, p in enumerate(plans):
                 self.on_plan(inst, rank, p)
-        t_end = now + float(inst.cost.step_time(self._load(inst, plans)))
+        t_end = now + self._step_time(inst, plans)
         inst.t_end = t_end
         self.metrics.steps += 1
         heapq.heappush(self._events, (t_end, self._seq, idx))
@@ -168,56 +198,51 @@ class Simulator:
         if plans is None and any(c.has_work() for c in inst.cores):
             plans = inst.plan(t)
         if plans is not None and self.use_advance:
-            plans, t = self._try_advance(inst, plans, t, next_arrival)
+            plans, t = self._try_advance(idx, plans, t, next_arrival)
         self._dispatch(idx, t, plans)
 
     def _apply(self, core: SchedulerCore, plan: StepPlan, t: float) -> None:
-        slots = plan.slots.astype(np.int64)
-        live = (core.s_rid[slots] == plan.req_ids) & plan.samples
-        rids = plan.req_ids[live]
-        tokens = self.out_tokens[self.out_base[rids] + core.s_nout[slots[live]]]
+        slots, rids, samples = plan.slots.tolist(), plan.req_ids.tolist(), plan.samples.tolist()
+        s_rid, s_nout, base, out_tokens = core.s_rid, core.s_nout, self.out_base, self.out_tokens
+        live = [s_rid.item(s) == r and m for s, r, m in zip(slots, rids, samples)]
+        tokens = [out_tokens.item(base.item(r) + s_nout.item(s))
+                  for s, r, ok in zip(slots, rids, live) if ok]
         # Host-tier loads are charged inside the step, so they are done when it ends.
-        result = StepResult(step_id=plan.step_id, num_sampled=live.astype(np.int32), token_ids=tokens,
-                            kv_loads_done=plan.kv_load_req_ids)
+        result = StepResult(step_id=plan.step_id, num_sampled=np.array(live, dtype=np.int32),
+                            token_ids=np.array(tokens, dtype=np.int32), kv_loads_done=plan.kv_load_req_ids)
         out = core.update(plan, result, t)
         self.metrics.tokens(out.req_ids, t)
         for rid, _ in out.finished:
             self.metrics.finish[rid] = t
 
     # -- advance ------------------------------------------------------------------------------
-    def _try_advance(self, inst: Instance, plans: list[StepPlan], t: float, next_arrival: float):
+    def _try_advance(self, idx: int, plans: list[StepPlan], t: float, next_arrival: float):
+        inst = self.instances[idx]
         k = self._identical_steps(inst, plans)
         if k < 2:
             return plans, t
-        # Sequential sums, as stepping adds one step time at a time: bit-identical ends.
-        ends = np.cumsum(np.concatenate([[t], inst.cost.step_time(self._decode_loads(inst, k))]))[1:]
         # Every boundary inside the run, and the one at its end (where the next plan is
         # made), must come before the next arrival, or that plan would miss it.
-        k = int(min(k, np.searchsorted(ends, next_arrival, side="left")))
+        ends = self._decode_ends(inst, k, t, next_arrival)
+        k = len(ends)
         if k < 2:
             return plans, t
-        ends = ends[:k]
-        # KV use at each step end of the run: plan r takes the blocks its fed position needs.
-        j = np.arange(1, k + 1)
-        used = sum(c.pool.num_used for c in inst.cores) + sum(
-            (-(-(c.s_ncomp[c.s_active][:, None] + j) // c.bs) - c.s_nblocks[c.s_active][:, None])
-            .clip(0).sum(axis=0) for c in inst.cores)
-        self.metrics.kv_sample(self.instances.index(inst), ends, used)
+        self.metrics.kv_sample(idx, ends, self._decode_kv_use(inst, k))
         new_plans = []
         for core, plan in zip(inst.cores, plans):
             if not plan.num_reqs:  # an idle rank: its dummy steps change nothing
                 new_plans.append(plan)
                 continue
-            slots = np.flatnonzero(core.s_active)
+            slots = core.active_slots()
             rids = core.s_rid[slots]
-            idx = self.out_base[rids][:, None] + core.s_nout[slots][:, None] + np.arange(k)
-            out, nxt = core.advance(k, self.out_tokens[idx])
+            tok = self.out_base[rids] + core.s_nout[slots]
+            out, nxt = core.advance(k, self.out_tokens[tok[:, None] + np.arange(k)])
             self.metrics.token_run(out.req_ids, ends)
             for rid, _ in out.finished:
                 self.metrics.finish[rid] = ends[-1]
             new_plans.append(nxt)
         self.metrics.steps += k
-        return new_plans, float(ends[-1])
+        return new_plans, ends[-1]
 
     def _identical_steps(self, inst: Instance, plans: list[StepPlan]) -> int:
         k = 1 << 62
@@ -227,38 +252,50 @@ class Simulator:
                 if core.num_waiting:
                     return 0
                 continue
-            decode_only = plan.num_reqs == n and plan.samples.all() and (plan.num_new == 1).all()
+            decode_only = plan.num_reqs == n and all(plan.samples.tolist()) and set(plan.num_new.tolist()) == {1}
             if not decode_only or len(plan.kv_load_req_ids):
                 return 0
             k = min(k, core.identical_decode_steps())
         return 0 if k == 1 << 62 else k
 
     # -- cost inputs --------------------------------------------------------------------------
-    def _load(self, inst: Instance, plans: list[StepPlan]) -> StepLoad:
-        tokens = np.array([p.num_tokens for p in plans], dtype=np.float64)
-        ctx = np.zeros(len(plans))
-        pairs = np.zeros(len(plans))
-        loaded = np.array([float(p.kv_load_num_blocks.sum()) * self.d.scheduler.block_size
-                           for p in plans])
-        for r, p in enumerate(plans):
+    def _step_time(self, inst: Instance, plans: list[StepPlan]) -> float:
+        """What ``plan_load`` then ``step_time`` give, in Python ints and floats: the sums are
+        of integers, exact in any order, so the floats are the same."""
+        bs = self.d.scheduler.block_size
+        tokens, ctx, pairs, loaded = [], [], [], []
+        for p in plans:
+            tokens.append(float(p.num_tokens))
+            nl = p.kv_load_num_blocks
+            loaded.append(float(int(nl.sum())) * bs if len(nl) else 0.0)
             if p.num_reqs:
-                c = p.num_new.astype(np.float64)
-                s = p.start_pos.astype(np.float64)
-                ctx[r] = float((s + c).sum())
-                pairs[r] = float((c * s + c * (c + 1) / 2).sum())
-        return StepLoad(tokens=tokens, ctx=ctx, pairs=pairs, loaded=loaded)
+                c, s = p.num_new.tolist(), p.start_pos.tolist()
+                ctx.append(float(sum(s) + sum(c)))
+                pairs.append(float(sum(ci * si + ci * (ci + 1) // 2 for ci, si in zip(c, s))))
+            else:
+                ctx.append(0.0)
+                pairs.append(0.0)
+        return inst.cost.rank_step_time(tokens, ctx, pairs, loaded)
 
-    def _decode_loads(self, inst: Instance, k: int) -> StepLoad:
-        j = np.arange(k, dtype=np.float64)
-        tokens, ctx = [], []
+    def _decode_ends(self, inst: Instance, k: int, t: float, until: float) -> list[float]:
+        ns, bases = [], []
         for core in inst.cores:
-            act = core.s_active
-            n = float(act.sum())
-            base = float(core.s_ncomp[act].sum())  # plan j feeds positions ncomp-1+j
-            tokens.append(np.full(k, n))
-            ctx.append(base + n * j)
-        tokens, ctx = np.array(tokens), np.array(ctx)
-        return StepLoad(tokens=tokens, ctx=ctx, pairs=ctx)
+            act = core.active_slots()
+            ns.append(float(len(act)))
+            bases.append(float(sum(core.s_ncomp[act].tolist())))  # plan j feeds positions ncomp-1+j
+        return inst.cost.decode_run_ends(t, ns, bases, k, until)
+
+    def _decode_kv_use(self, inst: Instance, k: int) -> list[int]:
+        """Blocks in use at each step end of the run: plan j takes the blocks its fed
+        position needs."""
+        steps = [sum(c.pool.num_used for c in inst.cores)] + [0] * k
+        for c in inst.cores:
+            act = c.active_slots()
+            for ncomp, nblk in zip(c.s_ncomp[act].tolist(), c.s_nblocks[act].tolist()):
+                # from step j on the slot holds ceil((ncomp + j) / bs) blocks
+                for j in range(nblk * c.bs - ncomp + 1, k + 1, c.bs):
+                    steps[max(j, 1)] += 1
+        return list(itertools.accumulate(steps))[1:]
 
     # -- report ---------------------------------------------------------------------------------
     def report(self) -> dict:

@@ -801,3 +801,18 @@ def test_empty_plans_leave_no_per_plan_state():
     for _ in range(100):
         assert core.schedule(0.0).is_empty()
     assert len(core._plan_epochs) <= 1  # private, but the only observable of the leak
+
+
+@pytest.mark.parametrize("method", ["keyed", "sha256"])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_extend_chain_equals_chained_extend(method, m):
+    """advance hashes the blocks a request closes as one chain: as extend, block by block."""
+    h = BlockHasher(b"test-secret", 16, method=method)
+    rng = np.random.default_rng(m)
+    blocks = rng.integers(0, 50_000, (m, 16), dtype=np.int32)
+    parent = h.hash_prompt(rng.integers(0, 50_000, 16 * 7, dtype=np.int32))[1]
+    hashes, accs = h.extend_chain(parent, blocks, 7)
+    for j in range(m):
+        hj, aj = h.extend(parent[None], blocks[j : j + 1], np.array([7 + j]))
+        assert (hj[0] == hashes[j]).all() and (aj[0] == accs[j]).all()
+        parent = aj[0]

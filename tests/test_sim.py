@@ -229,3 +229,18 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
 
 def test_missing_trace_file_exits_2(tmp_path, capsys):
     assert main(["sim", "--trace", str(tmp_path / "nope.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("method", ["keyed", "sha256"])
+def test_prompts_hashed_together_equal_one_by_one(method):
+    """The simulator materializes upcoming prompts in one pass: same hashes and accumulators."""
+    from lockstep.policy.hashing import BlockHasher
+
+    rng = np.random.default_rng(3)
+    for bs in (16, 6):
+        h = BlockHasher(b"secret", bs, method=method)
+        prompts = [rng.integers(0, 50_000, int(n), dtype=np.int32) for n in rng.integers(1, 300, 12)]
+        prompts.append(np.arange(bs - 1, dtype=np.int32))  # no full block
+        for p, (hashes, acc) in zip(prompts, h.hash_prompts(prompts)):
+            want, want_acc = h.hash_prompt(p)
+            assert hashes.shape == want.shape and (hashes == want).all() and (acc == want_acc).all()

@@ -16,6 +16,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+_SMALL = 8  # allocations up to this many blocks take the Python path
+
 
 class HostTier:
     """A second prefix-cache level in host memory: which block hashes it holds, in LRU order.
@@ -141,6 +143,8 @@ class BlockPool:
         """Take n free blocks: unhashed ones first, then cached ones least recently freed."""
         if n > self.num_free:
             raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
+        if n <= _SMALL:  # a decode's block or two: numpy's per-call cost would dominate
+            return self._allocate_small(n)
         take = min(n, self._n_stack)
         out = self._stack[self._n_stack - take : self._n_stack][::-1]
         self._n_stack -= take
@@ -148,6 +152,32 @@ class BlockPool:
             out = np.concatenate([out, self._pop_ring(n - take)])
         self.ref[out] = 1
         return out.tolist()
+
+    def _allocate_small(self, n: int) -> list[int]:
+        """``allocate`` one block at a time in Python: the same blocks in the same order."""
+        out, stack, ref = [], self._stack, self.ref
+        while len(out) < n and self._n_stack:
+            self._n_stack -= 1
+            out.append(stack.item(self._n_stack))
+        if len(out) < n:
+            ring, ring_pos, hashes, hashed = self._ring, self._ring_pos, self._hash, self._hashed
+            table, head = self._table, self._head
+            while len(out) < n:  # skips entries touched since they were freed, as _pop_ring
+                b = ring.item(head)
+                if ring_pos.item(b) == head:
+                    ring_pos[b] = -1
+                    self._n_ring -= 1
+                    lane0 = hashes.item(b, 0)
+                    del table[lane0]
+                    if self.host is not None:
+                        self.host.put([lane0], [hashes.item(b, 1)])
+                    hashed[b] = False
+                    out.append(b)
+                head += 1
+            self._head = head
+        for b in out:
+            ref[b] = 1
+        return out
 
     def _pop_ring(self, n: int) -> np.ndarray:
         parts, got = [], 0
@@ -185,10 +215,14 @@ class BlockPool:
         if not blocks:
             return
         idx = np.asarray(blocks, dtype=np.int64)
-        np.subtract.at(self.ref, idx, 1)  # counts every occurrence, unlike ref[idx] -= 1
-        zero = idx[self.ref[idx] == 0]
-        if len(zero) > 1 and len(np.unique(zero)) < len(zero):  # keep the first of repeats
-            zero = np.asarray(list(dict.fromkeys(zero.tolist())), dtype=np.int64)
+        if len(set(blocks)) == len(blocks):  # a request's table: ufunc.at is slow, not needed
+            self.ref[idx] -= 1
+            zero = idx[self.ref[idx] == 0]
+        else:
+            np.subtract.at(self.ref, idx, 1)  # counts every occurrence, unlike ref[idx] -= 1
+            zero = idx[self.ref[idx] == 0]
+            if len(zero) > 1 and len(np.unique(zero)) < len(zero):  # keep the first of repeats
+                zero = np.asarray(list(dict.fromkeys(zero.tolist())), dtype=np.int64)
         hashed = self._hashed[zero]
         plain = zero[~hashed]
         self._stack[self._n_stack : self._n_stack + len(plain)] = plain
@@ -213,20 +247,25 @@ class BlockPool:
         """Publish full blocks under their hashes; a hash already present keeps its block."""
         if not self.enable_prefix_cache or not blocks:
             return
+        if len(blocks) == 1:  # a block closed by decoding: the same rules, without numpy
+            block, key = blocks[0], int(hashes[0, 0])
+            if not self._hashed[block] and key not in self._table:
+                self._table[key] = block
+                self._hash[block] = hashes[0]
+                self._hashed[block] = True
+            return
         idx = np.asarray(blocks, dtype=np.int64)
         open_ = ~self._hashed[idx]
         if not open_.all():
             idx, hashes = idx[open_], hashes[open_]
         keys, ids = hashes[:, 0].tolist(), idx.tolist()
-        new = dict(zip(reversed(keys), reversed(ids)))  # reversed: the first block of a key wins
-        table = self._table
-        if len(new) < len(idx) or not table.keys().isdisjoint(new):
-            # Equal content published twice: the block already in the table keeps the hash.
-            for key in [k for k in new if k in table]:
-                del new[key]
-            keep = np.fromiter((new.get(k) == b for k, b in zip(keys, ids)), bool, len(idx))
+        # One lookup per key: an open block is in no table entry, so setdefault returns it
+        # only where it took the key (a key already present, or repeated in this batch,
+        # keeps its first block).
+        add = self._table.setdefault
+        keep = [add(key, block) == block for key, block in zip(keys, ids)]
+        if not all(keep):
             idx, hashes = idx[keep], hashes[keep]
-        table.update(new)
         self._hash[idx] = hashes
         self._hashed[idx] = True
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 from .request import Request
-from .step import EMPTY_I64, StepOutputs, StepPlan
+from .step import StepOutputs, StepPlan
 
 
 
 class BulkDecode:
+    # Batches here are a few requests and runs a few blocks long: per-slot state is gathered
+    # once into Python ints, since numpy's per-call cost would dominate arrays that short.
     def identical_decode_steps(self) -> int:
         """How many upcoming steps repeat the in-flight decode-only batch (0: none).
 
@@ -22,19 +24,20 @@ class BulkDecode:
         decoding, nothing waiting can start (blocks only shrink while nobody finishes), and
         no request reaches its last token sooner.
         """
-        act = self.s_active
-        if not act.any() or not (self.s_decodable[act]).all():
+        slots = self.active_slots()
+        if not len(slots) or not all(self.s_decodable[slots].tolist()):
             return 0
-        if ((self.s_nknown - self.s_ncomp)[act] != 1).any() or (self.s_stop[act] != -2).any():
+        nknown, ncomp = self.s_nknown[slots].tolist(), self.s_ncomp[slots].tolist()
+        if any(a - c != 1 for a, c in zip(nknown, ncomp)) or any(t != -2 for t in self.s_stop[slots].tolist()):
             return 0
-        if (self.s_ncomp[act] < self.s_prefill_end[act]).any():  # a one-token prefill chunk left
-            return 0
+        if any(c < e for c, e in zip(ncomp, self.s_prefill_end[slots].tolist())):
+            return 0  # a one-token prefill chunk left
         if self._waiting and self._free_slots and self._could_admit_head():
             return 0
-        k = int((self.s_maxtotal - self.s_nknown)[act].min())
+        k = min(t - a for t, a in zip(self.s_maxtotal[slots].tolist(), nknown))
         if k <= 0:
             return 0
-        return self._steps_blocks_allow(np.flatnonzero(act), k)
+        return self._steps_blocks_allow(ncomp, self.s_nblocks[slots].tolist(), k)
 
     def _could_admit_head(self) -> bool:
         req = self._waiting[0][1]
@@ -43,15 +46,18 @@ class BulkDecode:
         budget = self.config.max_num_batched_tokens - self.num_running
         return budget > 0 and self._admission_need(req, budget)[2] > 0
 
-    def _steps_blocks_allow(self, slots: np.ndarray, k: int) -> int:
-        free = self.pool.num_free
-        ncomp, nblk = self.s_ncomp[slots], self.s_nblocks[slots]
-        if int((-(-(ncomp + k) // self.bs) - nblk).clip(0).sum()) <= free:
+    def _steps_blocks_allow(self, ncomp: list[int], nblk: list[int], k: int) -> int:
+        free, bs = self.pool.num_free, self.bs
+
+        def need(j: int) -> int:
+            return sum(max(-(-(c + j) // bs) - b, 0) for c, b in zip(ncomp, nblk))
+
+        if need(k) <= free:
             return k  # the common case: plenty of free blocks
         lo, hi = 0, k  # largest j <= k whose allocations fit in the free blocks
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if int((-(-(ncomp + mid) // self.bs) - nblk).clip(0).sum()) <= free:
+            if need(mid) <= free:
                 lo = mid
             else:
                 hi = mid - 1
@@ -66,30 +72,34 @@ class BulkDecode:
         the order single steps would do it, so evictions and publications interleave alike),
         never per plain step.
         """
-        slots = np.flatnonzero(self.s_active)
+        slot_arr = self.active_slots()
+        slots = slot_arr.tolist()
         self._plan_epochs.clear()  # the one plan in flight is consumed; the new one replaces it
-        reqs = [self.s_req[s] for s in slots.tolist()]
-        ncomp0, nblk0 = self.s_ncomp[slots].copy(), self.s_nblocks[slots].copy()
-        nout0, rids = self.s_nout[slots].copy(), self.s_rid[slots].copy()
-        pos0 = self.s_nknown_confirmed(slots)
+        reqs = [self.s_req[s] for s in slots]
+        ncomp0, nblk0 = self.s_ncomp[slot_arr].tolist(), self.s_nblocks[slot_arr].tolist()
+        nout0, maxout = self.s_nout[slot_arr].tolist(), self.s_maxout[slot_arr].tolist()
+        rids = self.s_rid[slot_arr]
+        pos0 = [t - m + o for t, m, o in zip(self.s_maxtotal[slot_arr].tolist(), maxout, nout0)]
         self._flush_tails(slots, reqs, pos0)  # outputs since the last block boundary
-        for req, a, row in zip(reqs, nout0.tolist(), tokens):
+        for req, a, row in zip(reqs, nout0, tokens):
             req.output[a : a + k] = row
-        extra = (-(-(ncomp0 + k) // self.bs) - nblk0).clip(0)
+        bs = self.bs
+        extra = [max(-(-(c + k) // bs) - b, 0) for c, b in zip(ncomp0, nblk0)]
         last_new = self._advance_blocks(slots, reqs, ncomp0, nblk0, extra, pos0, k)
-        self.s_ncomp[slots] += k
-        self.s_nknown[slots] += k
-        self.s_nout[slots] += k
+        self.s_nblocks[slot_arr] += extra
+        self.s_ncomp[slot_arr] += k
+        self.s_nknown[slot_arr] += k
+        self.s_nout[slot_arr] += k
         self._step += k - 1
-        self.s_tail[slots, :] = 0
-        self._refill_tails(slots, reqs, pos0 + k)
-        done = self.s_nout[slots] >= self.s_maxout[slots]
-        finished = self._finish_slots(slots[done], tokens[done, -1]) if done.any() else ()
+        self.s_tail[slot_arr, :] = 0
+        self._refill_tails(slots, reqs, [p + k for p in pos0])
+        done = np.array([o + k >= m for o, m in zip(nout0, maxout)])
+        finished = self._finish_slots(slot_arr[done], tokens[done, -1]) if done.any() else ()
         out = StepOutputs(
             req_ids=rids, num_tokens=np.full(len(slots), k, np.int32), token_ids=tokens.ravel(),
-            finished=finished, first_token_ids=rids[nout0 == 0],
+            finished=finished, first_token_ids=rids[[i for i, o in enumerate(nout0) if o == 0]],
         )
-        live = slots[~done]
+        live = slot_arr[~done]
         plan = self._build_plan(live, self._still_owned(last_new, live), [], [])
         return out, plan
 
@@ -98,55 +108,82 @@ class BulkDecode:
         the blocks plan r feeds into, then closes the blocks the token confirmed for plan
         r-1 fills; returns (slots, blocks) taken in round k: the new plan's block deltas."""
         bs = self.bs
-        total = int(extra.sum())
-        owner = np.repeat(np.arange(len(slots)), extra)
-        first = np.repeat(np.cumsum(extra) - extra, extra)
-        block_no = np.repeat(nblk0, extra) + np.arange(total) - first
-        a_round = block_no * bs - np.repeat(ncomp0, extra) + 1  # the plan feeding its first slot
-        order = np.lexsort((owner, a_round))
-        a_owner, a_round = owner[order], a_round[order]
-        if self.config.enable_prefix_caching:  # the token confirmed in round c + 1 ends a block
-            c0 = (bs - (pos0 + 1) % bs) % bs
-            n_close = np.where(c0 < k, (k - 1 - c0) // bs + 1, 0)
-            c_owner = np.repeat(np.arange(len(slots)), n_close)
-            rank = np.arange(int(n_close.sum())) - np.repeat(np.cumsum(n_close) - n_close, n_close)
-            c_col = np.repeat(c0, n_close) + rank * bs
-            c_round = c_col + 1
-            c_index = (np.repeat(pos0, n_close) + c_col + 1) // bs - 1
-            corder = np.lexsort((c_owner, c_round))
-            c_owner, c_round, c_index = c_owner[corder], c_round[corder], c_index[corder]
-        else:
-            c_round = EMPTY_I64
-        got_all = []
-        for r in sorted(set(a_round.tolist()) | set(c_round.tolist())):
-            lo, hi = np.searchsorted(a_round, [r, r + 1])
-            if hi > lo:
-                got = self.pool.allocate(int(hi - lo))
-                for i, block in zip(a_owner[lo:hi].tolist(), got):
+        # (round, owner): plan r is the first to feed a slot of the block
+        allocs = sorted((b * bs - c + 1, i) for i, (c, nb, e) in enumerate(zip(ncomp0, nblk0, extra))
+                        for b in range(nb, nb + e))
+        closes: list[tuple[int, int]] = []  # (round, owner): the token confirmed in round r ends a block
+        chains = {}
+        if self.config.enable_prefix_caching:
+            for i, p in enumerate(pos0):
+                c0 = (bs - (p + 1) % bs) % bs
+                if c0 < k:
+                    cols = range(c0, k, bs)
+                    closes += [(col + 1, i) for col in cols]
+                    chains[i] = self._close_chain(reqs[i], (p + c0 + 1) // bs - 1, len(cols))
+            closes.sort()
+        last_owners, last_blocks = [], []
+        ai = ci = 0
+        while ai < len(allocs) or ci < len(closes):
+            r = min(allocs[ai][0] if ai < len(allocs) else k + 1, closes[ci][0] if ci < len(closes) else k + 1)
+            aj = ai
+            while aj < len(allocs) and allocs[aj][0] == r:
+                aj += 1
+            if aj > ai:
+                got = self.pool.allocate(aj - ai)
+                for (_, i), block in zip(allocs[ai:aj], got):
                     reqs[i].blocks.append(block)
-                got_all.extend(got)
-            lo, hi = np.searchsorted(c_round, [r, r + 1])
-            if hi > lo:
-                sel = [reqs[i] for i in c_owner[lo:hi].tolist()]
-                index = c_index[lo:hi]
-                blocks = np.stack([self._known_tokens(q, i * bs, (i + 1) * bs)
-                                   for q, i in zip(sel, index.tolist())])
-                self._publish_generated(sel, index, blocks)
-        self.s_nblocks[slots] += extra
-        in_last = a_round == k
-        return slots[a_owner[in_last]], np.asarray(got_all, dtype=np.int64)[in_last]
+                if r == k:
+                    last_owners, last_blocks = [slots[i] for _, i in allocs[ai:aj]], got
+                ai = aj
+            while ci < len(closes) and closes[ci][0] == r:
+                self._close_next(reqs[closes[ci][1]], chains[closes[ci][1]])
+                ci += 1
+        for req, chain in zip([reqs[i] for i in chains], chains.values()):
+            if chain[4]:
+                req.block_hashes = np.concatenate([req.block_hashes, np.stack(chain[4])])
+        return np.array(last_owners, dtype=np.int64), np.array(last_blocks, dtype=np.int64)
 
-    def _flush_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
+    def _close_chain(self, req: Request, first: int, m: int) -> list:
+        """Hashes of the m consecutive blocks from ``first`` that decoding closes, as
+        ``_publish_generated`` would compute them one at a time; returns the state
+        ``_close_next`` walks: [hashes, accumulators, first index, next position, hashes
+        appended to the request's chain]."""
+        bs = self.bs
+        blocks = self._known_tokens(req, first * bs, (first + m) * bs).reshape(m, bs)
+        if first == len(req.block_hashes):  # the usual case: each block extends the chain
+            hashes, accs = self.hasher.extend_chain(req.hash_acc, blocks, first)
+            return [hashes, accs, first, 0, []]
+        # A recompute re-closing known blocks: each from the accumulator of the time.
+        hashes, accs, acc, n = [], [], req.hash_acc, len(req.block_hashes)
+        for j in range(m):
+            h, a = self.hasher.extend(acc[None], blocks[j : j + 1], np.array([first + j]))
+            hashes.append(h[0])
+            accs.append(a[0])
+            if first + j == n:
+                acc, n = a[0], n + 1
+        return [hashes, accs, first, 0, []]
+
+    def _close_next(self, req: Request, chain: list) -> None:
+        hashes, accs, first, j, appended = chain
+        chain[3] = j + 1
+        index = first + j
+        if index < len(req.blocks):
+            self.pool.cache([req.blocks[index]], hashes[j][None])
+        if index == len(req.block_hashes) + len(appended):  # block_hashes grows at the end
+            appended.append(hashes[j])
+            req.hash_acc = accs[j]
+
+    def _flush_tails(self, slots: list[int], reqs: list[Request], end: list[int]) -> None:
         """Copy the confirmed outputs of each open block from s_tail into req.output."""
-        for slot, req, e in zip(slots.tolist(), reqs, end.tolist()):
+        for slot, req, e in zip(slots, reqs, end):
             lo = max(e - e % self.bs, req.prompt_len)
             if e > lo:
                 req.output[lo - req.prompt_len : e - req.prompt_len] = self.s_tail[
                     slot, lo % self.bs : lo % self.bs + e - lo
                 ]
 
-    def _refill_tails(self, slots: np.ndarray, reqs: list[Request], end: np.ndarray) -> None:
-        for slot, req, e in zip(slots.tolist(), reqs, end.tolist()):
+    def _refill_tails(self, slots: list[int], reqs: list[Request], end: list[int]) -> None:
+        for slot, req, e in zip(slots, reqs, end):
             lo = e - e % self.bs
             self.s_tail[slot, : e - lo] = self._known_tokens(req, lo, e)
 

@@ -15,6 +15,7 @@ work per request happens only at events (admission, a block boundary, finishing)
 
 from __future__ import annotations
 
+import bisect
 import heapq
 
 import numpy as np
@@ -23,13 +24,15 @@ from .admission import AdmissionCaps
 from .block_pool import BlockPool
 from .bulk import BulkDecode
 from .config import SchedulerConfig
+from .decode import DecodeScheduling
 from .hashing import BlockHasher
 from .plans import PlanAssembly, PlanConstants
 from .request import FinishReason, Request, RequestError, RequestState
-from .step import EMPTY_I64, StepOutputs, StepPlan, StepResult
+from .step import StepPlan
+from .update import UpdatePath
 
 
-class SchedulerCore(PlanAssembly, BulkDecode):
+class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
     def __init__(self, config: SchedulerConfig, hasher: BlockHasher):
         if hasher.block_size != config.block_size:
             raise ValueError(f"the hasher hashes blocks of {hasher.block_size} tokens but "
@@ -59,6 +62,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         self.s_epoch = np.zeros(n, dtype=np.int64)  # bumped when a slot is taken or released
         self._plan_epochs: dict[int, np.ndarray] = {}  # step id -> s_epoch of its slots
         self.s_active = np.zeros(n, dtype=bool)
+        self._active: list[int] = []  # s_active's slots, ascending: batches are mostly small
         self.s_decodable = np.zeros(n, dtype=bool)  # RUNNING (not waiting for KV)
         self.s_ncomp = np.zeros(n, dtype=np.int64)
         # Tokens known when the request took its slot (prompt, plus output kept over a
@@ -160,39 +164,6 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         self._preempted_this_step = False
         self._chunked_now.clear()
         return self._build_plan(dec_slots, grown, entries, loads)
-
-    @staticmethod
-    def _still_owned(grown: tuple[np.ndarray, np.ndarray], slots: np.ndarray):
-        if len(grown[0]) == 0:
-            return grown
-        keep = set(slots.tolist())  # np.isin costs ~100 us even for a handful of slots
-        mask = np.fromiter((s in keep for s in grown[0].tolist()), bool, len(grown[0]))
-        return grown[0][mask], grown[1][mask]
-
-    def _schedule_decodes(self, budget: int) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-        """One token for every decoding slot; returns the slots and (slots grown, new blocks)."""
-        if len(self._free_slots) == self.config.max_num_seqs:  # nothing running
-            return EMPTY_I64, (EMPTY_I64, EMPTY_I64)
-        ready = self.s_decodable & (self.s_nknown - self.s_ncomp == 1)
-        ready &= (self.s_ncomp >= self.s_prefill_end) & (self.s_nknown < self.s_maxtotal)
-        slots = np.flatnonzero(ready)[:budget]
-        if len(slots) == 0:
-            return slots, (EMPTY_I64, EMPTY_I64)
-        need = (self.s_ncomp[slots] + self.bs) // self.bs > self.s_nblocks[slots]
-        grow = slots[need]
-        got = EMPTY_I64
-        if len(grow):
-            while len(grow) > self.pool.num_free:
-                self._preempt(self._pick_victim())
-                slots, grow = slots[self.s_active[slots]], grow[self.s_active[grow]]
-            got_list = self.pool.allocate(len(grow))
-            for slot, block in zip(grow.tolist(), got_list):
-                self.s_req[slot].blocks.append(block)
-            got = np.asarray(got_list, dtype=np.int64)
-            self.s_nblocks[grow] += 1
-        self.s_ncomp[slots] += 1
-        self.s_nknown[slots] += 1
-        return slots, (grow, got)
 
     def _schedule_prefills(self, budget: int, entries: list) -> int:
         if not self._prefilling:
@@ -352,101 +323,6 @@ class SchedulerCore(PlanAssembly, BulkDecode):
             hi = min(hi, len(hashes))
             self.pool.cache(req.blocks[lo:hi], hashes[lo:hi])
 
-    # -- update --------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult, now: float) -> StepOutputs:
-        if result.step_id != plan.step_id:
-            raise ValueError(f"result for step {result.step_id} applied to plan {plan.step_id}")
-        for rid in result.kv_loads_done.tolist():
-            self._kv_load_finished(rid, ok=True)
-        for rid in result.kv_loads_failed.tolist():
-            self._kv_load_finished(rid, ok=False)
-        slots = plan.slots.astype(np.int64)
-        ns = result.num_sampled
-        epochs = self._plan_epochs.pop(plan.step_id, None)
-        if plan.num_reqs == 0:  # a step that only carried KV-load completions
-            e = EMPTY_I64
-            return StepOutputs(req_ids=e, num_tokens=e.astype(np.int32),
-                               token_ids=e.astype(np.int32), finished=(), first_token_ids=e)
-        if epochs is None:
-            raise ValueError(f"step {plan.step_id} was not planned by this core, or was applied twice")
-        # A slot's owner may have finished, been preempted or even re-admitted meanwhile.
-        live = (self.s_epoch[slots] == epochs) & plan.samples & (ns > 0)
-        if live.all() and len(result.token_ids) == len(slots) and len(ns) == len(slots):
-            return self._confirm(slots, result.token_ids, plan.req_ids)
-        idx = np.flatnonzero(live)
-        offs = np.zeros(len(ns) + 1, dtype=np.int64)
-        np.cumsum(ns, out=offs[1:])
-        if (ns > plan.samples).any():  # more than one token needs speculative decoding
-            raise ValueError(f"step {plan.step_id}: a request sampled {int(ns.max())} tokens; "
-                             "without speculative tokens in the plan each may sample at most 1")
-        return self._confirm(slots[idx], result.token_ids[offs[idx]], plan.req_ids[idx])
-
-    def _confirm(self, slots: np.ndarray, tokens: np.ndarray, req_ids: np.ndarray) -> StepOutputs:
-        """One confirmed token for each slot (the fast path)."""
-        nout = self.s_nout[slots]
-        pos = self.s_nknown_confirmed(slots)
-        self.s_tail[slots, pos % self.bs] = tokens
-        nout += 1
-        self.s_nout[slots] = nout
-        first = req_ids[nout == 1]
-        full = slots[(pos + 1) % self.bs == 0]
-        if len(full):
-            self._close_blocks(full)
-        done = (nout >= self.s_maxout[slots]) | (tokens == self.s_stop[slots])
-        finished = ()
-        if done.any():
-            finished = self._finish_slots(slots[done], tokens[done])
-        return StepOutputs(
-            req_ids=req_ids, num_tokens=np.ones(len(slots), dtype=np.int32),
-            token_ids=tokens, finished=finished, first_token_ids=first,
-        )
-
-    def s_nknown_confirmed(self, slots: np.ndarray) -> np.ndarray:
-        """Position of the next confirmed token: prompt length + confirmed outputs."""
-        return self.s_maxtotal[slots] - self.s_maxout[slots] + self.s_nout[slots]
-
-    def _close_blocks(self, slots: np.ndarray) -> None:
-        """Blocks just filled by confirmed output: save their tokens, hash and publish them."""
-        reqs = [self.s_req[s] for s in slots.tolist()]
-        ends = self.s_nknown_confirmed(slots)
-        for req, slot, end in zip(reqs, slots.tolist(), ends.tolist()):
-            lo = max(end - self.bs, req.prompt_len)
-            req.output[lo - req.prompt_len : end - req.prompt_len] = self.s_tail[slot, lo % self.bs :]
-        if self.config.enable_prefix_caching:
-            self._publish_generated(reqs, ends // self.bs - 1, self.s_tail[slots])
-
-    def _finish_slots(self, slots: np.ndarray, tokens: np.ndarray) -> tuple:
-        out = []
-        for slot, tok in zip(slots.tolist(), tokens.tolist()):
-            req = self.s_req[slot]
-            reason = FinishReason.STOP if tok == self.s_stop[slot] else FinishReason.LENGTH
-            if self.s_nout[slot] >= self.s_maxout[slot]:
-                reason = FinishReason.LENGTH
-            self._release(req)
-            self._finish(req, reason)
-            out.append((req.id, reason))
-        return tuple(out)
-
-    def _kv_load_finished(self, rid: int, *, ok: bool) -> None:
-        req = self.requests.get(rid)
-        if req is None:
-            return
-        if req.host_load_first >= 0:  # a host-tier prefix load
-            first, req.host_load_first = req.host_load_first, -1
-            if req.slot < 0:
-                return
-            if ok:  # now the loaded blocks, and what was computed on them, can be shared
-                self._publish_prompt_blocks(req, first * self.bs)
-            else:  # nothing was published: recompute from scratch
-                self._preempt(req)
-            return
-        if req.state is not RequestState.WAITING_FOR_KV:
-            return
-        req.state = RequestState.RUNNING
-        req.num_computed = min(req.remote_kv_tokens, req.num_known - 1) if ok else 0
-        self.s_ncomp[req.slot] = req.num_computed
-        self.s_decodable[req.slot] = True
-
     # -- slots, preemption, finishing ----------------------------------------------------
     def _take_slot(self, req: Request) -> None:
         slot = self._free_slots.pop()
@@ -456,6 +332,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         self.s_rid[slot] = req.id
         self.s_epoch[slot] += 1
         self.s_active[slot] = True
+        bisect.insort(self._active, slot)
         self.s_decodable[slot] = True
         self.s_ncomp[slot] = req.num_computed
         self.s_nknown[slot] = req.num_known
@@ -476,7 +353,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         """Give back the slot and blocks; keep confirmed output in the request."""
         slot = req.slot
         req.num_output = int(self.s_nout[slot])
-        self._flush_tails(np.array([slot]), [req], np.array([req.prompt_len + req.num_output]))
+        self._flush_tails([slot], [req], [req.prompt_len + req.num_output])
         self.pool.free(req.blocks[::-1])
         req.blocks = []
         self._prefilling.discard(slot)
@@ -484,6 +361,7 @@ class SchedulerCore(PlanAssembly, BulkDecode):
         self.s_rid[slot] = -1
         self.s_epoch[slot] += 1
         self.s_active[slot] = False
+        self._active.remove(slot)
         self.s_decodable[slot] = False
         self._free_slots.append(slot)
         req.slot = -1
@@ -537,7 +415,8 @@ class SchedulerCore(PlanAssembly, BulkDecode):
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         refs = np.zeros(self.pool.num_blocks, dtype=np.int64)
-        for slot in np.flatnonzero(self.s_active).tolist():
+        assert self._active == np.flatnonzero(self.s_active).tolist(), "active slot list out of date"
+        for slot in self._active:
             req = self.s_req[slot]
             assert req is not None and req.slot == slot and self.s_rid[slot] == req.id
             assert self.s_nblocks[slot] == len(req.blocks)

@@ -87,6 +87,7 @@ class BlockHasher:
             1, 2**63, size=4, dtype=np.uint64
         )
         self._mul = consts | _U64(1)  # odd multipliers are bijections mod 2**64
+        self._mul_ints = tuple(int(v) for v in self._mul[[0, 2, 3]])
         self._words_per_block = block_size // 2
         self._init_unsalted = np.zeros(2, np.uint64)
         self._init_unsalted = self.initial(b"")
@@ -121,6 +122,39 @@ class BlockHasher:
         last = np.array([a[-1], b[-1]], dtype=np.uint64)
         return self._finalize(a, b, index), last
 
+    def hash_prompts(self, prompts: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """``hash_prompt`` (unsalted) of many prompts in one pass: what a simulator admits
+        next, without paying numpy's per-call cost once per prompt."""
+        if self.method == "sha256" or len(prompts) < 2:
+            return [self.hash_prompt(p) for p in prompts]
+        bs, wpb, init = self.block_size, self._words_per_block, self._init_unsalted
+        nblk = np.array([len(p) // bs for p in prompts], dtype=np.int64)
+        if not nblk.any():
+            return [self.hash_prompt(p) for p in prompts]
+        body = np.concatenate([np.asarray(p[: n * bs], dtype=np.int32) for p, n in zip(prompts, nblk.tolist())])
+        first_block = np.cumsum(nblk) - nblk
+        block_no = np.arange(int(nblk.sum())) - np.repeat(first_block, nblk)
+        self._ensure_keys(int(nblk.max()) * wpb)
+        pos = (block_no[:, None] * wpb + np.arange(wpb)).ravel()  # words restart per prompt
+        x = self._permute(body.view(np.uint64) ^ self._keys[pos])
+        a, b = self._block_lanes(x)
+        np.cumsum(a, out=a)
+        np.cumsum(b, out=b)
+        # Each prompt's chain: the running sums since its first block (exact mod 2**64).
+        before = np.flatnonzero(block_no == 0) - 1
+        a -= np.repeat(np.where(before >= 0, a[before], _U64(0)), nblk[nblk > 0])
+        b -= np.repeat(np.where(before >= 0, b[before], _U64(0)), nblk[nblk > 0])
+        a += init[0]
+        b += init[1]
+        hashes = self._finalize(a, b, block_no.astype(np.uint64))
+        out, lo = [], 0
+        for n in nblk.tolist():
+            hi = lo + n
+            last = np.array([a[hi - 1], b[hi - 1]], dtype=np.uint64) if n else init.copy()
+            out.append((hashes[lo:hi] if n else np.empty((0, 2), dtype=np.uint64), last))
+            lo = hi
+        return out
+
     def extend(
         self, parent_acc: np.ndarray, blocks: np.ndarray, block_index: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -150,27 +184,63 @@ class BlockHasher:
         a, b = acc[:, 0].copy(), acc[:, 1].copy()
         return self._finalize(a, b, block_index.astype(np.uint64)), acc
 
+    def extend_chain(
+        self, parent_acc: np.ndarray, blocks: np.ndarray, first_index: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Hash m consecutive blocks of one chain: what m calls of ``extend`` would give,
+        each from the accumulator the previous one returned.
+
+        parent_acc: (2,) accumulator before block ``first_index``; blocks: (m, block_size).
+        """
+        blocks = np.ascontiguousarray(blocks, dtype=np.int32)
+        m = len(blocks)
+        if self.method == "sha256":
+            out_h, _ = self._sha256_chain(blocks, parent_acc)
+            return out_h, out_h.copy()
+        wpb = self._words_per_block
+        self._ensure_keys((first_index + m) * wpb)
+        if m <= _SCALAR_MAX:
+            pa, pb = parent_acc.tolist()
+            rows = blocks.view(np.uint64).tolist()
+            return self._chain_ints(pa, pb, rows, range(first_index, first_index + m))
+        x = self._mixed_words(blocks.view(np.uint64).ravel(), first_index * wpb)
+        a, b = self._block_lanes(x)
+        np.cumsum(a, out=a)
+        np.cumsum(b, out=b)
+        a += parent_acc[0]
+        b += parent_acc[1]
+        index = np.arange(first_index, first_index + m, dtype=np.uint64)
+        return self._finalize(a, b, index), np.stack([a, b], axis=1)
+
     def _extend_ints(self, parent_acc, blocks, block_index) -> tuple[np.ndarray, np.ndarray]:
         """``extend`` in Python ints mod 2**64: bit-identical to the numpy path."""
-        wpb, mask = self._words_per_block, _MASK
-        m0, m2, m3 = (int(v) for v in self._mul[[0, 2, 3]])
         hashes = np.empty((len(blocks), 2), dtype=np.uint64)
         accs = np.empty((len(blocks), 2), dtype=np.uint64)
         for r, (words, i, (pa, pb)) in enumerate(
             zip(blocks.view(np.uint64).tolist(), block_index.tolist(), parent_acc.tolist())
         ):
+            h, a = self._chain_ints(pa, pb, [words], (i,))
+            hashes[r], accs[r] = h[0], a[0]
+        return hashes, accs
+
+    def _chain_ints(self, pa: int, pb: int, rows: list, indices) -> tuple[np.ndarray, np.ndarray]:
+        """Blocks ``rows`` (lists of 64-bit words) chained from accumulator (pa, pb)."""
+        wpb, mask, keys = self._words_per_block, _MASK, self._keys
+        m0, m2, m3 = self._mul_ints
+        hashes, accs = [], []
+        for words, i in zip(rows, indices):
             xs = []
-            for w, k in zip(words, self._keys[i * wpb : (i + 1) * wpb].tolist()):
+            for w, k in zip(words, keys[i * wpb : (i + 1) * wpb].tolist()):
                 x = ((w ^ k) * m0) & mask
                 xs.append(x ^ (x >> 32))
             b = sum(xs[j] * xs[j + 1] for j in range(0, wpb - 1, 2))
             if wpb % 2:
                 b += xs[-1] * (xs[-1] >> 32)
-            acc_a, acc_b = (pa + sum(xs)) & mask, (pb + b) & mask
-            h0 = _fmix_int(acc_a ^ ((acc_b * m2) & mask) ^ ((i * m3) & mask), _M1_INT)
-            hashes[r] = (h0, _fmix_int((acc_b + h0) & mask, _M2_INT))
-            accs[r] = (acc_a, acc_b)
-        return hashes, accs
+            pa, pb = (pa + sum(xs)) & mask, (pb + b) & mask
+            h0 = _fmix_int(pa ^ ((pb * m2) & mask) ^ ((i * m3) & mask), _M1_INT)
+            hashes.append((h0, _fmix_int((pb + h0) & mask, _M2_INT)))
+            accs.append((pa, pb))
+        return np.array(hashes, dtype=np.uint64), np.array(accs, dtype=np.uint64)
 
     # -- internals -----------------------------------------------------------------------
     def _ensure_keys(self, n_words: int) -> None:

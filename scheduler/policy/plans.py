@@ -6,10 +6,13 @@ gathers and shared read-only constants.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from .request import RequestState
 from .step import PLACEHOLDER, StepPlan
+from .update import SMALL_BATCH
 
 
 class PlanConstants:
@@ -104,22 +107,32 @@ class PlanAssembly:
         counts_off = c.zeros[: n + 1]
         block_ids = c.empty_i32
         if len(grown[0]):  # grown slots are a subsequence of slots, both ascending
-            counts = np.zeros(n, dtype=np.int64)
-            counts[np.searchsorted(slots, grown[0])] = 1
-            counts_off = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(counts, out=counts_off[1:])
+            if n <= SMALL_BATCH:  # a running count of membership: no numpy calls
+                grew = set(grown[0].tolist())
+                counts_off = np.array(list(itertools.accumulate(
+                    (s in grew for s in slots.tolist()), initial=0)), dtype=np.int64)
+            else:
+                counts = np.zeros(n, dtype=np.int64)
+                counts[np.searchsorted(slots, grown[0])] = 1
+                counts_off = np.zeros(n + 1, dtype=np.int64)
+                np.cumsum(counts, out=counts_off[1:])
             block_ids = grown[1].astype(np.int32)
         dropped = self._take_drops(n)
         slots32 = slots.astype(np.int32)
         if n:  # every plan with requests must be applied; empty ones need not be
             self._plan_epochs[self._step] = self.s_epoch[slots]
+        start_pos = self.s_ncomp[slots].astype(np.int32)
+        block_start = self.s_nblocks[slots].astype(np.int32)
+        start_pos -= 1  # in place on the fresh int32 copies: one temporary fewer
+        block_start -= 1
         return StepPlan(
             step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=c.ones[:n],
-            start_pos=(self.s_ncomp[slots] - 1).astype(np.int32), samples=c.trues[:n],
+            start_pos=start_pos, samples=c.trues[:n],
             token_ids=c.placeholders[:n], token_offsets=c.arange[: n + 1],
-            block_start=(self.s_nblocks[slots] - 1).astype(np.int32), block_ids=block_ids,
-            block_offsets=counts_off, kv_load_req_ids=c.empty_i64,
-            kv_load_first_block=c.empty_i32, kv_load_num_blocks=c.empty_i32,
+            block_start=block_start, block_ids=block_ids,
+            block_offsets=counts_off, spec_tokens=c.empty_i32, spec_offsets=c.empty_i64,
+            kv_load_req_ids=c.empty_i64, kv_load_first_block=c.empty_i32, kv_load_num_blocks=c.empty_i32,
+            kv_send_req_ids=c.empty_i64,
             finished_req_ids=np.asarray(dropped, dtype=np.int64) if dropped else c.empty_i64,
             num_tokens=n, num_padded_tokens=n,
         )
