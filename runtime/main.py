@@ -27,7 +27,10 @@ _FORGET = msgspec.msgpack.Decoder(Forget)
 
 
 def run(sock: socket.socket, spec_bytes: bytes) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine owns shutdown
+    # The engine owns shutdown: a Ctrl-C or a service manager's SIGTERM to the whole group
+    # must not kill the runtime under in-flight requests while the server drains.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox, outbox = recv_ring(sock), recv_ring(sock)
     runtime = None
     try:

@@ -40,6 +40,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     ttft_s: float | None = None
     e2e_s: float | None = None
+    queue_s: float | None = None  # arrival to the first step that computed it
 
 
 @attrs.frozen
@@ -109,6 +110,7 @@ class Engine:
             num_output_tokens=n, num_cached_tokens=s.num_cached_tokens,
             ttft_s=None if s.first_token_at is None else s.first_token_at - s.arrival,
             e2e_s=(s.finished_at - s.arrival) if done and s.finished_at is not None else None,
+            queue_s=None if s.scheduled_at is None else s.scheduled_at - s.arrival,
         )
 
     def _detokenizer(self):

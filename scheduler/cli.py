@@ -1,5 +1,5 @@
-"""The `lockstep` command: `sim` (replay a trace in virtual time) and `generate` (stream one
-answer from a model); `serve` arrives with the server."""
+"""The `lockstep` command: `sim` (replay a trace in virtual time), `generate` (stream one
+answer from a model) and `serve` (the OpenAI-compatible server)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="PATH", help="write latency CDFs, throughput and KV use as PNG")
     s.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows (counted)")
     s.add_argument("--no-advance", action="store_true", help="step one by one (for checking)")
-    from lockstep.generate_cli import add_parser
+    from lockstep import generate_cli, serve_cli
 
-    add_parser(sub)
+    generate_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     return p
 
 
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     return 2
 
 
@@ -58,6 +61,17 @@ def _generate(args) -> int:
         return run_generate(args)
     except (ConfigError, RequestError, ValueError) as e:
         print(f"lockstep generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args) -> int:
+    from lockstep.policy.config import ConfigError
+    from lockstep.serve_cli import run_serve
+
+    try:
+        return run_serve(args)
+    except (ConfigError, ValueError) as e:
+        print(f"lockstep serve: error: {e}", file=sys.stderr)
         return 2
 
 

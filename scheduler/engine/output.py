@@ -17,14 +17,15 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
 class RequestStream:
-    __slots__ = ("req_id", "num_prompt_tokens", "num_cached_tokens", "arrival", "first_token_at",
-                 "finished_at", "_chunks", "_finish", "_error", "_wakeup")
+    __slots__ = ("req_id", "num_prompt_tokens", "num_cached_tokens", "arrival", "scheduled_at",
+                 "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup")
 
     def __init__(self, req_id: int, num_prompt_tokens: int, arrival: float):
         self.req_id = req_id
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.arrival = arrival
+        self.scheduled_at: float | None = None  # first step that computed any of it
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._chunks: list[np.ndarray] = []

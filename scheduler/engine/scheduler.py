@@ -75,6 +75,7 @@ class Scheduler:
         self.pacer = pacer or RealTime()
         self.on_plan, self.on_result = on_plan, on_result  # observers (tests, benchmarks)
         self.streams: dict[int, RequestStream] = {}
+        self._unscheduled: set[int] = set()  # admitted, not yet in any plan (for queue time)
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
         # Plans sent and not yet answered, oldest first: with async scheduling the next plan
         # is sent as soon as it is made, so the runtime starts it the moment it finishes
@@ -152,10 +153,12 @@ class Scheduler:
                     stream.fail(e, now)
                     return
                 self.streams[req.id] = stream
+                self._unscheduled.add(req.id)
                 p = req.params
                 self.client.add_requests(NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k],
                                                      [-1 if p.seed is None else p.seed]))
             case Abort(req_id=rid, reason=reason):
+                self._unscheduled.discard(rid)
                 if self.core.abort(rid):
                     self.client.forget([rid])
                 s = self.streams.pop(rid, None)
@@ -184,11 +187,22 @@ class Scheduler:
                 self._send(ahead)
 
     def _send(self, plan: StepPlan) -> None:
+        if self._unscheduled:
+            self._mark_scheduled(plan)
         if self.on_plan is not None:
             self.on_plan(plan)
         self.client.send_plan(plan)
         self._in_flight.append(plan)
         self.steps += 1
+
+    def _mark_scheduled(self, plan: StepPlan) -> None:
+        now = self.pacer.now()
+        for rid in plan.req_ids.tolist():
+            if rid in self._unscheduled:
+                self._unscheduled.discard(rid)
+                s = self.streams.get(rid)
+                if s is not None:
+                    s.scheduled_at = now
 
     def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
         out = self.core.update(plan, result, now)
@@ -216,6 +230,7 @@ class Scheduler:
         for rid in list(self.core.requests):
             self.core.abort(rid)
         streams, self.streams = self.streams, {}
+        self._unscheduled.clear()
         for s in streams.values():
             s.fail(error, now)
 

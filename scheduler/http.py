@@ -1,0 +1,299 @@
+"""The OpenAI-compatible HTTP app (Starlette, served by hypercorn's trio worker).
+
+`/v1/completions` and `/v1/chat/completions` (SSE streaming with usage), `/v1/models`,
+`/health`, `/tokenize`, `/detokenize`, `/metrics`. Bodies are checked at the boundary
+(``openai_protocol``): bad fields, unknown models and prompts over the context get a 400 in
+OpenAI's error shape and nothing is queued. A client that disconnects cancels its handler,
+which aborts its requests and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+
+import msgspec
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .openai_protocol import BadRequest, Job, parse_body, parse_completion
+from .policy.request import RequestError
+from .prom import ServerMetrics
+
+_JSON = msgspec.json.Encoder()
+
+
+class Server:
+    """What the handlers share: the engine, the served model name, metrics, draining."""
+
+    def __init__(self, engine, model_name: str, *, default_max_tokens: int = 256):
+        self.engine, self.model_name = engine, model_name
+        self.default_max_tokens = default_max_tokens
+        self.metrics = ServerMetrics(model_name)
+        self.draining = False
+        self.created = int(time.time())
+
+
+def error(message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error") -> Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return Response(_JSON.encode(body), status_code=status, media_type="application/json")
+
+
+def make_app(server: Server) -> Starlette:
+    async def health(request: Request) -> Response:
+        if server.draining:
+            return error("the server is shutting down", status=503, kind="service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "lockstep",
+            "max_model_len": server.engine.frontend.max_model_len}]})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(server.metrics.render(server.engine.statistics()),
+                                 media_type="text/plain; version=0.0.4")
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = parse_body(await request.body())
+            _check_model(server, body, required=False)
+            tok = _tokenizer(server)
+            if "messages" in body:
+                from .openai_protocol import _messages
+                text = tok.apply_chat_template(_messages(body))
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise BadRequest("prompt must be a string (or give messages)", "prompt")
+        except BadRequest as e:
+            return error(str(e), e.param)
+        ids = tok.encode(text).tolist()
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.engine.frontend.max_model_len})
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = parse_body(await request.body())
+            _check_model(server, body, required=False)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+                raise BadRequest("tokens must be a list of non-negative integers", "tokens")
+            return JSONResponse({"prompt": _tokenizer(server).decode(tokens)})
+        except BadRequest as e:
+            return error(str(e), e.param)
+
+    async def completions(request: Request) -> Response:
+        return await _complete(server, request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _complete(server, request, chat=True)
+
+    return Starlette(routes=[
+        Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+        Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ])
+
+
+def _tokenizer(server: Server):
+    if server.engine.tokenizer is None:
+        raise BadRequest("this model has no tokenizer")
+    return server.engine.tokenizer
+
+
+def _check_model(server: Server, body: dict, required: bool = True) -> None:
+    model = body.get("model")
+    if model is None and not required:
+        return
+    if model != server.model_name:
+        raise BadRequest(f"model {model!r} is not served here; available: [{server.model_name!r}]", "model")
+
+
+async def _complete(server: Server, request: Request, *, chat: bool) -> Response:
+    if server.draining:
+        return error("the server is shutting down", status=503, kind="service_unavailable")
+    engine = server.engine
+    try:
+        body = parse_body(await request.body())
+        _check_model(server, body)
+        template = engine.tokenizer.apply_chat_template if engine.tokenizer is not None else None
+        if chat and template is None:
+            raise BadRequest("this model has no tokenizer, so no chat template", "messages")
+        job = parse_completion(body, chat=chat, default_max_tokens=server.default_max_tokens,
+                               chat_template=template)
+        gens = _start(engine, job)
+    except (BadRequest, RequestError) as e:
+        return error(str(e), getattr(e, "param", None))
+    rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+    if job.stream:
+        return _sse(server, job, gens, rid)
+    result = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_cancel_on_disconnect, request.receive, nursery.cancel_scope)
+        result = await _whole(server, job, gens, rid)
+        nursery.cancel_scope.cancel()
+    return result or Response(status_code=499)  # the client went away
+
+
+def _start(engine, job: Job) -> list:
+    """One generator per (prompt, sample); every one is checked before any is consumed."""
+    gens = []
+    for p in job.prompts:
+        for i in range(job.n):
+            params = job.params
+            if job.n > 1 and params.seed is not None:
+                import attrs
+                params = attrs.evolve(params, seed=params.seed + i)
+            gens.append(engine.generate(p, params, priority=job.priority, cache_salt=job.cache_salt))
+    return gens
+
+
+async def _run_all(gens: list, on_delta, server: Server) -> None:
+    """Drain every generator concurrently, calling ``on_delta(index, output)``. A generator
+    cut short (the client went away) is counted as aborted."""
+    async def one(i, g):
+        done = False
+        try:
+            async for out in g:
+                done = out.finished
+                await on_delta(i, out)
+        finally:
+            if not done:
+                server.metrics.request_aborted()
+
+    async with trio.open_nursery() as nursery:
+        for i, g in enumerate(gens):
+            nursery.start_soon(one, i, g)
+
+
+async def _run_checked(gens: list, on_delta, server: Server) -> RequestError | None:
+    """Like ``_run_all``, but a request refused after submission (a text prompt too long once
+    tokenized, say) comes back as its error instead of escaping as a group."""
+    failed = None
+    try:
+        await _run_all(gens, on_delta, server)
+    except* RequestError as eg:
+        failed = eg.exceptions[0]
+    return failed
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    return {"abort": "abort", "rejected": "abort"}.get(reason, reason)
+
+
+async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
+    texts = [[] for _ in gens]
+    finals: list = [None] * len(gens)
+
+    async def on_delta(i, out):
+        texts[i].append(out.text)
+        if out.finished:
+            finals[i] = out
+            _record(server, out)
+
+    failed = await _run_checked(gens, on_delta, server)
+    if failed is not None:
+        return error(str(failed))
+    choices = []
+    for i, f in enumerate(finals):
+        text = "".join(texts[i])
+        reason = _finish_reason(f.finish_reason)
+        if job.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                            "finish_reason": reason})
+        else:
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+    return Response(_JSON.encode({
+        "id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
+        "model": server.model_name, "choices": choices, "usage": _usage(finals, job.n)}),
+        media_type="application/json")
+
+
+def _usage(finals: list, n: int) -> dict:
+    prompt = sum(f.num_prompt_tokens for f in finals[::n])
+    completion = sum(f.num_output_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _record(server: Server, out) -> None:
+    server.metrics.request_done(out.finish_reason or "abort", out.num_prompt_tokens, out.num_output_tokens,
+                                out.ttft_s, out.e2e_s, out.queue_s)
+
+
+class SSEResponse(Response):
+    """Server-sent events written by ``produce(send_event)``; a client that goes away
+    cancels the producer (and so aborts its requests)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, produce):
+        self.produce = produce
+        self.status_code, self.background = 200, None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        events, queued = trio.open_memory_channel(math.inf)
+
+        async def write():
+            async for data in queued:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            async with trio.open_nursery() as inner:
+                inner.start_soon(write)
+                async with events:
+                    await self.produce(events.send_nowait)
+            nursery.cancel_scope.cancel()
+
+
+async def _cancel_on_disconnect(receive, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+    created = int(time.time())
+    finals: list = [None] * len(gens)
+
+    def chunk(choices: list, usage=None) -> bytes:
+        body = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return b"data: " + _JSON.encode(body) + b"\n\n"
+
+    def choice(i: int, text: str, reason: str | None, first: bool = False) -> dict:
+        if job.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+
+    async def produce(emit) -> None:
+        async def on_delta(i, out):
+            if out.finished:
+                finals[i] = out
+                _record(server, out)
+            emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason))]))
+
+        if job.chat:
+            emit(chunk([choice(i, "", None, first=True) for i in range(len(gens))]))
+        failed = await _run_checked(gens, on_delta, server)
+        if failed is not None:
+            emit(b"data: " + _JSON.encode({"error": {"message": str(failed),
+                 "type": "invalid_request_error", "param": None, "code": None}}) + b"\n\n")
+        if job.include_usage and all(f is not None for f in finals):
+            emit(chunk([], _usage(finals, job.n)))
+        emit(b"data: [DONE]\n\n")
+
+    return SSEResponse(produce)
+
+

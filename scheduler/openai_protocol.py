@@ -1,0 +1,171 @@
+"""OpenAI request bodies in, lockstep values out: parsing and checking at the HTTP boundary.
+
+Every problem raises ``BadRequest`` naming the field and what is allowed, so the server can
+answer a 400 in OpenAI's error shape before anything is queued. Token-id prompts become
+int32 arrays here, once.
+"""
+
+from __future__ import annotations
+
+import attrs
+import msgspec
+import numpy as np
+
+from lockstep.policy.request import RequestError, SamplingParams
+
+MAX_N = 16
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@attrs.frozen
+class Job:
+    """One parsed completion request: prompts (text or token arrays) x n samples."""
+
+    model: str
+    prompts: tuple  # str or np.ndarray (int32) each
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    priority: int
+    cache_salt: str | None
+    chat: bool
+
+
+def parse_body(raw: bytes) -> dict:
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_template) -> Job:
+    model = _get(body, "model", str, required=True)
+    if chat:
+        prompts = (chat_template(_messages(body)),)
+    else:
+        prompts = _prompts(body.get("prompt"))
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", "n")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise BadRequest(f"{name} is not supported yet by this server", name)
+    if body.get("echo"):
+        raise BadRequest("echo is not supported", "echo")
+    stop = body.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop) or len(stop) > 8:
+        raise BadRequest("stop must be a string or a list of at most 8 strings", "stop")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = SamplingParams(
+        max_tokens=default_max_tokens if max_tokens is None else _int("max_tokens", max_tokens),
+        temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
+        top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
+        stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
+        ignore_eos=_get(body, "ignore_eos", bool, False),
+    )
+    try:
+        params.validate()
+    except RequestError as e:
+        raise BadRequest(str(e), _param_of(str(e))) from None
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    salt = _get(body, "cache_salt", str, None)
+    return Job(model=model, prompts=prompts, params=params, n=n, stream=_get(body, "stream", bool, False),
+               include_usage=bool(opts.get("include_usage", False)), priority=_get(body, "priority", int, 0),
+               cache_salt=salt, chat=chat)
+
+
+def _prompts(p) -> tuple:
+    if isinstance(p, str):
+        return (p,)
+    if isinstance(p, list) and p:
+        if all(isinstance(x, str) for x in p):
+            return tuple(p)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return (_ids(p),)
+        if all(isinstance(x, list) for x in p):
+            return tuple(_ids(x) for x in p)
+    raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a list "
+                     "of lists of token ids (and not empty)", "prompt")
+
+
+def _ids(p: list) -> np.ndarray:
+    if not p or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        raise BadRequest("a token-id prompt must be a non-empty list of integers", "prompt")
+    arr = np.array(p, dtype=np.int64)
+    if arr.min() < 0 or arr.max() >= 2**31:
+        raise BadRequest("prompt token ids must be non-negative 32-bit integers", "prompt")
+    return arr.astype(np.int32)
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+            raise BadRequest(f"messages[{i}].role must be system, user, assistant, tool or developer", "messages")
+        content = m.get("content", "")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
+                raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
+            content = "".join(c["text"] for c in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+_MISSING = object()
+
+
+def _get(body: dict, name: str, typ, default=_MISSING, *, required: bool = False):
+    v = body.get(name, _MISSING)
+    if v is _MISSING or v is None:
+        if required:
+            raise BadRequest(f"{name} is required", name)
+        return None if default is _MISSING else default
+    if typ is int and (not isinstance(v, int) or isinstance(v, bool)):
+        raise BadRequest(f"{name} must be an integer, got {v!r}", name)
+    if typ is not int and not isinstance(v, typ):
+        raise BadRequest(f"{name} must be a {typ.__name__}, got {v!r}", name)
+    return v
+
+
+def _num(body: dict, name: str, default: float) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {v!r}", name)
+    return float(v)
+
+
+def _int(name: str, v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BadRequest(f"{name} must be an integer, got {v!r}", name)
+    return v
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    v = body.get(name) or []
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise BadRequest(f"{name} must be a list of integers", name)
+    return v
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None

@@ -1,0 +1,97 @@
+"""Prometheus metrics for `lockstep serve`, named as vLLM names them so existing dashboards
+work (``vllm:num_requests_running``, ``vllm:time_to_first_token_seconds``, ...), each with a
+``model_name`` label. Rendered in the text exposition format, no client library needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Buckets as vLLM uses them (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help_, np.array(buckets)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[np.searchsorted(self.buckets, value, side="left")] += count
+        self.sum += value * count
+
+    def render(self, labels: str) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cum = np.cumsum(self.counts)
+        for le, c in zip(self.buckets.tolist(), cum[:-1].tolist()):
+            out.append(f'{self.name}_bucket{{{labels},le="{le}"}} {c}')
+        out.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {int(cum[-1])}')
+        out.append(f"{self.name}_count{{{labels}}} {int(cum[-1])}")
+        out.append(f"{self.name}_sum{{{labels}}} {self.sum}")
+        return out
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{model_name}"'
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: dict[str, int] = {}
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduled.",
+                               E2E_BUCKETS)
+
+    def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
+                     e2e: float | None, queue: float | None) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += output_tokens
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if e2e is not None and output_tokens > 1:
+                self.itl.observe((e2e - ttft) / (output_tokens - 1), output_tokens - 1)
+        if e2e is not None:
+            self.e2e.observe(e2e)
+        if queue is not None:
+            self.queue.observe(queue)
+
+    def request_aborted(self) -> None:
+        """A request that ended without a final output (its client went away)."""
+        self.finished["abort"] = self.finished.get("abort", 0) + 1
+
+    def render(self, stats) -> str:
+        lb = self.labels
+        gauges = [
+            ("vllm:num_requests_running", "Requests in model execution batches.", stats.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be processed.", stats.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.",
+             stats.kv_blocks_used / max(stats.kv_blocks_total, 1)),
+        ]
+        counters = [
+            ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_queries),
+            ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_hits),
+            ("vllm:num_preemptions", "Cumulative preemptions.", stats.preemptions),
+            ("vllm:prompt_tokens", "Prefill tokens processed.", self.prompt_tokens),
+            ("vllm:generation_tokens", "Generation tokens processed.", self.generation_tokens),
+        ]
+        out = []
+        for name, help_, v in gauges:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{{{lb}}} {float(v)}"]
+        for name, help_, v in counters:
+            out += [f"# HELP {name}_total {help_}", f"# TYPE {name}_total counter",
+                    f"{name}_total{{{lb}}} {float(v)}"]
+        out += ["# HELP vllm:request_success_total Finished requests by reason.",
+                "# TYPE vllm:request_success_total counter"]
+        for reason, c in sorted(self.finished.items()):
+            out.append(f'vllm:request_success_total{{{lb},finished_reason="{reason}"}} {float(c)}')
+        for h in (self.ttft, self.itl, self.e2e, self.queue):
+            out += h.render(lb)
+        return "\n".join(out) + "\n"

@@ -1,0 +1,121 @@
+"""`lockstep serve`: start the runtime, wait until it is ready, then serve the OpenAI API.
+
+On SIGTERM (or SIGINT) the server stops accepting connections, answers 503 on new
+requests, lets in-flight requests finish for up to ``--drain-timeout`` seconds, then stops
+the engine: the runtime process exits and its shared memory goes with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import structlog
+import trio
+
+log = structlog.get_logger("lockstep.serve")
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    s.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
+    s.add_argument("--served-model-name", help="the model id clients use (default: --model)")
+    s.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--max-num-seqs", type=int, default=256)
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    s.add_argument("--max-model-len", type=int, default=4096)
+    s.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request omits it")
+    s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to the runtime (e.g. sleep=false for the timing runtime)")
+    s.add_argument("--backlog", type=int, default=4096, help="listen backlog (pending connections)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
+    s.add_argument("--log-format", choices=["console", "json"], default="console")
+
+
+def configure_logging(fmt: str) -> None:
+    render = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    structlog.configure(processors=[structlog.processors.add_log_level,
+                                    structlog.processors.TimeStamper(fmt="iso"), render],
+                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+
+
+def engine_config(args):
+    from lockstep.engine.config import EngineConfig
+    from lockstep.policy.config import SchedulerConfig
+
+    sched = SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+    return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
+                        scheduler=sched, runtime_options=_options(args.runtime_option),
+                        tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model))
+
+
+def _timing_tokenizer(model: str) -> str | None:
+    from lockstep.runtime.models.config import preset_names
+    return model if model in preset_names() else None
+
+
+def _options(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--runtime-option must look like KEY=VALUE, got {item!r}")
+        low = value.lower()
+        out[key] = True if low == "true" else False if low == "false" else value
+    return out
+
+
+async def wait_for_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for sig in signals:
+            log.info("signal", signal=signal.Signals(sig).name)
+            return
+
+
+async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until ``shutdown()`` returns (a signal, by default), then drain and stop.
+    ``task_status.started`` gets the server (its engine, for tests) and the bound URLs."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from lockstep.api import open_engine
+    from lockstep.http import Server, make_app
+
+    config = engine_config(args)
+    async with open_engine(config) as engine:
+        server = Server(engine, args.served_model_name or args.model, default_max_tokens=args.max_tokens_default)
+        hc = Config()
+        hc.bind = [f"{args.host}:{args.port}"]
+        hc.graceful_timeout = args.drain_timeout
+        hc.accesslog = None
+        hc.keep_alive_timeout = 75
+        hc.backlog = args.backlog  # bursts of thousands of connects must not be reset
+
+        async def shutdown_trigger() -> None:
+            await shutdown()
+            log.info("draining", deadline_s=args.drain_timeout)
+            server.draining = True
+
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(lambda task_status: hypercorn_serve(
+                make_app(server), hc, shutdown_trigger=shutdown_trigger, task_status=task_status))
+            log.info("serving", model=server.model_name, runtime=args.runtime, urls=binds,
+                     runtime_pid=engine.scheduler.client.ready.pid)
+            task_status.started((server, binds))
+    log.info("stopped")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)
+    trio.run(serve, args)
+    return 0

@@ -1,0 +1,267 @@
+"""`lockstep serve` with real clients over loopback: the official `openai` package, raw SSE
+through httpx, 2,000 concurrent streams against the timing runtime with leak counts, a
+client that disconnects, fuzzed bodies (never a 5xx), and SIGTERM draining a real process."""
+
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lockstep.cli import _parser
+from lockstep.serve_cli import serve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_args(*extra: str):
+    return _parser().parse_args(["serve", "--port", "0", "--drain-timeout", "5", *extra])
+
+
+class InProcess:
+    """A server in the test's own trio run; ``stop`` drains it like a SIGTERM would."""
+
+    def __init__(self, *extra: str):
+        self.args = serve_args(*extra)
+        self._stop = trio.Event()
+
+    async def __aenter__(self):
+        self._nursery_cm = trio.open_nursery()
+        self.nursery = await self._nursery_cm.__aenter__()
+        self.server, binds = await self.nursery.start(lambda task_status: serve(
+            self.args, shutdown=self._stop.wait, task_status=task_status))
+        self.url = binds[0]
+        return self
+
+    async def __aexit__(self, *exc):
+        self._stop.set()
+        return await self._nursery_cm.__aexit__(*exc)
+
+
+TIMING = ("--runtime", "timing", "--model", "tiny", "--runtime-option", "sleep=false",
+          "--num-blocks", "65536", "--max-num-seqs", "512")
+
+
+async def sse_completion(client: httpx.AsyncClient, url: str, body: dict) -> list[dict]:
+    chunks = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunks.append(json.loads(data))
+    return chunks
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _children() -> int:
+    me = os.getpid()
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                n += int(f.read().rsplit(")", 1)[1].split()[1]) == me
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.slow
+async def test_two_thousand_concurrent_streams_no_errors_no_leaks():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 16384)), hard))
+    async with InProcess(*TIMING) as srv:  # warm: forkserver, imports
+        async with httpx.AsyncClient(timeout=60) as c:
+            await sse_completion(c, srv.url, {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "stream": True})
+    fds, kids = _fds(), _children()
+    errors = []
+    async with InProcess(*TIMING) as srv:
+        limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            async def one(i):
+                try:
+                    chunks = await sse_completion(c, srv.url, {
+                        "model": "tiny", "prompt": [5 + i % 200, 6, 7, 8], "max_tokens": 4, "stream": True,
+                        "ignore_eos": True, "stream_options": {"include_usage": True}})
+                    assert chunks[-1]["usage"]["completion_tokens"] == 4
+                    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+                except Exception as e:  # noqa: BLE001 - every failure is counted
+                    errors.append(repr(e))
+            with trio.fail_after(240):
+                async with trio.open_nursery() as n:
+                    for i in range(2000):
+                        n.start_soon(one, i)
+        engine = srv.server.engine
+        stats = engine.statistics()
+        assert errors == []
+        assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
+        assert engine.scheduler.streams == {}
+        engine.scheduler.core.check_integrity()
+        assert srv.server.metrics.finished == {"length": 2000}
+    assert _children() == kids
+    assert _fds() == fds
+
+
+async def test_client_disconnect_aborts_and_frees_blocks():
+    async with InProcess(*TIMING[:-4], "--runtime-option", "sleep=true") as srv:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("POST", f"{srv.url}/v1/completions", json={
+                    "model": "tiny", "prompt": list(range(5, 100)), "max_tokens": 3000,
+                    "ignore_eos": True, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break
+        engine = srv.server.engine
+        with trio.fail_after(10):
+            while engine.statistics().running or engine.statistics().kv_blocks_used:
+                await trio.sleep(0.02)
+        assert srv.server.metrics.finished.get("abort") == 1
+
+
+BODIES = st.fixed_dictionaries({
+    "model": st.sampled_from(["tiny", "tiny", "tiny", "other", 3, None]),
+    "prompt": st.one_of(st.text(min_size=1, max_size=20), st.lists(st.integers(3, 300), min_size=1, max_size=8),
+                        st.lists(st.integers(-5, 600), max_size=8), st.none(), st.integers(),
+                        st.lists(st.lists(st.integers(0, 600), max_size=3), max_size=2)),
+}, optional={
+    "max_tokens": st.one_of(st.integers(-2, 5), st.floats(), st.text(max_size=2)),
+    "temperature": st.one_of(st.floats(-1, 3), st.just(float("nan")), st.booleans(), st.text(max_size=2)),
+    "top_p": st.one_of(st.floats(-1, 2), st.just(float("inf"))), "top_k": st.integers(-3, 5), "n": st.integers(-1, 20),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=10), st.integers()),
+    "seed": st.one_of(st.integers(-3, 2**64), st.text(max_size=2)), "stream": st.booleans(),
+    "logprobs": st.one_of(st.none(), st.integers(0, 3)), "stream_options": st.one_of(st.none(), st.integers(),
+                                                                                      st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "priority": st.one_of(st.integers(-5, 5), st.text(max_size=2)), "cache_salt": st.one_of(st.text(max_size=4), st.integers()),
+})
+
+
+async def test_fuzzed_completion_bodies_never_get_a_5xx():
+    async with InProcess(*TIMING) as srv:
+        async with httpx.AsyncClient(timeout=30) as c:
+            statuses = []
+
+            @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+            @given(BODIES)
+            def check(body):
+                statuses.append(trio.from_thread.run(post, c, f"{srv.url}/v1/completions", body))
+
+            await trio.to_thread.run_sync(check)
+            await c.post(f"{srv.url}/v1/chat/completions", content=b"{not json")
+        assert statuses and max(statuses) < 500
+        assert 400 in statuses and 200 in statuses
+        stats = srv.server.engine.statistics()
+        assert stats.running == 0 and stats.kv_blocks_used == 0
+
+
+async def post(c: httpx.AsyncClient, url: str, body) -> int:
+    r = await c.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
+    await r.aread()
+    return r.status_code
+
+
+@pytest.fixture(scope="module")
+def real_server():
+    """`lockstep serve --model tiny` as its own process, like a user runs it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--model", "tiny", "--port", str(port),
+                             "--drain-timeout", "10", "--log-format", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_openai_client_completions_chat_and_errors(real_server):
+    _, url = real_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    out = client.completions.create(model="tiny", prompt="hello", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                            stream=True, stream_options={"include_usage": True}, n=2, seed=7,
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 8
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model="tiny", prompt=[7] * 4000, max_tokens=200)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model="tiny", prompt="x", top_p=3)
+    tok = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "hé"}).json()
+    assert tok["count"] == 3
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "hé"
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:inter_token_latency_seconds_sum", "vllm:request_queue_time_seconds_count"):
+        assert name in metrics
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_cleanly(real_server):
+    proc, url = real_server
+    result = {}
+
+    def long_request():
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+            result["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    import threading
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(1.0)
+    kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert kids  # the forkserver (and through it the runtime)
+    proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert proc.wait(30) == 0
+    assert result["lines"][-1] == "data: [DONE]"
+    assert json.loads(result["lines"][-2][6:])["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 10  # the orphaned forkserver notices its parent is gone
+    while any(_running(pid) for pid in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_running(pid) for pid in kids)
+
+
+def _running(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
