@@ -32,7 +32,7 @@ def running_core(n: int) -> SchedulerCore:
     rng = np.random.default_rng(0)
     for i in range(n):
         core.add_request(Request(id=i, prompt=rng.integers(0, 32000, 1024, dtype=np.int32),
-                                 params=SamplingParams(max_tokens=1 << 19, ignore_eos=True)))
+                                 params=SamplingParams(max_tokens=2048, ignore_eos=True)))
     plan = core.schedule(0.0)  # all prefills in one step
     core.update(plan, StepResult(plan.step_id, plan.samples.astype(np.int32),
                                  np.zeros(int(plan.samples.sum()), np.int32)), 0.0)
