@@ -1,5 +1,6 @@
 """The `lockstep` command: `sim` (replay a trace in virtual time), `generate` (stream one
-answer from a model) and `serve` (the OpenAI-compatible server)."""
+answer from a model), `serve` (the OpenAI-compatible server) and `bench serve` (load any
+OpenAI-compatible endpoint)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="PATH", help="write latency CDFs, throughput and KV use as PNG")
     s.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows (counted)")
     s.add_argument("--no-advance", action="store_true", help="step one by one (for checking)")
-    from lockstep import generate_cli, serve_cli
+    from lockstep import bench_serve, generate_cli, serve_cli
 
     generate_cli.add_parser(sub)
     serve_cli.add_parser(sub)
+    bench_serve.add_parser(sub)
     return p
 
 
@@ -49,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "bench":
+        return _bench(args)
     return 2
 
 
@@ -61,6 +65,17 @@ def _generate(args) -> int:
         return run_generate(args)
     except (ConfigError, RequestError, ValueError) as e:
         print(f"lockstep generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _bench(args) -> int:
+    from lockstep.bench_serve import run_bench
+    from lockstep.sim.traces import TraceFormatError
+
+    try:
+        return run_bench(args)
+    except (ValueError, TraceFormatError, OSError) as e:
+        print(f"lockstep bench serve: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -52,7 +52,7 @@ def make_app(server: Server) -> Starlette:
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": server.created, "owned_by": "lockstep",
-            "max_model_len": server.engine.frontend.max_model_len}]})
+            "max_model_len": server.engine.frontend.max_model_len, "vocab_size": server.engine.frontend.vocab_size}]})
 
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(server.metrics.render(server.engine.statistics()),

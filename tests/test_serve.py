@@ -233,6 +233,21 @@ def test_openai_client_completions_chat_and_errors(real_server):
         assert name in metrics
 
 
+def test_bench_serve_prints_and_saves_its_report(real_server, tmp_path, capsys):
+    from lockstep.cli import main
+
+    port = real_server[1].rsplit(":", 1)[1]
+    rc = main(["bench", "serve", "--port", port, "--num-prompts", "12", "--random-input-len", "20",
+               "--random-output-len", "4", "--request-rate", "50", "--goodput", "ttft:5000",
+               "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json", "--disable-tqdm"])
+    assert rc == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["completed"] == 12 and res["failed"] == 0 and res["total_output_tokens"] == 48
+    for key in ("p99_ttft_ms", "median_tpot_ms", "p90_itl_ms", "mean_e2el_ms", "request_goodput", "output_throughput"):
+        assert key in res
+    assert "median_ttft_ms" in capsys.readouterr().out
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(real_server):
     proc, url = real_server
     result = {}
