@@ -21,6 +21,9 @@ log = structlog.get_logger("lockstep.serve")
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
+    s.add_argument("--deployment", help="deployment TOML (the simulator's schema, with an [engine] table); "
+                   "its first pool is served and --model, --runtime, --device, --dtype and the scheduler "
+                   "flags are ignored")
     s.add_argument("--served-model-name", help="the model id clients use (default: --model)")
     s.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
     s.add_argument("--device", default="cpu")
@@ -51,6 +54,10 @@ def configure_logging(fmt: str) -> None:
 def engine_config(args):
     from lockstep.engine.config import EngineConfig
     from lockstep.policy.config import SchedulerConfig
+
+    if args.deployment:
+        from lockstep.policy.deployment import load_deployment
+        return EngineConfig.from_deployment(load_deployment(args.deployment))
 
     sched = SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
@@ -93,7 +100,8 @@ async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_
 
     config = engine_config(args)
     async with open_engine(config) as engine:
-        server = Server(engine, args.served_model_name or args.model, default_max_tokens=args.max_tokens_default)
+        name = args.served_model_name or (config.model if args.deployment else args.model)
+        server = Server(engine, name, default_max_tokens=args.max_tokens_default)
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]
         hc.graceful_timeout = args.drain_timeout

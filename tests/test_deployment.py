@@ -152,3 +152,15 @@ def test_wrong_types_are_named(where, field, value):
         table = d[where][0] if isinstance(d[where], list) else d[where]
         table[field] = value
     assert field in bad(mutate)
+
+
+def test_engine_config_from_a_deployment_file():
+    from lockstep.engine.config import EngineConfig
+    from lockstep.policy.config import ConfigError
+
+    cfg = EngineConfig.from_deployment(load_deployment(EXAMPLES / "serve-tiny-cpu.toml"))
+    assert (cfg.model, cfg.runtime, cfg.device, cfg.dtype) == ("tiny", "torch", "cpu", "float32")
+    assert cfg.scheduler.num_blocks == 2048 and cfg.scheduler.host_cache_blocks == 0
+    assert cfg.hash_secret == "change-me"
+    with pytest.raises(ConfigError, match="dep = 1 so far"):
+        EngineConfig.from_deployment(load_deployment(EXAMPLES / "h200-dep8.toml"))

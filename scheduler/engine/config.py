@@ -46,6 +46,27 @@ class EngineConfig:
             raise ConfigError(f"engine.model must be a preset {preset_names()} or a checkpoint directory "
                               f"holding config.json, got {self.model!r}")
 
+    @classmethod
+    def from_deployment(cls, dep, pool_index: int = 0) -> EngineConfig:
+        """One rank of ``dep.pools[pool_index]``, as its [engine] table says to run it.
+        The engine has no host-memory KV tier yet, so it is left off here."""
+        if not 0 <= pool_index < len(dep.pools):
+            raise ConfigError(f"{dep.source}: no pool #{pool_index + 1} (it has {len(dep.pools)})")
+        pool = dep.pools[pool_index]
+        if pool.role != "colocated" or pool.dep != 1:
+            raise ConfigError(f"{dep.source}: pool {pool.name!r}: the engine serves colocated pools with "
+                              f"dep = 1 so far (got role {pool.role!r}, dep {pool.dep}); DEP and "
+                              "prefill/decode pools arrive with their issues")
+        model, eng = dep.model(pool.model), dep.engine
+        ref = model.checkpoint and str((Path(dep.source).parent / model.checkpoint).resolve())
+        sched = attrs.evolve(dep.scheduler_for(pool), host_cache_blocks=0)
+        if eng.num_blocks:
+            sched = attrs.evolve(sched, num_blocks=eng.num_blocks)
+        elif eng.device == "cpu":
+            sched = attrs.evolve(sched, num_blocks=min(sched.num_blocks, 4096))
+        return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
+                   scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed)
+
     def runtime_spec(self) -> RuntimeSpec:
         s = self.scheduler
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,

@@ -34,6 +34,7 @@ class ModelSpec:
     bytes_per_param: float = 1.0  # FP8 weights
     attn_flops_per_pair: float = 0.0  # per layer, per (query token, context token)
     eos_token_id: int = 1
+    checkpoint: str = ""  # Hugging Face checkpoint directory the engine loads (relative to the file)
 
     @property
     def moe_layers(self) -> int:
@@ -89,6 +90,16 @@ class CostSpec:
 
 
 @attrs.frozen
+class EngineSpec:
+    """How the engine and server run a pool's ranks (the simulator ignores this table)."""
+
+    runtime: str = "torch"  # a name in the lockstep.runtimes entry-point group
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    num_blocks: int = 0  # KV blocks per rank; 0 derives them from [hardware] (capped on CPU)
+
+
+@attrs.frozen
 class Deployment:
     name: str
     models: tuple[ModelSpec, ...]
@@ -96,6 +107,7 @@ class Deployment:
     pools: tuple[PoolSpec, ...]
     scheduler: SchedulerConfig
     cost: CostSpec = CostSpec()
+    engine: EngineSpec = EngineSpec()
     hash_secret: str = "lockstep"
     seed: int = 0
     source: str = "<built-in>"
@@ -198,7 +210,7 @@ def load_deployment(path: str | Path) -> Deployment:
 
 
 def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
-    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost"}
+    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "engine"}
     _no_unknown(data, known, source, "top level")
     models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
     if not models:
@@ -206,12 +218,13 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     hardware = _hardware(data.get("hardware", {"preset": "h200"}), source)
     sched = _build(SchedulerConfig, data.get("scheduler", {}), source, "[scheduler]")
     cost = _build(CostSpec, data.get("cost", {}), source, "[cost]")
+    engine = _build(EngineSpec, data.get("engine", {}), source, "[engine]")
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
     dep = Deployment(
         name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
-        pools=pools, scheduler=sched, cost=cost, hash_secret=str(data.get("hash_secret", "lockstep")),
+        pools=pools, scheduler=sched, cost=cost, engine=engine, hash_secret=str(data.get("hash_secret", "lockstep")),
         seed=int(data.get("seed", 0)), source=source,
     )
     for pool in pools:
