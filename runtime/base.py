@@ -35,6 +35,8 @@ class RuntimeSpec(msgspec.Struct, frozen=True):
     max_num_seqs: int = 256
     max_model_len: int = 4096
     seed: int = 0
+    rank: int = 0  # this runtime's rank in its DEP instance
+    world_size: int = 1  # ranks in the instance
     options: dict = {}  # runtime-specific (the timing runtime's deployment, say)
 
 

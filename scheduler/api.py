@@ -12,6 +12,7 @@ iteration. Leaving the loop early aborts the request and frees its blocks.
 from __future__ import annotations
 
 import itertools
+from functools import partial
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
 
@@ -20,6 +21,7 @@ import numpy as np
 import trio
 
 from lockstep.engine.config import EngineConfig
+from lockstep.engine.group import LocalGroup
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
 from lockstep.engine.output import RequestStream
 from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
@@ -57,8 +59,9 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, frontend: Frontend, tokenizer):
-        self.config, self.scheduler, self.frontend, self.tokenizer = config, scheduler, frontend, tokenizer
+    def __init__(self, config: EngineConfig, schedulers: list[Scheduler], frontend: Frontend, tokenizer):
+        self.config, self.schedulers, self.frontend, self.tokenizer = config, schedulers, frontend, tokenizer
+        self.scheduler = schedulers[0]
         self._ids = itertools.count()
 
     def generate(self, prompt, params: SamplingParams | None = None, *, priority: int = 0,
@@ -97,6 +100,7 @@ class Engine:
         finally:
             if not stream.done:
                 self.abort(p.req_id)
+            self.frontend.rank_of.pop(p.req_id, None)
 
     def _stopped(self, req_id: int) -> FinishReason:
         self.abort(req_id, FinishReason.STOP)
@@ -130,10 +134,15 @@ class Engine:
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request wherever it is; its blocks are freed at the next step boundary."""
-        self.scheduler.send_channel.send_nowait(Abort(request_id, reason))
+        rank = self.frontend.rank_of.get(request_id)
+        targets = self.schedulers if rank is None else [self.schedulers[rank]]  # None: not routed yet
+        for s in targets:
+            s.send_channel.send_nowait(Abort(request_id, reason))
 
     def statistics(self) -> SchedulerStats:
-        return self.scheduler.statistics()
+        """A frozen snapshot, summed over the DP ranks."""
+        stats = [s.statistics() for s in self.schedulers]
+        return SchedulerStats(*(sum(getattr(x, f.name) for x in stats) for f in attrs.fields(SchedulerStats)))
 
 
 def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, bool]:
@@ -161,17 +170,20 @@ def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[st
 async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
     """Start the runtime process and the actors; stop them all on exit."""
     config = config or EngineConfig()
+    group = LocalGroup(config.dep) if config.dep > 1 else None
     async with trio.open_nursery() as nursery:
-        scheduler = Scheduler(config.make_core, config.make_client)
-        await nursery.start(scheduler.run)
-        ready = scheduler.client.ready
+        schedulers = [Scheduler(config.make_core, partial(config.make_client, rank), group=group, rank=rank)
+                      for rank in range(config.dep)]
+        for s in schedulers:
+            await nursery.start(s.run)
+        ready = schedulers[0].client.ready
         tokenizer = config.load_tokenizer()
-        frontend = Frontend(tokenizer, config.hasher(), scheduler.send_channel.clone(),
-                            max_model_len=config.scheduler.max_model_len, vocab_size=ready.vocab_size,
-                            eos_token_id=ready.eos_token_id, mailbox_size=config.mailbox_size)
+        frontend = Frontend(tokenizer, config.hasher(), schedulers, max_model_len=config.scheduler.max_model_len,
+                            vocab_size=ready.vocab_size, eos_token_id=ready.eos_token_id,
+                            mailbox_size=config.mailbox_size)
         await nursery.start(frontend.run)
         try:
-            yield Engine(config, scheduler, frontend, tokenizer)
+            yield Engine(config, schedulers, frontend, tokenizer)
         finally:
             nursery.cancel_scope.cancel()
 

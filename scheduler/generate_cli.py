@@ -21,6 +21,7 @@ def add_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
@@ -32,7 +33,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     params.validate()
-    config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype)
+    config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
+                          dep=args.dep)
 
     async def main() -> None:
         async with open_engine(config) as engine:

@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
     s.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
+    s.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
@@ -63,7 +64,7 @@ def engine_config(args):
                             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                         scheduler=sched, runtime_options=_options(args.runtime_option),
-                        tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model))
+                        tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model), dep=args.dep)
 
 
 def _timing_tokenizer(model: str) -> str | None:

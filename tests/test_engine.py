@@ -198,3 +198,26 @@ def test_sync_llm_generates_text_for_each_prompt():
     assert [o.finish_reason for o in outs] == ["length", "length"]
     assert all(len(o.token_ids) == 5 for o in outs)
     assert outs[1].num_prompt_tokens == len("wörld".encode())
+
+
+async def test_dep2_ranks_step_in_lockstep_and_match_one_rank():
+    ps = prompts()
+    got = [None] * len(ps)
+    sent = {0: [], 1: []}
+    async with open_engine(attrs_evolve(config(tokenizer=None), dep=2)) as engine:
+        for r, s in enumerate(engine.schedulers):
+            s.on_plan = lambda p, r=r: sent[r].append((p.num_padded_tokens, p.is_dummy, p.num_tokens))
+
+        async def one(i):
+            got[i], _ = await collect(engine, ps[i], GREEDY)
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+        ranks = [s.statistics() for s in engine.schedulers]
+    for p, g in zip(ps, got):
+        assert g == reference_greedy(p, GREEDY.max_tokens)
+    assert all(r.generated_tokens > 0 for r in ranks)  # both ranks served requests
+    # Every step ran on both ranks with the same padded size; an idle rank ran a dummy.
+    assert [x[0] for x in sent[0]] == [x[0] for x in sent[1]]
+    assert all(pad == max(a[2], b[2]) for (pad, _, _), a, b in zip(sent[0], sent[0], sent[1]))
+    assert any(d for _, d, _ in sent[0] + sent[1])

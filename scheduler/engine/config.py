@@ -32,12 +32,15 @@ class EngineConfig:
     ring_bytes: int = 1 << 22
     runtime_options: dict = attrs.field(factory=dict)
     mailbox_size: int = 256
+    dep: int = 1  # data-parallel ranks in this engine (one Scheduler and runtime each)
 
     def __attrs_post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
             raise ConfigError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise ConfigError(f"engine.dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.dep, int) or self.dep < 1:
+            raise ConfigError(f"engine.dep must be an integer >= 1, got {self.dep!r}")
         runtimes = available()
         if self.runtime not in runtimes:
             raise ConfigError(f"engine.runtime must be one of the registered runtimes {sorted(runtimes)}, "
@@ -67,11 +70,12 @@ class EngineConfig:
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
                    scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed)
 
-    def runtime_spec(self) -> RuntimeSpec:
+    def runtime_spec(self, rank: int = 0) -> RuntimeSpec:
         s = self.scheduler
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
                            num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-                           max_model_len=s.max_model_len, seed=self.seed, options=dict(self.runtime_options))
+                           max_model_len=s.max_model_len, seed=self.seed, options=dict(self.runtime_options),
+                           rank=rank, world_size=self.dep)
 
     def hasher(self) -> BlockHasher:
         return BlockHasher(self.hash_secret.encode(), self.scheduler.block_size)
@@ -79,8 +83,8 @@ class EngineConfig:
     def make_core(self) -> SchedulerCore:
         return SchedulerCore(self.scheduler, self.hasher())
 
-    def make_client(self) -> RuntimeClient:
-        return RuntimeClient(self.runtime_spec(), ring_bytes=self.ring_bytes)
+    def make_client(self, rank: int = 0) -> RuntimeClient:
+        return RuntimeClient(self.runtime_spec(rank), ring_bytes=self.ring_bytes)
 
     def load_tokenizer(self):
         if self.tokenizer is None:

@@ -15,6 +15,7 @@ import trio
 
 from lockstep.policy.hashing import BlockHasher
 from lockstep.policy.request import Request, RequestError, SamplingParams
+from lockstep.policy.router import PrefixAffinityRouter
 
 from .output import RequestStream
 from .scheduler import Submit
@@ -31,10 +32,15 @@ class Prompt:
 
 
 class Frontend:
-    def __init__(self, tokenizer, hasher: BlockHasher, scheduler_channel: trio.MemorySendChannel,
+    """With several DP ranks, it also picks each request's rank: least loaded, with prefix
+    affinity (the rank whose cache already holds the prompt's leading blocks)."""
+
+    def __init__(self, tokenizer, hasher: BlockHasher, schedulers: list,
                  *, max_model_len: int, vocab_size: int, eos_token_id: int, mailbox_size: int = 256):
         self.tokenizer, self.hasher = tokenizer, hasher
-        self.to_scheduler = scheduler_channel
+        self.schedulers = schedulers
+        self.router = PrefixAffinityRouter()
+        self.rank_of: dict[int, int] = {}  # request id -> rank, while the request lives
         self.max_model_len, self.vocab_size, self.eos = max_model_len, vocab_size, eos_token_id
         self.send_channel, self._inbox = trio.open_memory_channel(mailbox_size)
 
@@ -58,7 +64,15 @@ class Frontend:
         req = Request(id=p.req_id, prompt=tokens, params=p.params, arrival_time=p.stream.arrival,
                       priority=p.priority, block_hashes=hashes, hash_acc=acc,
                       cache_salt=p.cache_salt, eos_token_id=self.eos)
-        await self.to_scheduler.send(Submit(req, p.stream))
+        rank = self._route(hashes)
+        self.rank_of[p.req_id] = rank
+        await self.schedulers[rank].send_channel.send(Submit(req, p.stream))
+
+    def _route(self, hashes) -> int:
+        if len(self.schedulers) == 1:
+            return 0
+        cores = [s.core for s in self.schedulers]
+        return self.router.choose(hashes, [c.pool for c in cores], [c.load() for c in cores])
 
     def _prepare(self, p: Prompt):
         if isinstance(p.prompt, str):

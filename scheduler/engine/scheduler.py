@@ -27,6 +27,9 @@ from lockstep.policy.request import FinishReason, Request, RequestError
 from lockstep.policy.step import StepPlan, StepResult
 from lockstep.runtime.base import NewRequests
 
+from lockstep.policy.dp_sync import decide, dummy, local_state, padded
+
+from .group import LocalGroup
 from .output import RequestStream, deliver
 from .pacing import Pacer, RealTime
 from .runtime_client import RuntimeClient, RuntimeDied
@@ -68,12 +71,14 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, make_core: Callable[[], SchedulerCore], make_client: Callable[[], RuntimeClient],
                  *, pacer: Pacer | None = None, on_plan: Callable[[StepPlan], None] | None = None,
-                 on_result: Callable[[StepPlan, StepResult], None] | None = None):
+                 on_result: Callable[[StepPlan, StepResult], None] | None = None,
+                 group: LocalGroup | None = None, rank: int = 0):
         self.make_core, self.make_client = make_core, make_client
         self.core = make_core()
         self.client: RuntimeClient | None = None
         self.pacer = pacer or RealTime()
         self.on_plan, self.on_result = on_plan, on_result  # observers (tests, benchmarks)
+        self.group, self.rank = group, rank  # the DEP instance this rank steps with, if any
         self.streams: dict[int, RequestStream] = {}
         self._unscheduled: set[int] = set()  # admitted, not yet in any plan (for queue time)
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
@@ -113,26 +118,43 @@ class Scheduler:
                 self.on_result(plan, result)
             now = self.pacer.now()
             self._take_messages(now)
-            self._apply(plan, result, now)
-            if not self._in_flight and self.core.has_work():
-                self._dispatch(self._plan(now), now)
-            elif self._in_flight:
-                self._plan_ahead(now)
+            if not plan.is_dummy:
+                self._apply(plan, result, now)
+            if self._in_flight:
+                await self._plan_ahead(now)
+            elif self.group is not None or self.core.has_work():
+                await self._dispatch(now)
 
     async def _idle(self) -> None:
         """Nothing in flight: wait for a message (in step time: jump to the next arrival,
-        which is planned alone, as the simulator does)."""
+        which is planned alone, as the simulator does). In a DEP group, a message to any
+        rank wakes every rank, and all of them run the next round together."""
         sub = self.pacer.wake()
         if sub is not None:
             now = self.pacer.now()
             self._handle(sub, now)
-        else:
+        elif self.group is None:
             msg = await self._inbox.receive()
             now = self.pacer.now()
             self._handle(msg, now)
             self._take_messages(now)
-        if self.core.has_work():
-            self._dispatch(self._plan(now), now)
+        else:
+            await self._wait_group()
+            now = self.pacer.now()
+            self._take_messages(now)
+        if self.group is not None or self.core.has_work():
+            await self._dispatch(now)
+
+    async def _wait_group(self) -> None:
+        seen = self.group.wake_gen
+        async with trio.open_nursery() as nursery:
+            async def on_message():
+                msg = await self._inbox.receive()
+                self._handle(msg, self.pacer.now())
+                self.group.wake()
+            nursery.start_soon(on_message)
+            await self.group.wait_woken(seen)
+            nursery.cancel_scope.cancel()
 
     def _take_messages(self, now: float) -> None:
         for sub in self.pacer.due(now):
@@ -173,21 +195,30 @@ class Scheduler:
         plan = self.core.schedule(now)
         return None if plan.is_empty() else plan
 
-    def _dispatch(self, plan: StepPlan | None, now: float) -> None:
-        """Send ``plan``, then (async scheduling) plan the step after it and send that too."""
-        if plan is None:
-            return
-        self._send(plan)
-        self._plan_ahead(now)
+    async def _dispatch(self, now: float) -> None:
+        """One round; if it sent a plan, (async scheduling) plan the step after it too."""
+        if await self._round(now):
+            await self._plan_ahead(now)
 
-    def _plan_ahead(self, now: float) -> None:
+    async def _plan_ahead(self, now: float) -> None:
         if self.core.config.async_scheduling:
-            ahead = self._plan(now)
-            if ahead is not None:
-                self._send(ahead)
+            await self._round(now)
+
+    async def _round(self, now: float) -> bool:
+        """Plan a step and send it; in a DEP group, first agree with the other ranks
+        (padding, or a dummy plan when only others have work). True if a plan went out."""
+        plan = self._plan(now)
+        if self.group is None:
+            if plan is not None:
+                self._send(plan)
+            return plan is not None
+        d = decide(await self.group.allreduce(self.rank, local_state(plan)))
+        if d.run:
+            self._send(padded(plan, d) if plan is not None else dummy(d))
+        return d.run
 
     def _send(self, plan: StepPlan) -> None:
-        if self._unscheduled:
+        if self._unscheduled and not plan.is_dummy:
             self._mark_scheduled(plan)
         if self.on_plan is not None:
             self.on_plan(plan)

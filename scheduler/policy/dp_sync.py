@@ -1,0 +1,50 @@
+"""The DP sync rule: what the ranks of one DEP instance agree on before every step.
+
+Each rank contributes its local state; one all-reduce (max, element-wise) gives every rank
+the same view, and ``decide`` turns it into the same decision everywhere: whether the step
+runs at all, the token count every rank pads to (the MoE all-to-alls need equal shapes), and
+the expert-placement generation every rank has ready (the load balancer switches to a new
+placement only once all have it). A rank with nothing to run in a step that runs sends a
+dummy plan, so the collectives line up. Min is carried as max of the negation.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+
+from .step import EMPTY_I64, StepPlan
+
+NUM_FIELDS = 4  # tokens, has a plan, wants pause, -(ready placement generation)
+
+
+@attrs.frozen
+class SyncDecision:
+    run: bool  # some rank has a real plan: every rank sends one (real or dummy)
+    padded_tokens: int
+    pause: bool
+    placement_gen: int
+
+
+def local_state(plan: StepPlan | None, *, wants_pause: bool = False, ready_gen: int = 0) -> np.ndarray:
+    tokens = 0 if plan is None else plan.num_tokens
+    return np.array([tokens, plan is not None, wants_pause, -ready_gen], dtype=np.int64)
+
+
+def decide(reduced_max: np.ndarray) -> SyncDecision:
+    return SyncDecision(run=bool(reduced_max[1]), padded_tokens=int(reduced_max[0]),
+                        pause=bool(reduced_max[2]), placement_gen=int(-reduced_max[3]))
+
+
+def padded(plan: StepPlan, d: SyncDecision) -> StepPlan:
+    return attrs.evolve(plan, num_padded_tokens=d.padded_tokens, placement_gen=d.placement_gen)
+
+
+def dummy(d: SyncDecision) -> StepPlan:
+    """The plan of a rank with nothing to run in a step that runs."""
+    i32, i64 = np.zeros(0, np.int32), EMPTY_I64
+    return StepPlan(step_id=-1, req_ids=i64, slots=i32, num_new=i32, start_pos=i32,
+                    samples=np.zeros(0, bool), token_ids=i32, token_offsets=np.zeros(1, np.int64),
+                    block_start=i32, block_ids=i32, block_offsets=np.zeros(1, np.int64),
+                    num_tokens=0, num_padded_tokens=d.padded_tokens, is_dummy=True,
+                    placement_gen=d.placement_gen)
