@@ -32,6 +32,9 @@ class TorchRuntime:
             torch.set_num_threads(int(spec.options.get("threads", 1)))
         self.device = torch.device(spec.device)
         self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed)
+        self.world = spec.world_size
+        if self.world > 1:
+            self._join_group(spec)
         self.bs = spec.block_size
         self.kv = self.model.make_kv_cache(spec.num_blocks, spec.block_size)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
@@ -41,6 +44,17 @@ class TorchRuntime:
         cfg = self.model.cfg
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                      num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid())
+
+    def _join_group(self, spec: RuntimeSpec) -> None:
+        """Expert parallelism over the DEP instance: Gloo on CPU, NCCL on GPU."""
+        import torch.distributed as dist
+
+        from .models.expert_parallel import shard_experts
+
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=spec.options["dist_init"], rank=spec.rank,
+                                world_size=spec.world_size)
+        shard_experts(self.model, spec.rank, spec.world_size)
 
     def add_requests(self, msg: NewRequests) -> None:
         for i, rid in enumerate(msg.req_ids):
@@ -53,6 +67,8 @@ class TorchRuntime:
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         if plan.num_reqs == 0:
+            if self.world > 1:  # a dummy step: the MoE collectives must still run here
+                self.model(self._empty_batch(), self.kv)
             return StepResult(step_id=plan.step_id, num_sampled=np.zeros(0, np.int32),
                               token_ids=np.zeros(0, np.int32), kv_loads_done=plan.kv_load_req_ids)
         batch, positions = self._batch(plan)
@@ -104,5 +120,15 @@ class TorchRuntime:
         return sample(logits, np.asarray(temp, np.float64), np.asarray(top_p, np.float64),
                       np.asarray(top_k, np.int64), np.asarray(seed, np.int64), positions, self.gen)
 
+    def _empty_batch(self) -> ForwardBatch:
+        d, e = self.device, torch.zeros(0, dtype=torch.int64)
+        return ForwardBatch(input_ids=e.to(d), positions=e.to(d), query_start=torch.zeros(1, dtype=torch.int64).to(d),
+                            seq_lens=e.to(d), block_tables=torch.zeros((0, 1), dtype=torch.int32).to(d),
+                            slot_mapping=e.to(d), sample_index=e.to(d))
+
     def shutdown(self) -> None:
         self.kv = None
+        if self.world > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()

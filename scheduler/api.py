@@ -170,12 +170,13 @@ def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[st
 async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
     """Start the runtime process and the actors; stop them all on exit."""
     config = config or EngineConfig()
-    group = LocalGroup(config.dep) if config.dep > 1 else None
+    group = LocalGroup(config.dep, config.dist_init_address) if config.dep > 1 else None
     async with trio.open_nursery() as nursery:
-        schedulers = [Scheduler(config.make_core, partial(config.make_client, rank), group=group, rank=rank)
+        schedulers = [Scheduler(config.make_core, partial(_client, config, group, rank), group=group, rank=rank)
                       for rank in range(config.dep)]
-        for s in schedulers:
-            await nursery.start(s.run)
+        async with trio.open_nursery() as starting:  # together: the runtimes join one group
+            for s in schedulers:
+                starting.start_soon(nursery.start, s.run)
         ready = schedulers[0].client.ready
         tokenizer = config.load_tokenizer()
         frontend = Frontend(tokenizer, config.hasher(), schedulers, max_model_len=config.scheduler.max_model_len,
@@ -186,6 +187,10 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
             yield Engine(config, schedulers, frontend, tokenizer)
         finally:
             nursery.cancel_scope.cancel()
+
+
+def _client(config: EngineConfig, group: LocalGroup | None, rank: int):
+    return config.make_client(rank, None if group is None else group.dist_init)
 
 
 class LLM:

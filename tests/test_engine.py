@@ -221,3 +221,21 @@ async def test_dep2_ranks_step_in_lockstep_and_match_one_rank():
     assert [x[0] for x in sent[0]] == [x[0] for x in sent[1]]
     assert all(pad == max(a[2], b[2]) for (pad, _, _), a, b in zip(sent[0], sent[0], sent[1]))
     assert any(d for _, d, _ in sent[0] + sent[1])
+
+
+async def test_dep2_a_killed_rank_fails_the_group_cleanly_and_it_restarts():
+    async with open_engine(attrs_evolve(config(tokenizer=None), dep=2)) as engine:
+        pids = [s.client.ready.pid for s in engine.schedulers]
+        gens = [engine.generate(p, SamplingParams(max_tokens=300, ignore_eos=True)) for p in prompts()[1:3]]
+        for g in gens:
+            await g.__anext__()
+        os.kill(pids[1], signal.SIGKILL)
+        with trio.fail_after(5):  # the survivor's runtime must not hang in its collective
+            for g in gens:
+                with pytest.raises(RuntimeDied):
+                    async for _ in g:
+                        pass
+        toks, _ = await collect(engine, prompts()[1], GREEDY)
+        assert toks == reference_greedy(prompts()[1], GREEDY.max_tokens)
+        assert [s.statistics().runtime_restarts for s in engine.schedulers] == [1, 1]
+        assert not set(pids) & {s.client.ready.pid for s in engine.schedulers}

@@ -178,7 +178,7 @@ class Router(nn.Module):
         if cfg.topk_group < cfg.n_group:
             # Group-limited routing: keep the groups with the best top-2 sums, so a token's
             # experts span at most topk_group groups (nodes, in DeepSeek's deployment).
-            grouped = choice.view(x.shape[0], cfg.n_group, -1)
+            grouped = choice.view(x.shape[0], cfg.n_group, cfg.n_routed_experts // cfg.n_group)
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)
             keep = group_scores.topk(cfg.topk_group, dim=-1).indices
             mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)

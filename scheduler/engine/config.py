@@ -70,12 +70,26 @@ class EngineConfig:
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
                    scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed)
 
-    def runtime_spec(self, rank: int = 0) -> RuntimeSpec:
+    def runtime_spec(self, rank: int = 0, dist_init: str | None = None) -> RuntimeSpec:
         s = self.scheduler
+        options = dict(self.runtime_options)
+        if dist_init is not None:
+            options["dist_init"] = dist_init
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
                            num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-                           max_model_len=s.max_model_len, seed=self.seed, options=dict(self.runtime_options),
+                           max_model_len=s.max_model_len, seed=self.seed, options=options,
                            rank=rank, world_size=self.dep)
+
+    def dist_init_address(self) -> str:
+        """A fresh rendezvous for the runtimes' torch.distributed group (expert
+        parallelism), unless the runtime options fix one."""
+        if "dist_init" in self.runtime_options:
+            return self.runtime_options["dist_init"]
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
     def hasher(self) -> BlockHasher:
         return BlockHasher(self.hash_secret.encode(), self.scheduler.block_size)
@@ -83,8 +97,8 @@ class EngineConfig:
     def make_core(self) -> SchedulerCore:
         return SchedulerCore(self.scheduler, self.hasher())
 
-    def make_client(self, rank: int = 0) -> RuntimeClient:
-        return RuntimeClient(self.runtime_spec(rank), ring_bytes=self.ring_bytes)
+    def make_client(self, rank: int = 0, dist_init: str | None = None) -> RuntimeClient:
+        return RuntimeClient(self.runtime_spec(rank, dist_init), ring_bytes=self.ring_bytes)
 
     def load_tokenizer(self):
         if self.tokenizer is None:

@@ -15,12 +15,53 @@ import trio
 
 
 class LocalGroup:
-    def __init__(self, size: int):
+    """Failure is all or nothing: when one rank's runtime dies, the others' runtimes may be
+    stuck in a collective with it, so every rank tears down (``fail`` cancels them all) and
+    the group restarts together, with a fresh rendezvous for the runtimes' process group."""
+
+    def __init__(self, size: int, new_dist_init=lambda: None):
         self.size = size
-        self._rounds: dict[int, list] = {}  # round -> [values per rank, reduced, event]
-        self._next = [0] * size  # each rank's next round number
+        self.new_dist_init = new_dist_init
+        self.dist_init = new_dist_init()
+        self.epoch = 0
+        self.failure: BaseException | None = None
+        self._failed = trio.Event()
+        self._barriers: dict[tuple, list] = {}
+        self._reset_rounds()
         self.wake_gen = 0
         self._woken = trio.Event()
+
+    def _reset_rounds(self) -> None:
+        self._rounds: dict[int, list] = {}  # round -> [values per rank, reduced, event]
+        self._next = [0] * self.size  # each rank's next round number
+
+    def fail(self, error: BaseException) -> None:
+        if self.failure is None:
+            self.failure = error
+            self._failed.set()
+
+    async def cancel_on_failure(self, scope: trio.CancelScope) -> None:
+        await self._failed.wait()
+        scope.cancel()
+
+    async def barrier(self, name: str, on_last=None) -> None:
+        """Wait until every rank arrives; the last one runs ``on_last`` first."""
+        entry = self._barriers.setdefault((name, self.epoch), [0, trio.Event()])
+        entry[0] += 1
+        if entry[0] == self.size:
+            if on_last is not None:
+                on_last()
+            entry[1].set()
+        await entry[1].wait()
+
+    def restarted(self) -> None:
+        """After every rank tore down: a new epoch, new rounds, a new rendezvous."""
+        self._barriers = {k: v for k, v in self._barriers.items() if k[1] == self.epoch}
+        self.epoch += 1
+        self._reset_rounds()
+        self.failure = None
+        self._failed = trio.Event()
+        self.dist_init = self.new_dist_init()
 
     async def allreduce(self, rank: int, values: np.ndarray) -> np.ndarray:
         """Element-wise max over the ranks (sums and mins are carried by the caller)."""

@@ -95,7 +95,16 @@ class Scheduler:
         try:
             await self.client.start()
             task_status.started()
-            await self._loop()
+            while True:
+                if self.group is None:
+                    return await self._loop()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.group.cancel_on_failure, nursery.cancel_scope)
+                    await self._loop()
+                    nursery.cancel_scope.cancel()
+                if self.group.failure is None:
+                    return
+                await self._restart_with_group()
         finally:
             with trio.CancelScope(shield=True):
                 self._fail_all(RuntimeError("the engine shut down"))
@@ -110,6 +119,9 @@ class Scheduler:
             try:
                 result = await self.client.receive_result()
             except RuntimeDied as e:
+                if self.group is not None:  # the others may be stuck in a collective with it
+                    self.group.fail(e)
+                    await trio.sleep_forever()
                 await self._restart(e)
                 continue
             plan = self._in_flight.popleft()
@@ -246,15 +258,33 @@ class Scheduler:
     async def _restart(self, error: RuntimeDied) -> None:
         log.error("runtime died; failing its requests and restarting it", error=str(error).splitlines()[0])
         self._fail_all(error)
+        self._new_core()
+        await self.client.aclose()
+        self.client = self.make_client()
+        await self.client.start()
+        self.restarts += 1
+
+    async def _restart_with_group(self) -> None:
+        error = self.group.failure
+        log.error("a rank of the DEP group died; failing the group's requests and restarting it",
+                  rank=self.rank, error=str(error).splitlines()[0])
+        self._fail_all(error)
+        self._new_core()
+        if self.client.proc is not None and self.client.proc.is_alive():
+            self.client.proc.kill()  # it may be blocked in a collective with the dead rank
+        await self.client.aclose()
+        await self.group.barrier("down", on_last=self.group.restarted)
+        self.client = self.make_client()
+        await self.client.start()
+        self.restarts += 1
+        await self.group.barrier("up")
+
+    def _new_core(self) -> None:
         old = self.core
         self._old = (self._old[0] + old.prefix_queries, self._old[1] + old.prefix_hits,
                      self._old[2] + old.num_preemptions)
         self.core = self.make_core()
         self._in_flight.clear()
-        await self.client.aclose()
-        self.client = self.make_client()
-        await self.client.start()
-        self.restarts += 1
 
     def _fail_all(self, error: BaseException) -> None:
         now = self.pacer.now()
