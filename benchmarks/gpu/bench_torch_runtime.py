@@ -115,7 +115,10 @@ def main() -> None:
     info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     bw = copy_bandwidth() / 2  # the roofline reads; a copy moves each byte twice
     info.update(check_tiny())
-    info.update(check_engine())
+    try:
+        info.update(check_engine())
+    except Exception as e:  # noqa: BLE001 - recorded, the timing part still runs
+        info["engine_cuda_equals_cpu"] = f"failed: {e!r}"
     print(json.dumps(info))
     cfg = preset("v2-lite", num_hidden_layers=args.layers)
     model = DeepseekV3.random_init(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
