@@ -31,7 +31,12 @@ class TorchRuntime:
         if spec.device == "cpu":
             torch.set_num_threads(int(spec.options.get("threads", 1)))
         self.device = torch.device(spec.device)
-        self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed)
+        if self.device.type == "cuda" and spec.world_size > 1 and self.device.index is None:
+            self.device = torch.device("cuda", spec.rank % torch.cuda.device_count())  # a GPU per rank
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed,
+                                overrides=spec.options.get("preset_overrides"))
         self.world = spec.world_size
         if self.world > 1:
             self._join_group(spec)
@@ -51,9 +56,12 @@ class TorchRuntime:
 
         from .models.expert_parallel import shard_experts
 
+        for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+            os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")  # multicast off
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=spec.options["dist_init"], rank=spec.rank,
-                                world_size=spec.world_size)
+                                world_size=spec.world_size,
+                                device_id=self.device if self.device.type == "cuda" else None)
         shard_experts(self.model, spec.rank, spec.world_size)
 
     def add_requests(self, msg: NewRequests) -> None:

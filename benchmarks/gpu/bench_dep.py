@@ -1,0 +1,117 @@
+"""DEP on several GPUs of one host: experts sharded over the ranks, NCCL all-to-all.
+
+1. Greedy tokens of the tiny model (fp32) with DEP2 equal one GPU's (DEP1).
+2. The v2-lite shape (bf16, random weights, `--layers` of its 27 layers) through the whole
+   engine: output tokens/s per GPU with DEP1 on one GPU and DEP2 on two, at `--per-rank`
+   concurrent requests per rank, and the time each step spends in the ranks' per-step sync.
+   The all-to-all's own time is inside the runtime's step time (not split out yet).
+
+Runs on a machine with >= 2 GPUs (`nvidia-h200-x2`); NVLink multicast stays off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+
+for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[var] = val
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import emit  # noqa: E402
+
+from lockstep.api import open_engine  # noqa: E402
+from lockstep.engine.config import EngineConfig  # noqa: E402
+from lockstep.policy.config import SchedulerConfig  # noqa: E402
+from lockstep.policy.request import SamplingParams  # noqa: E402
+
+
+async def greedy(dep: int) -> list[list[int]]:
+    cfg = EngineConfig(model="tiny", device="cuda", dtype="float32", dep=dep, tokenizer=None)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 500, n).astype(np.int32) for n in (5, 40, 130, 17, 64, 90)]
+    out = [None] * len(prompts)
+    async with open_engine(cfg) as engine:
+        async def one(i):
+            out[i] = (await engine.complete(prompts[i], SamplingParams(max_tokens=12, temperature=0,
+                                                                         ignore_eos=True))).token_ids.tolist()
+        async with trio.open_nursery() as n:
+            for i in range(len(prompts)):
+                n.start_soon(one, i)
+    return out
+
+
+async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: int) -> dict:
+    sched = SchedulerConfig(num_blocks=16384, max_num_seqs=per_rank, max_num_batched_tokens=16384, max_model_len=4096)
+    cfg = EngineConfig(model="v2-lite", device="cuda", dtype="bfloat16", dep=dep, tokenizer=None, scheduler=sched,
+                       runtime_options={"preset_overrides": {"num_hidden_layers": layers}})
+    rng = np.random.default_rng(1)
+    n = per_rank * dep
+    prompts = [rng.integers(10, 100_000, prompt).astype(np.int32) for _ in range(n)]
+    params = SamplingParams(max_tokens=output, ignore_eos=True)
+    async with open_engine(cfg) as engine:
+        steps, sync = [], []
+        engine.schedulers[0].on_result = lambda p, r: steps.append((p.num_reqs, r.gpu_s))
+        group = engine.schedulers[0].group
+        if group is not None:
+            inner = group.allreduce
+
+            async def timed(rank, values):
+                t = time.perf_counter()
+                try:
+                    return await inner(rank, values)
+                finally:
+                    if rank == 0:
+                        sync.append(time.perf_counter() - t)
+            group.allreduce = timed
+        await engine.complete(prompts[0][:8], SamplingParams(max_tokens=2))  # warm up
+        steps.clear()
+        sync.clear()
+        tokens = 0
+        t = time.perf_counter()
+
+        async def one(p):
+            nonlocal tokens
+            tokens += len((await engine.complete(p, params)).token_ids)
+        async with trio.open_nursery() as nursery:
+            for p in prompts:
+                nursery.start_soon(one, p)
+        wall = time.perf_counter() - t
+    decode = [g for k, g in steps if k == per_rank]
+    return {"dep": dep, "gpus": dep, "layers": layers, "requests": n, "output_tokens_per_s": tokens / wall,
+            "tokens_per_s_per_gpu": tokens / wall / dep, "decode_step_ms": 1e3 * float(np.median(decode)) if decode else float("nan"),
+            "sync_ms_per_step": 1e3 * float(np.median(sync)) if sync else 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--per-rank", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--output", type=int, default=32)
+    args = ap.parse_args()
+    g1, g2 = trio.run(greedy, 1), trio.run(greedy, 2)
+    print("greedy DEP2 == DEP1:", g1 == g2, flush=True)
+    rows = [trio.run(throughput, dep, args.layers, args.per_rank, args.prompt, args.output) for dep in (1, 2)]
+    for r in rows:
+        print(r, flush=True)
+    one, two = rows
+    emit("bench_dep_h200", rows, {
+        "metric": f"output tokens/s per GPU, v2-lite shape ({args.layers} layers), DEP2 on 2 H200s, "
+                  f"{args.per_rank} requests per rank (torch reference runtime)",
+        "unit": "tokens/s/GPU", "value": two["tokens_per_s_per_gpu"],
+        "baseline": {"name": "DEP1 on one H200, same run", "value": one["tokens_per_s_per_gpu"]},
+        "ratio": two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"],
+        "target": "greedy tokens equal to one GPU's", "meets_target": g1 == g2,
+    }, args.json)
+
+
+if __name__ == "__main__":
+    main()
