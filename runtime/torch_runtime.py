@@ -30,8 +30,9 @@ class TorchRuntime:
     def load(self, spec: RuntimeSpec) -> Ready:
         if spec.device == "cpu":
             torch.set_num_threads(int(spec.options.get("threads", 1)))
+        self.world = 1
         self.device = torch.device(spec.device)
-        if self.device.type == "cuda" and spec.world_size > 1 and self.device.index is None:
+        if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", spec.rank % torch.cuda.device_count())  # a GPU per rank
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
