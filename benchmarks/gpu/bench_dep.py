@@ -53,7 +53,7 @@ async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: 
                        runtime_options={"preset_overrides": {"num_hidden_layers": layers}})
     rng = np.random.default_rng(1)
     n = per_rank * dep
-    prompts = [rng.integers(10, 100_000, prompt).astype(np.int32) for _ in range(n)]
+    prompts = [rng.integers(10, 500, prompt).astype(np.int32) for _ in range(n)]
     params = SamplingParams(max_tokens=output, ignore_eos=True)
     async with open_engine(cfg) as engine:
         steps, sync = [], []
@@ -78,12 +78,14 @@ async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: 
 
         async def one(p):
             nonlocal tokens
-            tokens += len((await engine.complete(p, params)).token_ids)
+            got = len((await engine.complete(p, params)).token_ids)  # not `tokens += await ...`:
+            tokens += got  # that would read `tokens` before the await and lose the others' counts
         async with trio.open_nursery() as nursery:
             for p in prompts:
                 nursery.start_soon(one, p)
         wall = time.perf_counter() - t
-    decode = [g for k, g in steps if k == per_rank]
+    full = max((k for k, _ in steps), default=0)  # the router may give a rank a few more or fewer
+    decode = [g for k, g in steps if k == full]
     return {"dep": dep, "gpus": dep, "layers": layers, "requests": n, "output_tokens_per_s": tokens / wall,
             "tokens_per_s_per_gpu": tokens / wall / dep, "decode_step_ms": 1e3 * float(np.median(decode)) if decode else float("nan"),
             "sync_ms_per_step": 1e3 * float(np.median(sync)) if sync else 0.0}
