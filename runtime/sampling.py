@@ -24,7 +24,9 @@ def sample(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top
         picks = torch.empty(len(rand), dtype=torch.int64, device=logits.device)
         unseeded = np.flatnonzero(seeds[rand] < 0)
         if len(unseeded):
-            picks[unseeded] = torch.multinomial(probs[unseeded].cpu(), 1, generator=gen).squeeze(1).to(picks.device)
+            # On the device, with the runtime's generator there: moving a batch of
+            # vocabulary-sized rows to the host each step costs more than the forward.
+            picks[unseeded] = torch.multinomial(probs[unseeded], 1, generator=gen).squeeze(1)
         for j in np.flatnonzero(seeds[rand] >= 0).tolist():
             g = torch.Generator().manual_seed(_row_seed(int(seeds[rand[j]]), int(positions[rand[j]])))
             picks[j] = torch.multinomial(probs[j].cpu(), 1, generator=g).item()

@@ -46,7 +46,7 @@ class TorchRuntime:
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self.params: dict[int, tuple[float, float, int, int]] = {}
-        self.gen = torch.Generator().manual_seed(spec.seed)
+        self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         cfg = self.model.cfg
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                      num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid())
