@@ -1,8 +1,10 @@
 """Round trip of a 256-request StepPlan and its StepResult between two processes.
 
-lockstep's shared-memory ring (memfd + eventfd, msgpack header + raw arrays) against
-``multiprocessing.Pipe`` with pickle and a bare ring ping-pong of 8 bytes (the floor), all
-in one run. Target (the engine issue): <= 20 us and >= 5x the Pipe baseline.
+lockstep's shared-memory ring (memfd + eventfd, a fixed struct header + raw arrays, see
+transports/step_codec.py) against ``multiprocessing.Pipe`` with pickle and a bare ring
+ping-pong of 8 bytes (the floor), all in one run. Target (the engine issue): <= 20 us and
+>= 5x the Pipe baseline. On a 2-core machine the numbers depend on what else runs: with a
+third busy process the floor alone can move by 10x, so compare runs made back to back.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ import multiprocessing as mp
 from multiprocessing import resource_tracker
 import os
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -55,7 +57,41 @@ def test_a_message_larger_than_the_ring_fails_clearly():
     try:
         with pytest.raises(MessageTooLarge, match="raise the ring size"):
             ring.send(1, b"x" * 4096)
+        with pytest.raises(MessageTooLarge, match="at most 2032"):
+            ring.send(1, b"x" * 2000, b"y" * 33)
+        ring.send(2, b"x" * 2032)  # the largest that fits: half the ring, less the frame header
+        assert ring.poll() == (2, 1, b"x" * 2032)
     finally:
+        ring.close()
+
+
+def test_parts_are_concatenated():
+    ring = Ring.create(4096)
+    try:
+        ring.send(3, b"ab", memoryview(b"cde"), b"", bytearray(b"f"), np.arange(2, dtype=np.uint8))
+        ring.send(4)
+        assert ring.poll() == (3, 1, b"abcdef\x00\x01")
+        assert ring.poll() == (4, 2, b"")
+        assert ring.poll() is None
+    finally:
+        ring.close()
+
+
+def test_a_full_ring_blocks_the_producer_until_the_consumer_catches_up():
+    ring = Ring.create(4096)
+    sent = [bytes([i]) * (100 + 37 * i) for i in range(40)]  # ~40 kB through 4 kB
+    producer = threading.Thread(target=lambda: [ring.send(9, m) for m in sent])
+    try:
+        producer.start()
+        got = []
+        for _ in sent:
+            time.sleep(0.0005)  # a slow consumer: the producer must wait, and wrap
+            got.append(ring.recv(timeout=10))
+        producer.join(10)
+        assert [(k, s) for k, s, _ in got] == [(9, i + 1) for i in range(len(sent))]
+        assert [p for _, _, p in got] == sent
+    finally:
+        producer.join(10)
         ring.close()
 
 

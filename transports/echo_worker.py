@@ -10,7 +10,7 @@ import socket
 
 import numpy as np
 
-from lockstep.policy.step import StepResult
+from lockstep.policy.step import EMPTY_I64, StepResult
 
 from .shm_ring import recv_ring
 from .step_codec import decode, encode
@@ -26,16 +26,16 @@ def serve(sock: socket.socket) -> None:
             if kind == 0:
                 return
             plan = decode(kind, payload)
-            n = int(plan.samples.sum())
-            result = StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
-                                token_ids=np.arange(n, dtype=np.int32))
-            outbox.send(*_flat(encode(result)))
+            # A stand-in should cost little next to the ring it is there to measure:
+            # count_nonzero, shared empties and positional arguments save ~3 us of the
+            # obvious version (sum() on bools, two zeros() from the defaults, kwargs).
+            samples = plan.samples
+            result = StepResult(plan.step_id, samples.astype(np.int32),  # num_sampled
+                                np.arange(np.count_nonzero(samples), dtype=np.int32),  # token_ids
+                                EMPTY_I64, EMPTY_I64)  # kv_loads_done, kv_loads_failed
+            k, parts = encode(result)
+            outbox.send(k, *parts)
     finally:
         inbox.close()
         outbox.close()
         sock.close()
-
-
-def _flat(kind_parts):
-    kind, parts = kind_parts
-    return (kind, *parts)
