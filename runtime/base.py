@@ -59,6 +59,7 @@ class NewRequests(msgspec.Struct, frozen=True):
     top_p: list[float]
     top_k: list[int]
     seed: list[int]  # -1: unseeded
+    logprobs: list[int] = []  # -1: none; k: the sampled token's log-probability and the top k
 
 
 class Forget(msgspec.Struct, frozen=True):

@@ -22,6 +22,17 @@ from .models import load_model
 from .models.batch import ForwardBatch
 from .sampling import sample
 
+def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
+    """Log-probabilities under the model's own distribution (before temperature and
+    truncation, as vLLM reports them by default) of the sampled tokens, and the top k."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.as_tensor(tokens, dtype=torch.int64, device=lp.device)[:, None])[:, 0]
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    return (chosen.cpu().numpy(),
+            None if top is None else top.indices.to(torch.int32).cpu().numpy(),
+            None if top is None else top.values.cpu().numpy())
+
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -45,7 +56,7 @@ class TorchRuntime:
         self.kv = self.model.make_kv_cache(spec.num_blocks, spec.block_size)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
-        self.params: dict[int, tuple[float, float, int, int]] = {}
+        self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         cfg = self.model.cfg
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
@@ -67,7 +78,8 @@ class TorchRuntime:
 
     def add_requests(self, msg: NewRequests) -> None:
         for i, rid in enumerate(msg.req_ids):
-            self.params[rid] = (msg.temperature[i], msg.top_p[i], msg.top_k[i], msg.seed[i])
+            lp = msg.logprobs[i] if msg.logprobs else -1
+            self.params[rid] = (msg.temperature[i], msg.top_p[i], msg.top_k[i], msg.seed[i], lp)
 
     def forget(self, req_ids: list[int]) -> None:
         for rid in req_ids:
@@ -83,14 +95,15 @@ class TorchRuntime:
         batch, positions = self._batch(plan)
         t1 = time.perf_counter()
         logits, counts = self.model(batch, self.kv)
-        tokens = self._sample(plan, logits, positions)
+        tokens, want = self._sample(plan, logits, positions)
         self.last[plan.slots[plan.samples]] = tokens
+        lp = _logprobs(logits, tokens, int(want.max())) if len(want) and want.max() >= 0 else (None, None, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
         return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32), token_ids=tokens,
                           kv_loads_done=plan.kv_load_req_ids, expert_counts=counts.cpu().numpy(),
-                          host_s=t1 - t0, gpu_s=t2 - t1)
+                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1)
 
     def _batch(self, plan: StepPlan) -> tuple[ForwardBatch, np.ndarray]:
         n, bs = plan.num_reqs, self.bs
@@ -122,12 +135,14 @@ class TorchRuntime:
         )
         return batch, pos[sample_rows]
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray) -> np.ndarray:
-        default = (1.0, 1.0, -1, -1)
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sampled tokens, top-k logprobs each row asked for: -1 for none)."""
+        default = (1.0, 1.0, -1, -1, -1)
         rows = [self.params.get(r, default) for r in plan.req_ids[plan.samples].tolist()]
-        temp, top_p, top_k, seed = (np.array(col) for col in zip(*rows)) if rows else ([],) * 4
-        return sample(logits, np.asarray(temp, np.float64), np.asarray(top_p, np.float64),
-                      np.asarray(top_k, np.int64), np.asarray(seed, np.int64), positions, self.gen)
+        temp, top_p, top_k, seed, want = (np.array(col) for col in zip(*rows)) if rows else ([],) * 5
+        tokens = sample(logits, np.asarray(temp, np.float64), np.asarray(top_p, np.float64),
+                        np.asarray(top_k, np.int64), np.asarray(seed, np.int64), positions, self.gen)
+        return tokens, np.asarray(want, np.int64)
 
     def _empty_batch(self) -> ForwardBatch:
         d, e = self.device, torch.zeros(0, dtype=torch.int64)

@@ -43,6 +43,8 @@ class RequestOutput:
     ttft_s: float | None = None
     e2e_s: float | None = None
     queue_s: float | None = None  # arrival to the first step that computed it
+    # With SamplingParams.logprobs: per token (token id, logprob, [(top id, logprob), ...])
+    logprobs: list | None = None
 
 
 @attrs.frozen
@@ -83,6 +85,7 @@ class Engine:
             await self.frontend.send_channel.send(p)
             while True:
                 tokens, reason = await stream.next_delta()
+                lps = stream.take_logprobs() if params.logprobs is not None else None
                 if stops and len(tokens):
                     tokens, hit = _cut_at_stop_ids(tokens, stops)
                     reason = self._stopped(p.req_id) if hit else reason
@@ -94,7 +97,7 @@ class Engine:
                     reason = self._stopped(p.req_id) if hit else reason
                 said += text
                 n += len(tokens)
-                yield self._output(stream, text, tokens, reason, n)
+                yield self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
                 if reason is not None:
                     return
         finally:
@@ -106,7 +109,7 @@ class Engine:
         self.abort(req_id, FinishReason.STOP)
         return FinishReason.STOP
 
-    def _output(self, s: RequestStream, text, tokens, reason, n) -> RequestOutput:
+    def _output(self, s: RequestStream, text, tokens, reason, n, logprobs=None) -> RequestOutput:
         done = reason is not None
         return RequestOutput(
             request_id=s.req_id, text=text, token_ids=tokens, finished=done,
@@ -114,7 +117,7 @@ class Engine:
             num_output_tokens=n, num_cached_tokens=s.num_cached_tokens,
             ttft_s=None if s.first_token_at is None else s.first_token_at - s.arrival,
             e2e_s=(s.finished_at - s.arrival) if done and s.finished_at is not None else None,
-            queue_s=None if s.scheduled_at is None else s.scheduled_at - s.arrival,
+            queue_s=None if s.scheduled_at is None else s.scheduled_at - s.arrival, logprobs=logprobs,
         )
 
     def _detokenizer(self):
@@ -143,6 +146,16 @@ class Engine:
         """A frozen snapshot, summed over the DP ranks."""
         stats = [s.statistics() for s in self.schedulers]
         return SchedulerStats(*(sum(getattr(x, f.name) for x in stats) for f in attrs.fields(SchedulerStats)))
+
+
+def _pair(tokens: np.ndarray, lps: list | None) -> list | None:
+    """Token ids with their logprob rows (a stop cut may have dropped trailing tokens)."""
+    if lps is None:
+        return None
+    out = []
+    for t, (lp, top) in zip(tokens.tolist(), lps):
+        out.append((t, lp, [] if top is None else list(zip(top[0].tolist(), top[1].tolist()))))
+    return out
 
 
 def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, bool]:

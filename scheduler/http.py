@@ -188,10 +188,12 @@ def _finish_reason(reason: str | None) -> str | None:
 
 async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
     texts = [[] for _ in gens]
+    lps = [[] for _ in gens]
     finals: list = [None] * len(gens)
 
     async def on_delta(i, out):
         texts[i].append(out.text)
+        lps[i] += out.logprobs or []
         if out.finished:
             finals[i] = out
             _record(server, out)
@@ -203,15 +205,35 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
     for i, f in enumerate(finals):
         text = "".join(texts[i])
         reason = _finish_reason(f.finish_reason)
+        lp = _logprobs_json(server, lps[i], job) if job.params.logprobs is not None else None
         if job.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                             "finish_reason": reason})
         else:
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
     return Response(_JSON.encode({
         "id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
         "model": server.model_name, "choices": choices, "usage": _usage(finals, job.n)}),
         media_type="application/json")
+
+
+def _logprobs_json(server: Server, rows: list, job: Job) -> dict:
+    """OpenAI's shapes: chat's ``content`` list, or completions' parallel lists."""
+    tok = server.engine.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([t]) if tok is not None else str(t)
+
+    if job.chat:
+        return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                             "top_logprobs": [{"token": text(u), "logprob": v, "bytes": list(text(u).encode())}
+                                              for u, v in top]} for t, lp, top in rows]}
+    offsets, pos = [], 0
+    for t, _, _ in rows:
+        offsets.append(pos)
+        pos += len(text(t))
+    return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [{text(u): v for u, v in top} for _, _, top in rows], "text_offset": offsets}
 
 
 def _usage(finals: list, n: int) -> dict:
@@ -271,18 +293,19 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             body["usage"] = usage
         return b"data: " + _JSON.encode(body) + b"\n\n"
 
-    def choice(i: int, text: str, reason: str | None, first: bool = False) -> dict:
+    def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None) -> dict:
+        lp = _logprobs_json(server, rows or [], job) if rows is not None else None
         if job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
     async def produce(emit) -> None:
         async def on_delta(i, out):
             if out.finished:
                 finals[i] = out
                 _record(server, out)
-            emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason))]))
+            emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs)]))
 
         if job.chat:
             emit(chunk([choice(i, "", None, first=True) for i in range(len(gens))]))

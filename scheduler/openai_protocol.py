@@ -56,9 +56,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", "n")
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False, 0):
-            raise BadRequest(f"{name} is not supported yet by this server", name)
+    logprobs = _logprobs(body, chat)
     if body.get("echo"):
         raise BadRequest("echo is not supported", "echo")
     stop = body.get("stop")
@@ -71,7 +69,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
         top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
-        ignore_eos=_get(body, "ignore_eos", bool, False),
+        ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
     )
     try:
         params.validate()
@@ -84,6 +82,23 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     return Job(model=model, prompts=prompts, params=params, n=n, stream=_get(body, "stream", bool, False),
                include_usage=bool(opts.get("include_usage", False)), priority=_get(body, "priority", int, 0),
                cache_salt=salt, chat=chat)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: ``logprobs`` is the number of top tokens; chat: ``logprobs`` is a switch
+    and ``top_logprobs`` the number."""
+    if chat:
+        on = _get(body, "logprobs", bool, False)
+        k = _get(body, "top_logprobs", int, None)
+        if k is not None and not on:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        n = (k or 0) if on else None
+    else:
+        n = _get(body, "logprobs", int, None)
+    if n is not None and not 0 <= n <= 20:
+        raise BadRequest(f"{'top_logprobs' if chat else 'logprobs'} must be in [0, 20], got {n}",
+                         "top_logprobs" if chat else "logprobs")
+    return n
 
 
 def _prompts(p) -> tuple:

@@ -239,3 +239,16 @@ async def test_dep2_a_killed_rank_fails_the_group_cleanly_and_it_restarts():
         assert toks == reference_greedy(prompts()[1], GREEDY.max_tokens)
         assert [s.statistics().runtime_restarts for s in engine.schedulers] == [1, 1]
         assert not set(pids) & {s.client.ready.pid for s in engine.schedulers}
+
+
+async def test_logprobs_of_sampled_tokens_and_top_k():
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
+    async with open_engine(config(tokenizer=None)) as engine:
+        outs = [o async for o in engine.generate(prompts()[1], params)]
+    rows = [r for o in outs for r in o.logprobs]
+    toks = [t for o in outs for t in o.token_ids.tolist()]
+    assert [r[0] for r in rows] == toks and len(rows) == 5
+    for tok, lp, top in rows:
+        assert len(top) == 3 and top[0][0] == tok  # greedy: the sampled token is the most likely
+        assert lp == pytest.approx(top[0][1]) and lp <= 0
+        assert top[0][1] >= top[1][1] >= top[2][1]

@@ -217,6 +217,13 @@ def test_openai_client_completions_chat_and_errors(real_server):
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 8
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    lp = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=2, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    chat_lp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=2, logprobs=True, top_logprobs=2,
+                                             extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(chat_lp.content) == 2 and len(chat_lp.content[0].top_logprobs) == 2
     with pytest.raises(openai.BadRequestError, match="not served here"):
         client.completions.create(model="gpt-4", prompt="x")
     with pytest.raises(openai.BadRequestError, match="context"):

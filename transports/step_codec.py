@@ -31,6 +31,7 @@ KIND = {StepPlan: 1, StepResult: 2}
 _FIXED, _DESCRIBED = 0, 1  # the payload's first byte
 
 _I32, _I64, _BOOL = np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_)
+_F32 = np.dtype(np.float32)
 # Per class, every attrs field in order: a struct code for a scalar, or (dtype, ndim, may be
 # None) for an array. Checked against the class at import, so a new field fails loudly here.
 _LAYOUTS = {
@@ -48,7 +49,9 @@ _LAYOUTS = {
     StepResult: {
         "step_id": "q", "num_sampled": (_I32, 1, False), "token_ids": (_I32, 1, False),
         "kv_loads_done": (_I64, 1, False), "kv_loads_failed": (_I64, 1, False),
-        "expert_counts": (_I32, 2, True), "host_s": "d", "gpu_s": "d", "sync_s": "d",
+        "expert_counts": (_I32, 2, True),
+        "logprobs": (_F32, 1, True), "top_ids": (_I32, 2, True), "top_logprobs": (_F32, 2, True),
+        "host_s": "d", "gpu_s": "d", "sync_s": "d",
     },
 }
 
@@ -175,7 +178,8 @@ def _decoder(layout, names, wire, dims, header_vars) -> list[str]:
     # One frombuffer per dtype and a slice per array: slicing costs half a frombuffer.
     for dtype in dict.fromkeys(layout[n][0] for n in wire):
         group = [n for n in wire if layout[n][0] is dtype]
-        count = {n: dims[n][0] if len(dims[n]) == 1 else f"{n}_n" for n in group}
+        # An optional array's first dim is -1 for None: count it through n_n, which is 0 then.
+        count = {n: dims[n][0] if len(dims[n]) == 1 and not layout[n][2] else f"{n}_n" for n in group}
         for n in group:
             if layout[n][2]:  # None arrives as a first dim of -1, and no bytes
                 lines.append(f"    {n}_n = {' * '.join(dims[n])} if {dims[n][0]} > 0 else 0")

@@ -18,7 +18,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 class RequestStream:
     __slots__ = ("req_id", "num_prompt_tokens", "num_cached_tokens", "arrival", "scheduled_at",
-                 "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup")
+                 "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup", "_logprobs")
 
     def __init__(self, req_id: int, num_prompt_tokens: int, arrival: float):
         self.req_id = req_id
@@ -32,6 +32,7 @@ class RequestStream:
         self._finish: FinishReason | None = None
         self._error: BaseException | None = None
         self._wakeup: trio.Event | None = None
+        self._logprobs: list = []  # (logprob, (top ids, top logprobs) or None) per token
 
     # -- producer (the Scheduler): never blocks ---------------------------------------------------
     def push(self, tokens: np.ndarray, now: float) -> None:
@@ -39,6 +40,14 @@ class RequestStream:
             self.first_token_at = now
         self._chunks.append(tokens)
         self._wake()
+
+    def push_logprobs(self, logprob: float, top) -> None:
+        self._logprobs.append((logprob, top))
+
+    def take_logprobs(self) -> list:
+        """The logprobs of the tokens the last ``next_delta`` returned (requests that asked)."""
+        out, self._logprobs = self._logprobs, []
+        return out
 
     def finish(self, reason: FinishReason, now: float) -> None:
         if self._finish is None and self._error is None:

@@ -81,6 +81,7 @@ class Scheduler:
         self.group, self.rank = group, rank  # the DEP instance this rank steps with, if any
         self.streams: dict[int, RequestStream] = {}
         self._unscheduled: set[int] = set()  # admitted, not yet in any plan (for queue time)
+        self._want_logprobs: set[int] = set()
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
         # Plans sent and not yet answered, oldest first: with async scheduling the next plan
         # is sent as soon as it is made, so the runtime starts it the moment it finishes
@@ -189,10 +190,14 @@ class Scheduler:
                 self.streams[req.id] = stream
                 self._unscheduled.add(req.id)
                 p = req.params
+                if p.logprobs is not None:
+                    self._want_logprobs.add(req.id)
                 self.client.add_requests(NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k],
-                                                     [-1 if p.seed is None else p.seed]))
+                                                     [-1 if p.seed is None else p.seed],
+                                                     [-1 if p.logprobs is None else p.logprobs]))
             case Abort(req_id=rid, reason=reason):
                 self._unscheduled.discard(rid)
+                self._want_logprobs.discard(rid)
                 if self.core.abort(rid):
                     self.client.forget([rid])
                 s = self.streams.pop(rid, None)
@@ -238,6 +243,19 @@ class Scheduler:
         self._in_flight.append(plan)
         self.steps += 1
 
+    def _deliver_logprobs(self, plan: StepPlan, result: StepResult, out) -> None:
+        """Logprob rows follow the plan's sampling entries; hand each asking request the row
+        of the token it got this step (before the tokens, which close the delta)."""
+        row = {rid: i for i, rid in enumerate(plan.req_ids[plan.samples].tolist()) if rid in self._want_logprobs}
+        for rid in out.req_ids.tolist():
+            i = row.get(rid)
+            s = self.streams.get(rid)
+            if i is not None and s is not None:
+                top = None if result.top_ids is None else (result.top_ids[i], result.top_logprobs[i])
+                s.push_logprobs(float(result.logprobs[i]), top)
+        for rid, _ in out.finished:
+            self._want_logprobs.discard(rid)
+
     def _mark_scheduled(self, plan: StepPlan) -> None:
         now = self.pacer.now()
         for rid in plan.req_ids.tolist():
@@ -250,6 +268,8 @@ class Scheduler:
     def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
         out = self.core.update(plan, result, now)
         self.generated += int(out.num_tokens.sum())
+        if self._want_logprobs and result.logprobs is not None:
+            self._deliver_logprobs(plan, result, out)
         deliver(self.streams, out.req_ids, out.num_tokens, out.token_ids, out.finished, now)
         if out.finished:
             self.client.forget([rid for rid, _ in out.finished])

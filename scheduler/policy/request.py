@@ -46,6 +46,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k's
 
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -60,6 +61,8 @@ class SamplingParams:
             raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            raise RequestError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
 

@@ -70,6 +70,10 @@ class StepResult:
     kv_loads_done: np.ndarray = attrs.field(factory=_i64)
     kv_loads_failed: np.ndarray = attrs.field(factory=_i64)
     expert_counts: np.ndarray | None = None  # (layers, experts) int32, for EPLB
+    # Only when a sampled request asked for logprobs; one row per sampled token, in order:
+    logprobs: np.ndarray | None = None  # float32 (rows,): log-probability of the sampled token
+    top_ids: np.ndarray | None = None  # int32 (rows, k): the k most likely tokens
+    top_logprobs: np.ndarray | None = None  # float32 (rows, k)
     host_s: float = 0.0
     gpu_s: float = 0.0
     sync_s: float = 0.0
