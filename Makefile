@@ -24,6 +24,10 @@ bench: $(BIN)/lockstep
 	$(BIN)/python benchmarks/bench_scheduler.py
 	$(BIN)/python benchmarks/bench_admission.py
 	$(BIN)/python benchmarks/bench_sim.py
+	$(BIN)/python benchmarks/bench_dispatch.py
+	$(BIN)/python benchmarks/bench_engine.py
+	$(BIN)/python benchmarks/bench_allreduce.py
+	$(BIN)/python benchmarks/bench_eplb.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,150 @@
+"""Replica counts for the EPLB planner, and the lower bound on the heaviest GPU they imply.
+
+Both work on one relaxation of the placement problem. Under an even token split, whatever the
+packing, the heaviest GPU of a layer carries at least
+
+    T(r) = max( W / G,                                   the mean GPU load,
+                max_e w_e / r_e,                         some GPU holds each replica,
+                max_n P_n(r) / (G / nodes) )             node n holds a copy of each of its
+                                                         experts: P_n = sum over them of w_e / r_e
+
+with r_e >= 1 replicas of expert e, at most one per GPU (r_e <= G), sum r_e = S. The planner
+picks r greedily (``greedy_counts``); ``relaxed_bound`` solves min over r of T(r) exactly, so
+it is a valid lower bound on the best plan under the same constraints, slots and home nodes
+included. Everything is vectorized over layers: arrays are (layers, experts).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def home_nodes(experts: int, nodes: int) -> np.ndarray:
+    """Home node of each expert: experts split into ``nodes`` contiguous groups (sizes differ by
+    at most one, so 256 experts on 9 nodes works)."""
+    return (np.arange(experts) * nodes // experts).astype(np.int64)
+
+
+def node_sums(x: np.ndarray, home: np.ndarray, nodes: int) -> np.ndarray:
+    """(layers, nodes) sums of x over each node's experts (groups are contiguous)."""
+    starts = np.searchsorted(home, np.arange(nodes))
+    return np.add.reduceat(x, starts, axis=1)
+
+
+def relaxed_value(w: np.ndarray, r: np.ndarray, home: np.ndarray, nodes: int, gpus: int) -> np.ndarray:
+    """T(r) per layer: the relaxation's lower bound on the heaviest GPU for these counts."""
+    per = w / r
+    node_term = node_sums(per, home, nodes).max(1) * nodes / gpus
+    return np.maximum(np.maximum(w.sum(1) / gpus, per.max(1)), node_term)
+
+
+def bottleneck_expert(w: np.ndarray, r: np.ndarray, home: np.ndarray, nodes: int, gpus: int) -> np.ndarray:
+    """Per layer, the expert whose next replica lowers T(r) (or, at its floor, the largest
+    load per replica, which makes the items easier to pack).
+
+    Normally that is the expert with the largest load per replica (greedy by max(w / r) is
+    optimal for the largest per-replica load). When a node's primaries alone would overload
+    its GPUs, it is the expert of that node whose next replica takes the most load off the
+    node, w / (r (r + 1)); that replica may live on another node.
+    """
+    rows = np.arange(w.shape[0])
+    per = np.where(r < gpus, w / r, -1.0)
+    pick = per.argmax(1)
+    if nodes == 1:
+        return pick
+    load = node_sums(w / r, home, nodes) * (nodes / gpus)
+    worst = load.argmax(1)
+    gain = np.where((home == worst[:, None]) & (r < gpus), w / (r * (r + 1.0)), -1.0)
+    floor = np.maximum(per[rows, pick], w.sum(1) / gpus)
+    use_node = (load[rows, worst] > floor) & (gain.max(1) > 0)
+    return np.where(use_node, gain.argmax(1), pick)
+
+
+def greedy_counts(w: np.ndarray, slots: int, home: np.ndarray, nodes: int, gpus: int) -> np.ndarray:
+    """Replica counts: one extra slot at a time, each to the current bottleneck expert."""
+    r = np.ones(w.shape, dtype=np.int64)
+    rows = np.arange(w.shape[0])
+    for _ in range(slots - w.shape[1]):
+        r[rows, bottleneck_expert(w, r, home, nodes, gpus)] += 1
+    return r
+
+
+def _min_count_for(w: np.ndarray, t: np.ndarray, home: np.ndarray, nodes: int, gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fewest replicas any r with T(r) <= t can have, feasible), per layer.
+
+    The count never exceeds the true minimum (see ``_node_extra``), so bisection on it
+    gives a valid bound.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):  # an idle layer has t = 0
+        base = np.maximum(np.nan_to_num(np.ceil(w / t[:, None] * (1 - 1e-12)), nan=1.0), 1.0)
+    feasible = (base <= gpus).all(1) & (w.sum(1) / gpus <= t)
+    base = np.minimum(base, gpus)
+    if nodes == 1:
+        return base.sum(1), feasible
+    extra, node_ok = _node_extra(w, base, t * gpus / nodes, home, nodes, gpus)
+    return base.sum(1) + extra, feasible & node_ok
+
+
+def _counts_at(w: np.ndarray, base: np.ndarray, lam: np.ndarray, gpus: int) -> np.ndarray:
+    """Counts after adding every replica whose marginal relief w / (j (j + 1)) is >= lam."""
+    j = np.floor((np.sqrt(1.0 + 4.0 * w / lam) - 1.0) / 2.0)
+    return np.clip(np.maximum(base, 1.0 + j), 1.0, gpus)
+
+
+def _node_extra(w, base, cap, home, nodes, gpus, iters: int = 40):
+    """Fewest extra replicas so each node's primaries fit its GPUs: sum w / r <= cap.
+
+    Within a node the reliefs w / (j (j + 1)) shrink with j, so the greedy prefix of the
+    largest reliefs is optimal for every budget; a threshold lam selects such a prefix.
+    Bisection brackets the largest sufficient lam; the count just above the insufficient
+    side, plus one, is a lower bound on the minimum (and equal to it for distinct reliefs).
+    """
+    need = node_sums(w / base, home, nodes) > cap[:, None] * (1 + 1e-12)
+    full = np.full_like(base, float(gpus))
+    ok = (node_sums(w / full, home, nodes) <= cap[:, None] * (1 + 1e-9)) | ~need
+    hi = np.full(need.shape, np.log(max(float(w.max()), 1e-300)) + 1.0)  # no additions above
+    lo = np.full(need.shape, np.log(max(float(w[w > 0].min(initial=1.0)), 1e-300)) - 2 * np.log(gpus) - 2.0)
+    for _ in range(iters):
+        mid = (hi + lo) / 2
+        r = _counts_at(w, base, np.exp(mid[:, home]), gpus)
+        enough = node_sums(w / r, home, nodes) <= cap[:, None]
+        lo = np.where(enough, mid, lo)
+        hi = np.where(enough, hi, mid)
+    short = _counts_at(w, base, np.exp(hi[:, home]), gpus)  # not enough: the minimum exceeds it
+    added = node_sums(short - base, home, nodes) + 1.0
+    return np.where(need, added, 0.0).sum(1), ok.all(1)
+
+
+def relaxed_bound(w: np.ndarray, slots: int, home: np.ndarray, nodes: int, gpus: int, iters: int = 32) -> np.ndarray:
+    """min over valid r of T(r), per layer, from below (bisection keeps the infeasible side)."""
+    w = np.asarray(w, dtype=np.float64)
+    lo = np.maximum(w.sum(1) / gpus, w.max(1) / gpus) * (1 - 1e-9)
+    hi = relaxed_value(w, np.ones_like(w), home, nodes, gpus)  # one replica each: feasible
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        count, feasible = _min_count_for(w, mid, home, nodes, gpus)
+        fits = feasible & (count <= slots)
+        hi = np.where(fits, mid, hi)
+        lo = np.where(fits, lo, mid)
+    return lo
+
+
+def partition_bound(w: np.ndarray, slots: int, nodes: int, gpus: int) -> np.ndarray:
+    """Lower bound on the heaviest GPU when there are no redundant slots (slots == experts):
+    then every node holds exactly its own experts, k to a GPU. Among a node's j * g + 1
+    heaviest experts (g GPUs per node) some GPU holds j + 1; it also holds k - j - 1 more,
+    each at least as heavy as the node's lightest. Per layer, the largest such sum."""
+    layers, experts = w.shape
+    if slots != experts:
+        raise ValueError("partition_bound needs slots == experts")
+    k, per_node = slots // gpus, gpus // nodes
+    items = -np.sort(-w.reshape(layers, nodes, experts // nodes), axis=2)  # heaviest first
+    size = items.shape[2]
+    best = np.zeros((layers, nodes))
+    for j in range(k):
+        top = j * per_node + 1
+        if top > size:
+            break
+        tail = items[:, :, size - (k - j - 1) :].sum(2) if k - j - 1 > 0 else 0.0
+        best = np.maximum(best, items[:, :, top - j - 1 : top].sum(2) + tail)
+    return best.max(1)

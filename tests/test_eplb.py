@@ -1,0 +1,245 @@
+"""EPLB planner: placement rules, the bound, replica counts, splits, incremental repair."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lockstep.policy.eplb import Placement, Topology, bound, evaluate, naive, plan
+from lockstep.policy.eplb_count import greedy_counts, home_nodes, relaxed_value
+from lockstep.policy.eplb_split import split_loads
+
+
+def zipf(layers: int, experts: int, alpha: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    ranks = np.stack([rng.permutation(experts) + 1 for _ in range(layers)])
+    return ranks**-alpha * np.exp(0.3 * rng.standard_normal((layers, experts))) * 1000
+
+
+def brute_force_max(w: np.ndarray, topo: Topology) -> float:
+    """Smallest heaviest-GPU load over every valid placement of one layer (tiny cases)."""
+    e, s, k = topo.experts, topo.slots, topo.slots_per_rank
+    p2l = np.array(list(itertools.product(range(e), repeat=s)))
+    r = (p2l[:, :, None] == np.arange(e)).sum(1)
+    per_gpu = np.sort(p2l.reshape(len(p2l), topo.ranks, k), axis=2)
+    node = (np.arange(s) // k) // (topo.ranks // topo.nodes)
+    at_home = ((p2l[:, :, None] == np.arange(e)) & (node[:, None] == topo.home()[None, :])).any(1)
+    valid = (r >= 1).all(1) & ~(per_gpu[..., 1:] == per_gpu[..., :-1]).any((1, 2)) & at_home.all(1)
+    share = (w / np.maximum(r, 1))[np.arange(len(p2l))[:, None], p2l]
+    return float(share.reshape(len(p2l), topo.ranks, k).sum(2).max(1)[valid].min())
+
+
+# --- directed -------------------------------------------------------------------------------
+
+
+def test_topology_rejects_invalid_machines():
+    with pytest.raises(ValueError):
+        Topology(8, 10, 4)  # slots not a multiple of ranks
+    with pytest.raises(ValueError):
+        Topology(8, 4, 2)  # fewer slots than experts
+    with pytest.raises(ValueError):
+        Topology(8, 8, 4, 3)  # ranks not a multiple of nodes
+    with pytest.raises(ValueError):
+        Topology(4, 24, 2)  # 12 slots per GPU but 4 experts: a GPU would repeat one
+    assert Topology(256, 288, 72, 9).slots_per_rank == 4
+    assert sorted(np.bincount(Topology(256, 288, 72, 9).home()).tolist()) == [28] * 5 + [29] * 4
+
+
+def test_placement_maps_agree_and_rules_are_checked():
+    topo = Topology(4, 6, 3, 1)
+    p = Placement.from_phy2log(np.array([[0, 1, 2, 0, 3, 1]]), 4)
+    assert p.replicas.tolist() == [[2, 2, 1, 1]]
+    for e in range(4):
+        slots = p.log2phy[0, e][p.log2phy[0, e] >= 0]
+        assert (p.phy2log[0, slots] == e).all() and len(slots) == p.replicas[0, e]
+    assert p.violations(topo) == []
+    assert "two replicas" in " ".join(Placement.from_phy2log(np.array([[0, 0, 1, 2, 3, 1]]), 4).violations(topo))
+    assert "no replica" in " ".join(Placement.from_phy2log(np.array([[0, 1, 2, 0, 2, 1]]), 4).violations(topo))
+    two_nodes = Topology(4, 8, 4, 2)  # experts 0, 1 live on node 0 (slots 0-3), 2, 3 on node 1
+    assert "home node" in " ".join(Placement.from_phy2log(np.array([[2, 3, 0, 2, 0, 1, 1, 3]]), 4).violations(two_nodes))
+    with pytest.raises(ValueError):
+        Placement.from_phy2log(np.array([[0, 4]]), 4)
+
+
+def test_naive_layout_and_balancedness_figures():
+    topo = Topology(4, 6, 2)
+    assert naive(topo, 1).phy2log.tolist() == [[0, 1, 2, 3, 0, 1]]
+    w = np.array([[4.0, 2.0, 1.0, 3.0], [1.0, 1.0, 1.0, 1.0]])
+    b = evaluate(naive(topo, 2), w, topo)  # GPU loads 2+1+1, 3+2+1 and 0.5+0.5+1, 1+0.5+0.5
+    assert np.allclose(b.per_layer, [5 / 6, 1.0])
+    assert b.mean == pytest.approx((5 / 6 + 1) / 2) and b.ratio_of_sums == pytest.approx(7 / 8)
+
+
+def test_bad_inputs_are_refused_with_the_reason():
+    topo = Topology(8, 8, 2)
+    with pytest.raises(ValueError, match="load must be"):
+        plan(np.ones((2, 7)), topo)
+    with pytest.raises(ValueError, match="finite"):
+        plan(np.full((1, 8), -1.0), topo)
+    with pytest.raises(ValueError, match="current placement"):
+        plan(np.ones((1, 8)), topo, incremental=True)
+    with pytest.raises(ValueError, match="breaks the rules"):
+        bad = Placement.from_phy2log(np.array([[0, 0, 1, 2, 3, 4, 5, 6]]), 8)
+        plan(np.ones((1, 8)), topo, bad)
+
+
+def test_even_split_bound_on_a_known_case():
+    # one expert carries half the load; 2 GPUs, one spare slot: best is to split it in two
+    topo = Topology(3, 4, 2)
+    w = np.array([[6.0, 3.0, 3.0]])
+    p = plan(w, topo)
+    assert p.balancedness.per_layer[0] == pytest.approx(1.0)
+    assert bound(w, topo).per_layer[0] == pytest.approx(1.0)
+    assert sorted(p.placement.replicas[0].tolist()) == [1, 1, 2]
+
+
+# --- properties -----------------------------------------------------------------------------
+
+TINY = [Topology(3, 4, 2), Topology(4, 4, 2), Topology(4, 6, 2), Topology(4, 6, 3), Topology(3, 6, 3),
+        Topology(4, 8, 4, 2), Topology(4, 6, 2, 2), Topology(4, 4, 2, 2), Topology(5, 6, 3)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(TINY), st.lists(st.integers(0, 50), min_size=5, max_size=5))
+def test_bound_is_never_above_the_best_placement_and_the_plan_is_near_it(topo, raw):
+    w = np.array([raw[: topo.experts]], dtype=float)
+    best = brute_force_max(w[0], topo)
+    mean = w.sum() / topo.ranks
+    upper = bound(w, topo).per_layer[0]
+    got = plan(w, topo).balancedness.per_layer[0]
+    if best > 0:
+        assert upper >= mean / best - 1e-9  # a valid bound: no placement beats it
+        assert got <= mean / best + 1e-9
+        assert got >= 0.6 * mean / best  # greedy counts ignore the slots per GPU: not always optimal
+    plan(w, topo).placement.check_integrity(topo)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([(16, 32, 4, 1), (16, 24, 4, 2), (32, 40, 8, 2), (24, 32, 8, 4), (16, 16, 4, 2)]))
+def test_plans_keep_the_rules_and_stay_under_the_bound(seed, shape):
+    experts, slots, ranks, nodes = shape
+    topo = Topology(experts, slots, ranks, nodes)
+    w = zipf(3, experts, 1.0, seed)
+    w[0, : experts // 2] = 0.0  # idle experts must still get a slot
+    p = plan(w, topo)
+    p.placement.check_integrity(topo)
+    assert (p.placement.replicas.sum(1) == slots).all()
+    assert (p.balancedness.per_layer <= bound(w, topo).per_layer + 1e-9).all()
+    assert len(p.moves) == 0
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.integers(4, 12), st.integers(1, 4))
+def test_greedy_counts_minimize_the_largest_load_per_replica(seed, experts, gpus):
+    rng = np.random.default_rng(seed)
+    w = rng.pareto(1.0, (2, experts)) * (rng.random((2, experts)) < 0.8)
+    slots = experts + int(rng.integers(0, experts * (gpus - 1) + 1))
+    r = greedy_counts(w, slots, home_nodes(experts, 1), 1, gpus)
+    assert (r.sum(1) == slots).all() and (r >= 1).all() and (r <= gpus).all()
+    for layer in range(2):  # no other counts have a smaller maximum: check by exchange
+        per = w[layer] / r[layer]
+        top = per.max()
+        for a, b in itertools.permutations(range(experts), 2):
+            if r[layer, b] > 1 and r[layer, a] < gpus:
+                moved = r[layer].copy()
+                moved[a] += 1
+                moved[b] -= 1
+                assert (w[layer] / moved).max() >= top - 1e-12
+
+
+def test_home_nodes_hold_with_spill():
+    topo = Topology(64, 96, 16, 4)
+    w = zipf(4, 64, 1.2, 7)
+    w[:, :16] *= 8  # node 0's experts are the hot ones: their extra replicas must spill out
+    p = plan(w, topo)
+    p.placement.check_integrity(topo)
+    node = (np.arange(96) // 6) // 4
+    spilled = (topo.home()[p.placement.phy2log] != node).sum()
+    assert spilled > 0
+    assert p.balancedness.mean > 0.9  # vs 0.998 without the home-node rule (bound: 1.0)
+
+
+# --- splits ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31))
+def test_proportional_split_conserves_tokens_and_only_levels(seed):
+    topo = Topology(16, 24, 4)
+    w = zipf(2, 16, 1.0, seed)
+    p = plan(w, topo)
+    w2 = w * np.exp(0.3 * np.random.default_rng(seed + 1).standard_normal(w.shape))
+    even = split_loads(p.placement.phy2log, w2, 4, "even")
+    prop = split_loads(p.placement.phy2log, w2, 4, "proportional", sweeps=30)
+    assert np.allclose(prop.sum(1), w2.sum(1))
+    assert (prop.max(1) <= even.max(1) + 1e-9).all()
+    assert (prop.min(1) >= even.min(1) - 1e-9).all()
+    rough = split_loads(p.placement.phy2log, w2, 4, "proportional", sweeps=2)
+    assert (prop.max(1) <= rough.max(1) + 1e-9).all()  # sweeps only level further
+
+
+def test_proportional_equals_even_without_replicas():
+    topo = Topology(8, 8, 4)
+    w = zipf(2, 8, 1.0, 3)
+    p = naive(topo, 2)
+    assert np.allclose(split_loads(p.phy2log, w, 4, "proportional"), split_loads(p.phy2log, w, 4, "even"))
+    with pytest.raises(ValueError, match="split"):
+        evaluate(p, w, topo, "by magic")
+
+
+def test_proportional_split_levels_a_replicated_hot_expert():
+    topo = Topology(3, 4, 2)
+    p = Placement.from_phy2log(np.array([[0, 1, 0, 2]]), 3)  # expert 0 on both GPUs
+    w = np.array([[10.0, 6.0, 2.0]])
+    assert evaluate(p, w, topo).per_layer[0] == pytest.approx(9 / 11)  # even: 11 and 7
+    assert evaluate(p, w, topo, "proportional").per_layer[0] == pytest.approx(1.0)  # 9 and 9
+
+
+# --- incremental ------------------------------------------------------------------------------
+
+
+def test_incremental_moves_few_experts_and_stays_close_to_fresh():
+    topo = Topology(64, 96, 16, 2)
+    w = zipf(6, 64, 0.9, 11)
+    current = plan(w, topo).placement
+    w2 = w * np.exp(0.1 * np.random.default_rng(12).standard_normal(w.shape))
+    fresh = plan(w2, topo, current)
+    incr = plan(w2, topo, current, incremental=True, eps=0.02)
+    incr.placement.check_integrity(topo)
+    fresh.placement.check_integrity(topo)
+    assert len(incr.moves) * 2 <= len(fresh.moves)
+    assert (incr.balancedness.per_layer >= fresh.balancedness.per_layer / 1.02 - 1e-9).all()
+    # the moves list rebuilds the new placement from the old one
+    rebuilt = current.phy2log.copy()
+    layer, slot, old, new = incr.moves.T
+    assert (rebuilt[layer, slot] == old).all()
+    rebuilt[layer, slot] = new
+    assert (rebuilt == incr.placement.phy2log).all()
+
+
+def test_incremental_on_the_same_window_moves_nothing():
+    topo = Topology(32, 48, 8, 2)
+    w = zipf(3, 32, 1.0, 5)
+    current = plan(w, topo).placement
+    again = plan(w, topo, current, incremental=True)
+    assert len(again.moves) == 0
+
+
+def test_fresh_plan_renumbered_to_the_current_keeps_the_layout_it_can():
+    topo = Topology(32, 48, 8, 2)
+    w = zipf(3, 32, 1.0, 5)
+    current = plan(w, topo).placement
+    shuffled = current.phy2log.reshape(3, 8, 6)[:, [1, 0, 3, 2, 5, 4, 7, 6]].reshape(3, 48)  # GPUs swapped in nodes
+    again = plan(w, topo, Placement.from_phy2log(shuffled, 32))
+    assert len(again.moves) <= 3 * 48 // 4
+
+
+def test_relaxed_value_counts_the_mean_per_replica_and_node_terms():
+    w = np.array([[8.0, 4.0, 2.0, 2.0]])
+    home = home_nodes(4, 1)
+    assert relaxed_value(w, greedy_counts(w, 6, home, 1, 3), home, 1, 3)[0] == pytest.approx(16 / 3)  # the mean
+    assert relaxed_value(w, np.ones((1, 4)), home, 1, 3)[0] == pytest.approx(8.0)  # the hot expert
+    two = home_nodes(4, 2)  # node 0 holds experts 0 and 1 (12 tokens) on one of two GPUs
+    assert relaxed_value(w, np.array([[2, 1, 1, 1]]), two, 2, 2)[0] == pytest.approx(8.0)
