@@ -75,6 +75,16 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _tasks() -> int:
+    """Every trio task alive in this run, found from the root task."""
+    todo, n = [trio.lowlevel.current_root_task()], 0
+    while todo:
+        t = todo.pop()
+        n += 1
+        todo += [c for nursery in t.child_nurseries for c in nursery.child_tasks]
+    return n
+
+
 def _children() -> int:
     me = os.getpid()
     n = 0
@@ -94,7 +104,7 @@ async def test_two_thousand_concurrent_streams_no_errors_no_leaks():
     async with InProcess(*TIMING) as srv:  # warm: forkserver, imports
         async with httpx.AsyncClient(timeout=60) as c:
             await sse_completion(c, srv.url, {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "stream": True})
-    fds, kids = _fds(), _children()
+    fds, kids, tasks = _fds(), _children(), _tasks()
     errors = []
     async with InProcess(*TIMING) as srv:
         limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
@@ -121,6 +131,7 @@ async def test_two_thousand_concurrent_streams_no_errors_no_leaks():
         assert srv.server.metrics.finished == {"length": 2000}
     assert _children() == kids
     assert _fds() == fds
+    assert _tasks() == tasks
 
 
 async def test_client_disconnect_aborts_and_frees_blocks():
