@@ -27,6 +27,7 @@ cryptographic hash and can pay a Python loop per block.
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import numpy as np
 
@@ -89,6 +90,7 @@ class BlockHasher:
         self._mul = consts | _U64(1)  # odd multipliers are bijections mod 2**64
         self._mul_ints = tuple(int(v) for v in self._mul[[0, 2, 3]])
         self._words_per_block = block_size // 2
+        self._local = threading.local()
         self._init_unsalted = np.zeros(2, np.uint64)
         self._init_unsalted = self.initial(b"")
 
@@ -112,8 +114,7 @@ class BlockHasher:
         body = np.ascontiguousarray(tokens[: n_blocks * self.block_size], dtype=np.int32)
         if self.method == "sha256":
             return self._sha256_chain(body.reshape(n_blocks, -1), init)
-        x = self._mixed_words(body.view(np.uint64), 0)
-        a, b = self._block_lanes(x)
+        a, b = self._prompt_lanes(body.view(np.uint64))
         np.cumsum(a, out=a)
         np.cumsum(b, out=b)
         a += init[0]
@@ -250,6 +251,47 @@ class BlockHasher:
         # random_raw continues one stream, so a longer key array keeps its prefix.
         more = self._bitgen.random_raw(grow).astype(np.uint64)
         self._keys = np.concatenate([self._keys, more])
+
+    _CHUNK_WORDS = 1 << 17  # 1 MiB of words: the passes below stay in cache
+
+    def _prompt_lanes(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``_block_lanes(_mixed_words(words, 0))``, the same numbers, computed a cache-sized
+        chunk at a time into reused buffers: a long prompt's passes then run from cache and
+        touch no fresh pages (3-4x faster for an 855K-token prompt than whole-array passes)."""
+        wpb = self._words_per_block
+        if wpb & (wpb - 1) or wpb < 2:  # the general path handles odd shapes
+            return self._block_lanes(self._mixed_words(words, 0))
+        self._ensure_keys(len(words))
+        n_blocks = len(words) // wpb
+        a, b = np.empty(n_blocks, np.uint64), np.empty(n_blocks, np.uint64)
+        x_buf, t_buf, a_buf, b_buf = self._scratch()
+        for start in range(0, len(words), self._CHUNK_WORDS):
+            end = min(start + self._CHUNK_WORDS, len(words))
+            n = end - start
+            x, t = x_buf[:n], t_buf[:n]
+            np.bitwise_xor(words[start:end], self._keys[start:end], out=x)
+            np.multiply(x, self._mul[0], out=x)  # _permute, in place
+            np.right_shift(x, _S32, out=t)
+            np.bitwise_xor(x, t, out=x)
+            la, lb = a_buf[: n // 2], b_buf[: n // 2]
+            np.add(x[0::2], x[1::2], out=la)
+            np.multiply(x[0::2], x[1::2], out=lb)
+            while len(la) > n // wpb:  # halve pairwise down to one sum per block
+                m = len(la) // 2  # (numpy buffers overlapping operands, so in place is exact)
+                la = np.add(la[0::2], la[1::2], out=la[:m])
+                lb = np.add(lb[0::2], lb[1::2], out=lb[:m])
+            a[start // wpb : end // wpb] = la
+            b[start // wpb : end // wpb] = lb
+        return a, b
+
+    def _scratch(self) -> tuple[np.ndarray, ...]:
+        """Buffers for ``_prompt_lanes``, one set per thread (the engine hashes in workers)."""
+        local = self._local
+        if not hasattr(local, "bufs"):
+            c = self._CHUNK_WORDS
+            local.bufs = (np.empty(c, np.uint64), np.empty(c, np.uint64),
+                          np.empty(c // 2, np.uint64), np.empty(c // 2, np.uint64))
+        return local.bufs
 
     def _mixed_words(self, words: np.ndarray, first_word: int) -> np.ndarray:
         self._ensure_keys(first_word + len(words))
