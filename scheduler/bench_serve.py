@@ -140,7 +140,10 @@ async def run(args) -> dict:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     limits = httpx.Limits(max_connections=args.max_concurrency or 4096, max_keepalive_connections=256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
-        models = (await client.get(f"{base}/v1/models")).json()["data"]
+        try:
+            models = (await client.get(f"{base}/v1/models")).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError) as e:
+            raise ValueError(f"cannot list models at {base}/v1/models ({e!r}); is the server up?") from None
         model = args.model or models[0]["id"]
         vocab = args.vocab_size or next((m.get("vocab_size") for m in models if m["id"] == model), None) or 32000
         prompts, outs, trace_times = workload(args, vocab)

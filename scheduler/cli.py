@@ -47,46 +47,29 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:  # a missing or unreadable file
             print(f"lockstep sim: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
             return 2
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "bench":
-        return _bench(args)
-    return 2
+    module, fn, label = _COMMANDS[args.command]
+    return _run(module, fn, label, args)
 
 
-def _generate(args) -> int:
-    from lockstep.generate_cli import run_generate
+_COMMANDS = {  # command -> (module, function, name in error messages)
+    "generate": ("lockstep.generate_cli", "run_generate", "generate"),
+    "serve": ("lockstep.serve_cli", "run_serve", "serve"),
+    "bench": ("lockstep.bench_serve", "run_bench", "bench serve"),
+}
+
+
+def _run(module: str, fn: str, label: str, args) -> int:
+    """Bad input ends the command with one line naming it and exit status 2."""
+    from importlib import import_module
+
     from lockstep.policy.config import ConfigError
     from lockstep.policy.request import RequestError
-
-    try:
-        return run_generate(args)
-    except (ConfigError, RequestError, ValueError) as e:
-        print(f"lockstep generate: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _bench(args) -> int:
-    from lockstep.bench_serve import run_bench
     from lockstep.sim.traces import TraceFormatError
 
     try:
-        return run_bench(args)
-    except (ValueError, TraceFormatError, OSError) as e:
-        print(f"lockstep bench serve: error: {e}", file=sys.stderr)
-        return 2
-
-
-def _serve(args) -> int:
-    from lockstep.policy.config import ConfigError
-    from lockstep.serve_cli import run_serve
-
-    try:
-        return run_serve(args)
-    except (ConfigError, ValueError) as e:
-        print(f"lockstep serve: error: {e}", file=sys.stderr)
+        return getattr(import_module(module), fn)(args)
+    except (ConfigError, RequestError, TraceFormatError, ValueError, OSError) as e:
+        print(f"lockstep {label}: error: {e}", file=sys.stderr)
         return 2
 
 
