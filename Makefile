@@ -28,6 +28,7 @@ bench: $(BIN)/lockstep
 	$(BIN)/python benchmarks/bench_engine.py
 	$(BIN)/python benchmarks/bench_allreduce.py
 	$(BIN)/python benchmarks/bench_eplb.py
+	$(BIN)/python benchmarks/bench_dep_host.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -33,7 +33,7 @@ class TimingRuntime:
         dep = load_deployment(opts["deployment"]) if opts.get("deployment") else default_deployment()
         pool = dep.pools[int(opts.get("pool", 0))]
         self.model = dep.model(pool.model)
-        self.cost = AnalyticCost(self.model, dep.hardware, dep.cost, pool.dep)
+        self.cost = AnalyticCost(self.model, dep.hardware, dep.cost, pool.dep, dep.host)
         self.block_size = spec.block_size
         self.sleep = bool(opts.get("sleep", True))
         self.vocab = self.model.vocab_size

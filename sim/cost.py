@@ -18,7 +18,8 @@ time is the slowest rank's):
     t_r       = max(bytes_r / hbm_bandwidth, gemm_r / gemm_flops + attn_r / flops)
               + (1 - overlap) * a2a_r
               + kv_bytes_per_token * loaded_r / host_bandwidth    (host-tier prefix loads)
-              + host_overhead_s
+    step      = max(max_r t_r, host_floor) + host_added      (see HostSpec: the scheduler and
+                dispatch hide behind the GPU step with async scheduling; the DP sync does not)
 
 ``ctx_r`` is the KV the rank's attention reads: each scheduled request's context (s + c for
 a chunk of c tokens after s), read once per step; ``pairs_r`` the (query, key) pairs, which
@@ -31,7 +32,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from lockstep.policy.deployment import CostSpec, HardwareSpec, ModelSpec
+from lockstep.policy.deployment import CostSpec, HardwareSpec, HostSpec, ModelSpec
 
 
 @attrs.frozen
@@ -45,8 +46,10 @@ class StepLoad:
 
 
 class AnalyticCost:
-    def __init__(self, model: ModelSpec, hw: HardwareSpec, cost: CostSpec, dep: int):
+    def __init__(self, model: ModelSpec, hw: HardwareSpec, cost: CostSpec, dep: int,
+                 host: HostSpec = HostSpec()):
         self.m, self.hw, self.c, self.dep = model, hw, cost, dep
+        self.host_floor, self.host_added = host.step_terms(dep)
         self._distinct: dict[float, float] = {}
 
     def rank_step_time(self, tokens: list[float], ctx: list[float], pairs: list[float],
@@ -76,7 +79,7 @@ class AnalyticCost:
                 t = t + a2a_keep * (m.moe_layers * tok * k * m.hidden_size * 3 / hw.link_bandwidth)
             t = t + m.kv_bytes_per_token * ld / hw.host_bandwidth
             worst = t if t > worst else worst
-        return worst + hw.host_overhead_s
+        return (worst if worst > self.host_floor else self.host_floor) + self.host_added
 
     def decode_run_ends(self, t: float, ns: list[float], bases: list[float], k: int,
                         until: float) -> list[float]:
@@ -113,7 +116,7 @@ class AnalyticCost:
                 if a2a is not None:
                     t_r = t_r + a2a
                 worst = t_r if t_r > worst else worst
-            t = t + (worst + hw.host_overhead_s)
+            t = t + ((worst if worst > self.host_floor else self.host_floor) + self.host_added)
             if t >= until:
                 break
             ends.append(t)
@@ -140,4 +143,4 @@ class AnalyticCost:
             t = t + (1 - c.a2a_overlap) * a2a
         # Host-tier loads are charged as blocking the step (the engine can overlap them).
         t = t + m.kv_bytes_per_token * np.asarray(load.loaded, np.float64) / hw.host_bandwidth
-        return t.max(axis=0) + hw.host_overhead_s
+        return np.maximum(t.max(axis=0), self.host_floor) + self.host_added

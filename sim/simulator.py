@@ -78,7 +78,7 @@ class Simulator:
                     "pools; prefill/decode pools arrive with disaggregation"
                 )
             model = deployment.model(pool.model)
-            cost = AnalyticCost(model, deployment.hardware, deployment.cost, pool.dep)
+            cost = AnalyticCost(model, deployment.hardware, deployment.cost, pool.dep, deployment.host)
             cfg = deployment.scheduler_for(pool)
             for i in range(pool.instances):
                 self.instances.append(Instance(f"{pool.name}/{i}", pool, cfg, self.hasher, cost))

@@ -62,7 +62,6 @@ class HardwareSpec:
     flops: float  # dense BF16 FLOP/s (FP8 GEMMs are charged at twice this)
     link_bandwidth: float  # bytes/s per GPU per direction inside the scale-up domain
     gpus_per_node: int
-    host_overhead_s: float = 0.0015  # per step: scheduling, dispatch, sync (see issue 5)
     host_kv_bytes: float = 0.0  # host DRAM per GPU for the second-level prefix cache
     host_bandwidth: float = 50e9  # bytes/s host -> GPU (PCIe 5 x16)
     gpu_memory_utilization: float = 0.9
@@ -89,6 +88,48 @@ class CostSpec:
     a2a_overlap: float = 0.5  # share of all-to-all time hidden behind compute
 
 
+SYNC_LINKS = ("allreduce", "gloo")
+
+
+@attrs.frozen
+class HostSpec:
+    """The host's share of a DEP step, built from components measured here
+    (benchmarks/results): the scheduler step and the plan/result dispatch, which async
+    scheduling hides behind the GPU step unless they outlast it, and the per-step DP sync,
+    which nothing hides. Sync costs: lockstep's recursive-doubling all-reduce takes
+    ceil(log2 n) rounds of ``sync_round_s``; Gloo's ring takes 2(n - 1) hops of ``gloo_hop_s``
+    (283 us between 2 processes here)."""
+
+    scheduler_s: float = 100e-6  # bench_scheduler: 0.08-0.14 ms at 256 running
+    dispatch_s: float = 60e-6  # bench_dispatch: 53-101 us round trip
+    sync: str = "allreduce"  # or "gloo"
+    sync_round_s: float = 6e-6  # bench_allreduce: 5.6 us at 2 ranks (one round)
+    gloo_hop_s: float = 141e-6
+    overlap: bool = True  # async scheduling: host work of step N+1 runs during step N
+
+    def __attrs_post_init__(self) -> None:
+        if self.sync not in SYNC_LINKS:
+            raise ConfigError(f"host.sync must be one of {SYNC_LINKS}, got {self.sync!r}")
+
+    def sync_s(self, dep: int) -> float:
+        if dep <= 1:
+            return 0.0
+        if self.sync == "gloo":
+            return 2 * (dep - 1) * self.gloo_hop_s
+        return (dep - 1).bit_length() * self.sync_round_s
+
+    def step_terms(self, dep: int) -> tuple[float, float]:
+        """(floor, added): a step costs max(GPU time, floor) + added."""
+        work = self.scheduler_s + self.dispatch_s
+        return (work, self.sync_s(dep)) if self.overlap else (0.0, work + self.sync_s(dep))
+
+
+# An engine without lockstep's host-side work: vLLM's scheduler step at 256 running (8.1 ms,
+# the foundation issue's reference), pickled dispatch (~0.5 ms here), Gloo's ring all-reduce,
+# no overlap. For comparing deployments against the host-side fixes.
+UNTUNED_HOST = HostSpec(scheduler_s=8.1e-3, dispatch_s=0.5e-3, sync="gloo", overlap=False)
+
+
 @attrs.frozen
 class EngineSpec:
     """How the engine and server run a pool's ranks (the simulator ignores this table)."""
@@ -107,6 +148,7 @@ class Deployment:
     pools: tuple[PoolSpec, ...]
     scheduler: SchedulerConfig
     cost: CostSpec = CostSpec()
+    host: HostSpec = HostSpec()
     engine: EngineSpec = EngineSpec()
     hash_secret: str = "lockstep"
     seed: int = 0
@@ -210,7 +252,7 @@ def load_deployment(path: str | Path) -> Deployment:
 
 
 def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
-    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "engine"}
+    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "host", "engine"}
     _no_unknown(data, known, source, "top level")
     models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
     if not models:
@@ -219,12 +261,13 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     sched = _build(SchedulerConfig, data.get("scheduler", {}), source, "[scheduler]")
     cost = _build(CostSpec, data.get("cost", {}), source, "[cost]")
     engine = _build(EngineSpec, data.get("engine", {}), source, "[engine]")
+    host = _build(HostSpec, data.get("host", {}), source, "[host]")
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
     dep = Deployment(
         name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
-        pools=pools, scheduler=sched, cost=cost, engine=engine, hash_secret=str(data.get("hash_secret", "lockstep")),
+        pools=pools, scheduler=sched, cost=cost, host=host, engine=engine, hash_secret=str(data.get("hash_secret", "lockstep")),
         seed=int(data.get("seed", 0)), source=source,
     )
     for pool in pools:
