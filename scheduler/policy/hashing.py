@@ -261,8 +261,9 @@ class BlockHasher:
         wpb = self._words_per_block
         if wpb & (wpb - 1) or wpb < 2:  # the general path handles odd shapes
             return self._block_lanes(self._mixed_words(words, 0))
-        self._ensure_keys(len(words))
         n_blocks = len(words) // wpb
+        words = words[: n_blocks * wpb]  # whole blocks only, as hash_prompt passes them
+        self._ensure_keys(len(words))
         a, b = np.empty(n_blocks, np.uint64), np.empty(n_blocks, np.uint64)
         x_buf, t_buf, a_buf, b_buf = self._scratch()
         for start in range(0, len(words), self._CHUNK_WORDS):
