@@ -3,17 +3,19 @@
 For rank r of a DEPn instance in one step (all ranks step together, so the instance's step
 time is the slowest rank's):
 
-    T         = tokens of the step summed over the n ranks (every token visits top_k experts)
+    pad       = the largest rank's token count: every rank pads to it (the DP sync rule), so
+                GEMMs, MoE and the all-to-all run pad tokens on every rank, dummy steps included
+    T         = n * pad tokens through the MoE layers (every token visits top_k experts)
     distinct  = E * (1 - (1 - k/E) ** T)          expected distinct experts touched per layer
     experts_r = min(distinct / n / balancedness, E / n)   experts the busiest rank reads per layer
     bytes_r   = dense_bytes                        attention, dense MLPs, shared experts
               + moe_layers * experts_r * expert_bytes
               + kv_bytes_per_token * ctx_r         KV the rank's attention reads
               + kv_bytes_per_token * tokens_r      KV it writes
-    gemm_r    = 2 * tokens_r * dense_params
+    gemm_r    = 2 * pad * dense_params
               + 2 * (T * k / n / balancedness) * 3 * hidden * moe_inter * moe_layers
     attn_r    = attn_flops_per_pair * pairs_r * num_layers    (BF16; GEMMs run at 2x with FP8)
-    a2a_r     = moe_layers * tokens_r * k * hidden * 3 bytes / link_bandwidth   (n > 1 only:
+    a2a_r     = moe_layers * pad * k * hidden * 3 bytes / link_bandwidth   (n > 1 only:
                 FP8 dispatch + BF16 combine), of which ``a2a_overlap`` hides behind compute
     t_r       = max(bytes_r / hbm_bandwidth, gemm_r / gemm_flops + attn_r / flops)
               + (1 - overlap) * a2a_r
@@ -58,7 +60,8 @@ class AnalyticCost:
         same order, so the same bits, without numpy's per-call cost on arrays of one or a
         few ranks (most steps of a sparse trace)."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
-        total = sum(tokens)  # integer-valued floats: exact in any order
+        pad = max(tokens)  # the DP sync rule: every rank runs the largest rank's token count
+        total = pad * n
         e, k = m.num_routed_experts, m.top_k
         distinct = self._distinct.get(total)
         if distinct is None:
@@ -70,13 +73,14 @@ class AnalyticCost:
         dense_bytes, moe_gemm = m.dense_bytes + moe_bytes, moe_flops * m.moe_layers
         a2a_keep = 1 - c.a2a_overlap
         worst = -np.inf
+        gemm = 2 * pad * m.dense_params + moe_gemm
+        a2a = a2a_keep * (m.moe_layers * pad * k * m.hidden_size * 3 / hw.link_bandwidth)
         for tok, cx, pr, ld in zip(tokens, ctx, pairs, loaded):
             bytes_r = dense_bytes + m.kv_bytes_per_token * (cx + tok)
-            gemm = 2 * tok * m.dense_params + moe_gemm
             attn = m.attn_flops_per_pair * pr * m.num_layers
             t = max(bytes_r / hw.hbm_bandwidth, gemm / gemm_rate + attn / hw.flops)
             if n > 1:
-                t = t + a2a_keep * (m.moe_layers * tok * k * m.hidden_size * 3 / hw.link_bandwidth)
+                t = t + a2a
             t = t + m.kv_bytes_per_token * ld / hw.host_bandwidth
             worst = t if t > worst else worst
         return (worst if worst > self.host_floor else self.host_floor) + self.host_added
@@ -88,7 +92,8 @@ class AnalyticCost:
         context in step j: ``step_time`` on those loads, summed one step at a time (as
         stepping would), in Python floats with its operations in its order."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
-        total = sum(ns)
+        pad = max(ns)  # the DP sync rule, as in rank_step_time
+        total = pad * n
         e, kk = m.num_routed_experts, m.top_k
         distinct = self._distinct.get(total)
         if distinct is None:
@@ -99,9 +104,9 @@ class AnalyticCost:
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
         kvb, hbm, flops, afpp, layers = m.kv_bytes_per_token, hw.hbm_bandwidth, hw.flops, m.attn_flops_per_pair, m.num_layers
         ranks, idle = [], -np.inf  # ranks without requests cost the same every step
+        a2a = (1 - c.a2a_overlap) * (m.moe_layers * pad * kk * m.hidden_size * 3 / hw.link_bandwidth) if n > 1 else None
+        gemm = (2 * pad * m.dense_params + moe_gemm) / gemm_rate
         for tok, base in zip(ns, bases):
-            a2a = (1 - c.a2a_overlap) * (m.moe_layers * tok * kk * m.hidden_size * 3 / hw.link_bandwidth) if n > 1 else None
-            gemm = (2 * tok * m.dense_params + moe_gemm) / gemm_rate
             if tok or base:
                 ranks.append((tok, base, gemm, a2a))
                 continue
@@ -126,7 +131,8 @@ class AnalyticCost:
         """Step time of the instance; ``load`` arrays are (n_ranks,) or (n_ranks, k)."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         tokens = np.asarray(load.tokens, dtype=np.float64)
-        total = tokens.sum(axis=0)
+        pad = tokens.max(axis=0)  # the DP sync rule: every rank runs the largest rank's count
+        total = pad * n
         e, k = m.num_routed_experts, m.top_k
         distinct = e * (1.0 - (1.0 - k / e) ** total)
         experts_r = np.minimum(distinct / n / c.expert_balancedness, e / n)  # it holds only E/n
@@ -134,12 +140,12 @@ class AnalyticCost:
         kv = m.kv_bytes_per_token * (np.asarray(load.ctx, np.float64) + tokens)
         bytes_r = m.dense_bytes + moe_bytes + kv
         moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
-        gemm = 2 * tokens * m.dense_params + moe_flops * m.moe_layers
+        gemm = 2 * pad * m.dense_params + moe_flops * m.moe_layers
         attn = m.attn_flops_per_pair * np.asarray(load.pairs, np.float64) * m.num_layers
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)  # FP8 GEMMs run 2x
         t = np.maximum(bytes_r / hw.hbm_bandwidth, gemm / gemm_rate + attn / hw.flops)
         if n > 1:
-            a2a = m.moe_layers * tokens * k * m.hidden_size * 3 / hw.link_bandwidth
+            a2a = m.moe_layers * pad * k * m.hidden_size * 3 / hw.link_bandwidth
             t = t + (1 - c.a2a_overlap) * a2a
         # Host-tier loads are charged as blocking the step (the engine can overlap them).
         t = t + m.kv_bytes_per_token * np.asarray(load.loaded, np.float64) / hw.host_bandwidth
