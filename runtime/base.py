@@ -20,7 +20,7 @@ from lockstep.policy.step import StepPlan, StepResult
 ENTRY_POINT_GROUP = "lockstep.runtimes"
 
 # Message kinds on the rings (1 and 2 are StepPlan and StepResult, see step_codec).
-SHUTDOWN, PLAN, RESULT, READY, NEW_REQUESTS, FORGET, FAILURE = 0, 1, 2, 3, 4, 5, 6
+SHUTDOWN, PLAN, RESULT, READY, NEW_REQUESTS, FORGET, FAILURE, NEW_PLACEMENT = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 class RuntimeSpec(msgspec.Struct, frozen=True):
@@ -49,6 +49,7 @@ class Ready(msgspec.Struct, frozen=True):
     num_layers: int
     num_experts: int
     pid: int
+    moe_layers: list[int] = []  # the layers with routed experts (rows of expert_counts)
 
 
 class NewRequests(msgspec.Struct, frozen=True):
@@ -68,6 +69,19 @@ class Forget(msgspec.Struct, frozen=True):
     req_ids: list[int]
 
 
+class NewPlacement(msgspec.Struct, frozen=True):
+    """An expert placement to stage: ``phy2log`` is (layers, slots) int64 little-endian
+    bytes, one row per MoE layer; switched to when a plan's ``placement_gen`` is ``gen``."""
+
+    gen: int
+    layers: int
+    slots: int
+    phy2log: bytes
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.phy2log, dtype="<i8").reshape(self.layers, self.slots)
+
+
 class Failure(msgspec.Struct, frozen=True):
     """The runtime could not go on: its last words before it exits."""
 
@@ -84,6 +98,8 @@ class Runtime(Protocol):
     def add_requests(self, msg: NewRequests) -> None: ...
 
     def forget(self, req_ids: list[int]) -> None: ...
+
+    def new_placement(self, msg: NewPlacement) -> None: ...
 
     def execute(self, plan: StepPlan) -> StepResult: ...
 

@@ -18,12 +18,13 @@ import msgspec
 from lockstep.transports.shm_ring import Ring, recv_ring
 from lockstep.transports.step_codec import decode, encode
 
-from .base import (FAILURE, FORGET, NEW_REQUESTS, PLAN, READY, SHUTDOWN, Forget, Failure,
-                   NewRequests, RuntimeSpec, create)
+from .base import (FAILURE, FORGET, NEW_PLACEMENT, NEW_REQUESTS, PLAN, READY, SHUTDOWN, Forget, Failure,
+                   NewPlacement, NewRequests, RuntimeSpec, create)
 
 _ENC = msgspec.msgpack.Encoder()
 _NEW = msgspec.msgpack.Decoder(NewRequests)
 _FORGET = msgspec.msgpack.Decoder(Forget)
+_PLACEMENT = msgspec.msgpack.Decoder(NewPlacement)
 
 
 def run(sock: socket.socket, spec_bytes: bytes) -> None:
@@ -65,11 +66,13 @@ def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
                 runtime.add_requests(_NEW.decode(payload))
             case 5:  # FORGET
                 runtime.forget(_FORGET.decode(payload).req_ids)
+            case 7:  # NEW_PLACEMENT
+                runtime.new_placement(_PLACEMENT.decode(payload))
             case 0:  # SHUTDOWN
                 return
             case _:
                 raise ValueError(f"runtime got message kind {kind}; expected one of "
-                                 f"{[SHUTDOWN, PLAN, NEW_REQUESTS, FORGET]}")
+                                 f"{[SHUTDOWN, PLAN, NEW_REQUESTS, FORGET, NEW_PLACEMENT]}")
 
 
 def _next(inbox: Ring, sock: socket.socket):

@@ -24,7 +24,7 @@ from lockstep.policy.step import StepPlan, StepResult
 from lockstep.sim.cost import AnalyticCost
 from lockstep.sim.load import plan_load
 
-from .base import NewRequests, Ready, RuntimeSpec
+from .base import NewPlacement, NewRequests, Ready, RuntimeSpec
 
 
 class TimingRuntime:
@@ -48,6 +48,9 @@ class TimingRuntime:
 
     def forget(self, req_ids: list[int]) -> None:
         pass
+
+    def new_placement(self, msg: NewPlacement) -> None:
+        pass  # no experts here: it never reports the placement ready, so no plan asks for it
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()

@@ -12,12 +12,13 @@ from __future__ import annotations
 import os
 import time
 
+import attrs
 import numpy as np
 import torch
 
 from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
-from .base import NewRequests, Ready, RuntimeSpec
+from .base import NewPlacement, NewRequests, Ready, RuntimeSpec
 from .models import load_model
 from .models.batch import ForwardBatch
 from .sampling import sample
@@ -52,21 +53,22 @@ class TorchRuntime:
         self.world = spec.world_size
         if self.world > 1:
             self._join_group(spec)
+        cfg = self.model.cfg
+        self.moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        self.placements = self._place_experts(spec)
         self.bs = spec.block_size
         self.kv = self.model.make_kv_cache(spec.num_blocks, spec.block_size)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
-        cfg = self.model.cfg
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
-                     num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid())
+                     num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid(),
+                     moe_layers=self.moe_layers)
 
     def _join_group(self, spec: RuntimeSpec) -> None:
         """Expert parallelism over the DEP instance: Gloo on CPU, NCCL on GPU."""
         import torch.distributed as dist
-
-        from .models.expert_parallel import shard_experts
 
         for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
             os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")  # multicast off
@@ -74,7 +76,30 @@ class TorchRuntime:
         dist.init_process_group(backend, init_method=spec.options["dist_init"], rank=spec.rank,
                                 world_size=spec.world_size,
                                 device_id=self.device if self.device.type == "cuda" else None)
-        shard_experts(self.model, spec.rank, spec.world_size)
+
+    def _place_experts(self, spec: RuntimeSpec):
+        """Physical expert slots: always with expert parallelism, and on one rank when the
+        engine balances experts (it then sets options["redundant_experts"], maybe 0). Spare
+        storage (a second entry per slot, so any new placement fits) only when balancing."""
+        balancing = "redundant_experts" in spec.options
+        if self.world == 1 and not balancing:
+            return None
+        from lockstep.policy.eplb import Topology, naive
+
+        from .models.expert_parallel import shard_experts
+        from .placements import ExpertPlacements
+
+        e = self.model.cfg.n_routed_experts
+        topo = Topology(e, e + int(spec.options.get("redundant_experts", 0)), self.world)
+        layers = shard_experts(self.model, naive(topo, len(self.moe_layers)).phy2log, spec.rank, self.world,
+                               spare=topo.slots_per_rank if balancing else 0)
+        return ExpertPlacements(layers, self.device, int(spec.options.get("eplb_min_stage_steps", 0)))
+
+    def new_placement(self, msg: NewPlacement) -> None:
+        if self.placements is None:
+            raise ValueError("this runtime has no expert slots to place: the engine balances experts only "
+                             "with runtime option 'redundant_experts' set (EngineConfig.eplb)")
+        self.placements.receive(msg.gen, msg.array())
 
     def add_requests(self, msg: NewRequests) -> None:
         for i, rid in enumerate(msg.req_ids):
@@ -86,6 +111,14 @@ class TorchRuntime:
             self.params.pop(rid, None)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.placements is None:
+            return self._execute(plan)
+        self.placements.use(plan.placement_gen)  # a switch, at this step boundary, if the plan says so
+        result = self._execute(plan)
+        self.placements.step_done()
+        return attrs.evolve(result, placement_ready=self.placements.ready_gen())
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         if plan.num_reqs == 0:
             if self.world > 1:  # a dummy step: the MoE collectives must still run here

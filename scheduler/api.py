@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 import trio
 
+from lockstep.engine.balancer import Balancer, BalancerStats
 from lockstep.engine.config import EngineConfig
 from lockstep.engine.group import LocalGroup
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
@@ -61,8 +62,10 @@ class Completion:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, schedulers: list[Scheduler], frontend: Frontend, tokenizer):
+    def __init__(self, config: EngineConfig, schedulers: list[Scheduler], frontend: Frontend, tokenizer,
+                 balancer: Balancer | None = None):
         self.config, self.schedulers, self.frontend, self.tokenizer = config, schedulers, frontend, tokenizer
+        self.balancer = balancer
         self.scheduler = schedulers[0]
         self._ids = itertools.count()
 
@@ -147,6 +150,10 @@ class Engine:
         stats = [s.statistics() for s in self.schedulers]
         return SchedulerStats(*(sum(getattr(x, f.name) for x in stats) for f in attrs.fields(SchedulerStats)))
 
+    def balancer_statistics(self) -> BalancerStats | None:
+        """The expert load balancer's, when it runs (``EngineConfig.eplb``)."""
+        return None if self.balancer is None else self.balancer.statistics()
+
 
 def _pair(tokens: np.ndarray, lps: list | None) -> list | None:
     """Token ids with their logprob rows (a stop cut may have dropped trailing tokens)."""
@@ -184,20 +191,24 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
     """Start the runtime process and the actors; stop them all on exit."""
     config = config or EngineConfig()
     group = LocalGroup(config.dep, config.dist_init_address) if config.dep > 1 else None
+    balancer = Balancer(config.eplb) if config.eplb is not None else None
+    loads = None if balancer is None else balancer.send_channel
     async with trio.open_nursery() as nursery:
-        schedulers = [Scheduler(config.make_core, partial(_client, config, group, rank), group=group, rank=rank)
-                      for rank in range(config.dep)]
+        schedulers = [Scheduler(config.make_core, partial(_client, config, group, rank), group=group, rank=rank,
+                                loads=loads) for rank in range(config.dep)]
         async with trio.open_nursery() as starting:  # together: the runtimes join one group
             for s in schedulers:
                 starting.start_soon(nursery.start, s.run)
         ready = schedulers[0].client.ready
+        if balancer is not None:
+            await nursery.start(balancer.run, ready, [s.place_nowait for s in schedulers])
         tokenizer = config.load_tokenizer()
         frontend = Frontend(tokenizer, config.hasher(), schedulers, max_model_len=config.scheduler.max_model_len,
                             vocab_size=ready.vocab_size, eos_token_id=ready.eos_token_id,
                             mailbox_size=config.mailbox_size)
         await nursery.start(frontend.run)
         try:
-            yield Engine(config, schedulers, frontend, tokenizer)
+            yield Engine(config, schedulers, frontend, tokenizer, balancer)
         finally:
             nursery.cancel_scope.cancel()
 

@@ -71,7 +71,8 @@ def results(draw):
                                max_size=shape[0] * shape[1]).map(lambda v: np.array(v, I32).reshape(shape))))
     return StepResult(step_id=draw(step_ids), num_sampled=draw(arrays(I32)), token_ids=draw(arrays(I32)),
                       kv_loads_done=draw(arrays(I64)), kv_loads_failed=draw(arrays(I64)),
-                      expert_counts=counts, host_s=draw(floats), gpu_s=draw(floats), sync_s=draw(floats))
+                      expert_counts=counts, host_s=draw(floats), gpu_s=draw(floats), sync_s=draw(floats),
+                      placement_ready=draw(ints))
 
 
 @settings(deadline=None, max_examples=200)

@@ -9,6 +9,7 @@ import attrs
 from lockstep.policy.config import ConfigError, SchedulerConfig
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.hashing import BlockHasher
+from lockstep.policy.rebalance import EplbConfig
 from lockstep.runtime.base import RuntimeSpec, available
 from lockstep.runtime.models.config import preset_names
 
@@ -33,6 +34,7 @@ class EngineConfig:
     runtime_options: dict = attrs.field(factory=dict)
     mailbox_size: int = 256
     dep: int = 1  # data-parallel ranks in this engine (one Scheduler and runtime each)
+    eplb: EplbConfig | None = None  # expert load balancing (physical slots, rebalancing)
 
     def __attrs_post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -41,6 +43,9 @@ class EngineConfig:
             raise ConfigError(f"engine.dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.dep, int) or self.dep < 1:
             raise ConfigError(f"engine.dep must be an integer >= 1, got {self.dep!r}")
+        if self.eplb is not None and self.eplb.redundant_experts % self.dep:
+            raise ConfigError(f"eplb.redundant_experts must be a multiple of engine.dep ({self.dep}) so every "
+                              f"rank has as many expert slots, got {self.eplb.redundant_experts}")
         runtimes = available()
         if self.runtime not in runtimes:
             raise ConfigError(f"engine.runtime must be one of the registered runtimes {sorted(runtimes)}, "
@@ -75,6 +80,8 @@ class EngineConfig:
         options = dict(self.runtime_options)
         if dist_init is not None:
             options["dist_init"] = dist_init
+        if self.eplb is not None:
+            options.setdefault("redundant_experts", self.eplb.redundant_experts)
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
                            num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
                            max_model_len=s.max_model_len, seed=self.seed, options=options,

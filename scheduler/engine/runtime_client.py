@@ -13,12 +13,13 @@ import multiprocessing
 import socket
 
 import msgspec
+import numpy as np
 import trio
 
 from lockstep.policy.step import StepPlan, StepResult
 from lockstep.runtime import main as runtime_main
-from lockstep.runtime.base import (FAILURE, FORGET, NEW_REQUESTS, READY, RESULT, SHUTDOWN,
-                                   Failure, Forget, NewRequests, Ready, RuntimeSpec)
+from lockstep.runtime.base import (FAILURE, FORGET, NEW_PLACEMENT, NEW_REQUESTS, READY, RESULT, SHUTDOWN,
+                                   Failure, Forget, NewPlacement, NewRequests, Ready, RuntimeSpec)
 from lockstep.transports import trio_ring
 from lockstep.transports.shm_ring import Ring, send_ring
 from lockstep.transports.step_codec import decode, encode
@@ -103,6 +104,11 @@ class RuntimeClient:
 
     def forget(self, req_ids: list[int]) -> None:
         self._pending.append((FORGET, _ENC.encode(Forget(req_ids))))
+
+    def new_placement(self, gen: int, phy2log: np.ndarray) -> None:
+        """An expert placement to stage; the runtime switches when a plan names ``gen``."""
+        p = np.ascontiguousarray(phy2log, dtype="<i8")
+        self._pending.append((NEW_PLACEMENT, _ENC.encode(NewPlacement(gen, p.shape[0], p.shape[1], p.tobytes()))))
 
     def send_plan(self, plan: StepPlan) -> None:
         for kind, payload in self._pending:

@@ -7,6 +7,10 @@ N+1 is planned while step N executes, exactly as the simulator models it). Messa
 it held with a clear error; the actor then starts a fresh runtime and a fresh core and goes
 on serving.
 
+With expert load balancing, every step's expert counts go to the Balancer actor, whose new
+placements go to the runtime with the next plan; the runtime's ready placement generation
+joins the DP sync, whose minimum each plan carries (the runtime switches when it changes).
+
 Time comes from a ``Pacer``: real time by default; the sim-parity test and trace replays use
 step time (each step lasts what the runtime reports, and arrivals are released at step
 boundaries).
@@ -19,6 +23,7 @@ from collections import deque
 from typing import Callable
 
 import attrs
+import numpy as np
 import structlog
 import trio
 
@@ -29,6 +34,7 @@ from lockstep.runtime.base import NewRequests
 
 from lockstep.policy.dp_sync import decide, dummy, local_state, padded
 
+from .balancer import Loads, Restarted
 from .group import LocalGroup
 from .output import RequestStream, deliver
 from .pacing import Pacer, RealTime
@@ -55,6 +61,21 @@ class Stop:
 
 
 @attrs.frozen
+class Rebalance:
+    """A new expert placement (from the balancer) for the runtime to stage."""
+
+    gen: int
+    phy2log: np.ndarray  # (MoE layers, slots) int64, read-only
+
+
+@attrs.frozen
+class PlacementStatus:
+    running: int  # placement generation of the newest step sent to the runtime
+    ready: int  # newest generation the runtime said it could switch to
+    forwarded: int  # newest generation handed to the runtime
+
+
+@attrs.frozen
 class SchedulerStats:
     running: int
     waiting: int
@@ -72,13 +93,16 @@ class Scheduler:
     def __init__(self, make_core: Callable[[], SchedulerCore], make_client: Callable[[], RuntimeClient],
                  *, pacer: Pacer | None = None, on_plan: Callable[[StepPlan], None] | None = None,
                  on_result: Callable[[StepPlan, StepResult], None] | None = None,
-                 group: LocalGroup | None = None, rank: int = 0):
+                 group: LocalGroup | None = None, rank: int = 0,
+                 loads: trio.MemorySendChannel | None = None):
         self.make_core, self.make_client = make_core, make_client
         self.core = make_core()
         self.client: RuntimeClient | None = None
         self.pacer = pacer or RealTime()
         self.on_plan, self.on_result = on_plan, on_result  # observers (tests, benchmarks)
         self.group, self.rank = group, rank  # the DEP instance this rank steps with, if any
+        self.loads = loads  # the expert load balancer's mailbox, when it runs
+        self._placement = PlacementStatus(0, 0, 0)
         self.streams: dict[int, RequestStream] = {}
         self._unscheduled: set[int] = set()  # admitted, not yet in any plan (for queue time)
         self._want_logprobs: set[int] = set()
@@ -126,6 +150,7 @@ class Scheduler:
                 await self._restart(e)
                 continue
             plan = self._in_flight.popleft()
+            self._note_placement(plan, result)
             self.pacer.step_done(result)
             if self.on_result is not None:
                 self.on_result(plan, result)
@@ -205,6 +230,9 @@ class Scheduler:
                     s.finish(reason, now)
             case Stop():
                 self._stopping = True
+            case Rebalance(gen=gen, phy2log=phy2log):
+                self.client.new_placement(gen, phy2log)
+                self._placement = attrs.evolve(self._placement, forwarded=gen)
             case _:
                 raise TypeError(f"Scheduler got an unknown message {msg!r}")
 
@@ -225,11 +253,12 @@ class Scheduler:
         """Plan a step and send it; in a DEP group, first agree with the other ranks
         (padding, or a dummy plan when only others have work). True if a plan went out."""
         plan = self._plan(now)
+        ready = self._placement.ready
         if self.group is None:
             if plan is not None:
-                self._send(plan)
+                self._send(plan if plan.placement_gen == ready else attrs.evolve(plan, placement_gen=ready))
             return plan is not None
-        d = decide(await self.group.allreduce(self.rank, local_state(plan)))
+        d = decide(await self.group.allreduce(self.rank, local_state(plan, ready_gen=ready)))
         if d.run:
             self._send(padded(plan, d) if plan is not None else dummy(d))
         return d.run
@@ -239,8 +268,10 @@ class Scheduler:
             self._mark_scheduled(plan)
         if self.on_plan is not None:
             self.on_plan(plan)
-        self.client.send_plan(plan)
+        self.client.send_plan(plan)  # after the control messages queued since the last one
         self._in_flight.append(plan)
+        if plan.placement_gen != self._placement.running:
+            self._placement = attrs.evolve(self._placement, running=plan.placement_gen)
         self.steps += 1
 
     def _deliver_logprobs(self, plan: StepPlan, result: StepResult, out) -> None:
@@ -264,6 +295,14 @@ class Scheduler:
                 s = self.streams.get(rid)
                 if s is not None:
                     s.scheduled_at = now
+
+    def _note_placement(self, plan: StepPlan, result: StepResult) -> None:
+        """The runtime's ready placement goes into the next DP sync; the step's expert
+        loads go to the balancer."""
+        if result.placement_ready != self._placement.ready:
+            self._placement = attrs.evolve(self._placement, ready=result.placement_ready)
+        if self.loads is not None:
+            self.loads.send_nowait(Loads(self.rank, result.expert_counts, plan.placement_gen))
 
     def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
         out = self.core.update(plan, result, now)
@@ -300,6 +339,10 @@ class Scheduler:
         await self.group.barrier("up")
 
     def _new_core(self) -> None:
+        """After a restart: a fresh core, and a fresh runtime at the initial placement."""
+        self._placement = PlacementStatus(0, 0, 0)
+        if self.loads is not None:
+            self.loads.send_nowait(Restarted())
         old = self.core
         self._old = (self._old[0] + old.prefix_queries, self._old[1] + old.prefix_hits,
                      self._old[2] + old.num_preemptions)
@@ -315,7 +358,14 @@ class Scheduler:
         for s in streams.values():
             s.fail(error, now)
 
-    # -- queries -------------------------------------------------------------------------------
+    # -- commands and queries --------------------------------------------------------------------
+    def place_nowait(self, gen: int, phy2log: np.ndarray) -> None:
+        """Hand expert placement ``gen`` to this rank's runtime at the next step boundary."""
+        self.send_channel.send_nowait(Rebalance(gen, phy2log))
+
+    def placement_status(self) -> PlacementStatus:
+        return self._placement
+
     def statistics(self) -> SchedulerStats:
         c = self.core
         return SchedulerStats(

@@ -77,6 +77,9 @@ class StepResult:
     host_s: float = 0.0
     gpu_s: float = 0.0
     sync_s: float = 0.0
+    # The newest expert-placement generation this runtime could switch to at its next step
+    # (the active one while a new one is still copying): its share of the DP sync's minimum.
+    placement_ready: int = 0
 
 
 @attrs.frozen

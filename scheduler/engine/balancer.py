@@ -1,0 +1,85 @@
+"""The Balancer actor: expert loads in from every rank's Scheduler, expert placements out.
+
+One per DEP instance (and one for a single rank that balances its experts). Each Scheduler
+sends every step's expert counts without waiting (``Loads``: an unbounded mailbox, one
+message per rank per step, drained as they come); the policy (``Rebalancer``) sums them over
+a window and says when to plan; the planner runs in a worker thread, so no step waits on
+it. A new placement goes to every rank's Scheduler, which hands it to its runtime with the
+next plan; the runtimes copy the weights in the background, and the ranks switch together
+once the DP sync says every one of them has it ready.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import attrs
+import numpy as np
+import trio
+
+from lockstep.policy.eplb import Topology
+from lockstep.policy.rebalance import EplbConfig, Rebalancer
+from lockstep.runtime.base import Ready
+
+
+@attrs.frozen
+class Loads:
+    rank: int
+    counts: np.ndarray | None  # (layers, experts) tokens per expert in the step; None: dummy step
+    active_gen: int  # the placement generation the step ran with
+
+
+@attrs.frozen
+class Restarted:
+    """The group restarted: its runtimes are back at the initial placement."""
+
+
+@attrs.frozen
+class BalancerStats:
+    plans: int  # planner runs
+    generation: int  # newest placement generation handed out
+    moved_experts: int  # slots whose expert changed, over all generations
+    active: tuple[int, ...]  # generation each rank last ran a step with
+    balancedness: float | None  # the newest plan's, on its window
+
+
+Deliver = Callable[[int, np.ndarray], None]  # (generation, phy2log): to one rank's Scheduler
+
+
+class Balancer:
+    def __init__(self, config: EplbConfig):
+        self.config = config
+        self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
+        self.policy: Rebalancer | None = None
+
+    async def run(self, ready: Ready, deliver: list[Deliver], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        e = ready.num_experts
+        self.policy = Rebalancer(self.config, Topology(e, e + self.config.redundant_experts, len(deliver)),
+                                 ready.moe_layers)
+        task_status.started()
+        async for msg in self._inbox:
+            match msg:
+                case Loads(rank=rank, counts=counts, active_gen=gen):
+                    self.policy.add(rank, counts, gen)
+                case Restarted():
+                    self.policy.restarted()
+                case _:
+                    raise TypeError(f"Balancer got an unknown message {msg!r}")
+            if self.policy.due():
+                await self._rebalance(deliver)
+
+    async def _rebalance(self, deliver: list[Deliver]) -> None:
+        policy = self.policy
+        plan = await trio.to_thread.run_sync(policy.plan, policy.take_window())
+        gen = policy.adopt(plan)
+        if gen is not None:
+            for d in deliver:
+                d(gen, plan.placement.phy2log)
+
+    def statistics(self) -> BalancerStats | None:
+        p = self.policy
+        if p is None:
+            return None
+        return BalancerStats(plans=p.plans, generation=p.gen, moved_experts=p.moved,
+                             active=tuple(p.active.tolist()), balancedness=p.balancedness)

@@ -1,0 +1,213 @@
+"""The expert load balancer's runtime side: physical expert slots and replica dispatch, new
+placements staged in the background and switched at a step boundary, the balancer policy,
+DEP2 on CPU rebalancing mid-generation with greedy tokens unchanged, and again after a rank
+died."""
+
+import importlib.util
+import os
+import signal
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+import torch
+import trio
+
+from lockstep.api import open_engine
+from lockstep.engine.config import EngineConfig
+from lockstep.engine.runtime_client import RuntimeDied
+from lockstep.policy.config import ConfigError
+from lockstep.policy.eplb import Placement, Topology, naive, plan
+from lockstep.policy.rebalance import EplbConfig, Rebalancer
+from lockstep.policy.request import SamplingParams
+from lockstep.runtime.models.expert_parallel import ShardedExperts, choose_slots
+from lockstep.runtime.placements import ExpertPlacements
+
+
+def _engine_tests():
+    """tests/test_engine.py's helpers (the greedy reference, the tiny engine config)."""
+    spec = importlib.util.spec_from_file_location("_engine_tests", Path(__file__).with_name("test_engine.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+E = _engine_tests()
+
+
+def moe_layer(index: int = 1):
+    return E.tiny_model().layers[index].mlp
+
+
+def routed(n_tokens: int = 24, seed: int = 0):
+    """Hidden states and the tiny model's own routing of them."""
+    mlp = moe_layer()
+    x = torch.randn(n_tokens, mlp.gate.cfg.hidden_size, generator=torch.Generator().manual_seed(seed),
+                    dtype=torch.float64)
+    weights, ids = mlp.gate(x)
+    return x, weights, ids
+
+
+# -- dispatch ---------------------------------------------------------------------------------
+def test_pairs_split_evenly_over_replicas_and_ranks_start_at_different_ones():
+    p = Placement.from_phy2log(np.array([[0, 1, 2, 0, 3, 0]]), 4)  # expert 0 in slots 0, 3, 5
+    log2phy, replicas = torch.tensor(p.log2phy[0]), torch.tensor(p.replicas[0])
+    flat = torch.tensor([0, 1, 0, 0, 2, 0, 0, 3])
+    a = choose_slots(flat, log2phy, replicas, rank=0)
+    assert a.tolist() == [0, 1, 3, 5, 2, 0, 3, 4]
+    assert choose_slots(flat, log2phy, replicas, rank=0).tolist() == a.tolist()  # deterministic
+    assert choose_slots(flat, log2phy, replicas, rank=1).tolist()[:4] == [3, 1, 5, 0]
+    assert choose_slots(flat[:0], log2phy, replicas, rank=0).numel() == 0  # a dummy step
+
+
+def test_any_placement_computes_what_the_unsharded_experts_do():
+    x, w, ids = routed()
+    want = moe_layer().experts(x, w, ids)
+    for perm in ([0, 1, 2, 3, 4, 5, 6, 7], [7, 3, 5, 1, 0, 2, 6, 4]):
+        sharded = ShardedExperts(moe_layer().experts, np.array(perm), rank=0, world=1)
+        assert torch.equal(sharded(x, w, ids), want)
+
+
+# -- staging and switching ----------------------------------------------------------------------
+def test_a_staged_placement_switches_only_when_ready_and_keeps_the_math():
+    x, w, ids = routed()
+    want = moe_layer().experts(x, w, ids)
+    layer = ShardedExperts(moe_layer().experts, np.arange(8), rank=0, world=1, spare=8)
+    places = ExpertPlacements([layer], torch.device("cpu"), min_stage_steps=2)
+    places.receive(1, np.array([[5, 4, 7, 6, 1, 0, 3, 2]]))
+    places._staging.thread.join()  # the copy is done, but fewer steps than asked have run
+    with pytest.raises(RuntimeError, match="asks for expert placement 1"):
+        places.use(1)
+    for _ in range(3):
+        assert places.ready_gen() == 0
+        places.use(0)  # steps go on with the active placement
+        assert torch.equal(layer(x, w, ids), want)
+        places.step_done()
+    assert places.ready_gen() == 1
+    places.use(1)
+    assert places.active == 1 and layer.tables.phy2log.tolist() == [5, 4, 7, 6, 1, 0, 3, 2]
+    assert torch.equal(layer(x, w, ids), want)
+    with pytest.raises(ValueError, match="generations only grow"):
+        places.receive(1, np.array([[0, 1, 2, 3, 4, 5, 6, 7]]))
+
+
+def test_copies_land_in_spare_entries_only():
+    experts = moe_layer().experts
+    topo = Topology(8, 10, 2)
+    layer = ShardedExperts(experts, naive(topo, 1).phy2log[0], rank=0, world=2, spare=5)  # holds 0..4
+    active = [t[:5].clone() for t in (layer.gate_up_proj, layer.down_proj)]
+    staged = layer.prepare(np.array([0, 6, 2, 4, 3, 5, 1, 7, 0, 2]))  # rank 0 gets 6, keeps 0 2 4 3
+    assert [e for _, e in staged.copies] == [6] and staged.copies[0][0] >= 5
+    layer.copy_in(staged)
+    assert torch.equal(layer.gate_up_proj[:5], active[0]) and torch.equal(layer.down_proj[:5], active[1])
+    layer.switch(staged)
+    entry = int(layer.tables.store_of[1])
+    assert torch.equal(layer.gate_up_proj[entry], experts.gate_up_proj[6])
+    assert layer.tables.store_of.tolist()[2:] == [2, 4, 3]  # kept experts never move in memory
+    with pytest.raises(ValueError, match="two replicas"):
+        layer.prepare(np.array([0, 0, 2, 4, 3, 5, 1, 7, 6, 2]))
+
+
+# -- the balancer policy ------------------------------------------------------------------------
+def test_rebalancer_plans_on_a_window_and_waits_for_every_rank():
+    topo = Topology(8, 10, 2)
+    rb = Rebalancer(EplbConfig(redundant_experts=2, window_steps=2), topo, moe_layers=[1, 2])
+    hot = np.zeros((3, 8), np.int32)
+    hot[1:, 5] = 40
+    hot[1:, :] += 1
+    for _ in range(2):
+        assert not rb.due()
+        rb.add(0, hot, 0)
+        rb.add(1, None, 0)  # a dummy step on rank 1
+    assert rb.due()
+    new = rb.plan(rb.take_window())
+    assert rb.adopt(new) == 1 and rb.pending == 1 and (new.placement.replicas[:, 5] == 2).all()
+    for _ in range(2):
+        rb.add(0, hot, 1)
+        rb.add(1, hot, 0)  # rank 1 has not switched yet: nothing new goes out
+    assert not rb.due()
+    rb.add(1, hot, 1)
+    assert rb.due()
+    same = plan(rb.take_window(), topo, rb.placement, incremental=True)
+    assert rb.adopt(same) is None and rb.gen == 1  # nothing to move, nothing handed out
+    rb.restarted()
+    assert rb.placement is rb.initial and rb.pending is None
+
+
+def test_engine_config_refuses_slots_that_do_not_split_over_the_ranks():
+    with pytest.raises(ConfigError, match="multiple of engine.dep"):
+        EngineConfig(model="tiny", dep=2, eplb=EplbConfig(redundant_experts=1))
+    with pytest.raises(ConfigError, match="window_steps"):
+        EplbConfig(window_steps=0)
+
+
+# -- DEP2 end to end ----------------------------------------------------------------------------
+HOLD = 2  # the results of this many steps after a placement came, at least, report it not ready
+
+
+async def test_dep2_rebalances_mid_generation_with_greedy_tokens_unchanged():
+    ps = E.prompts()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cfg = attrs.evolve(E.config(tokenizer=None), dep=2, eplb=EplbConfig(redundant_experts=2, window_steps=3),
+                       runtime_options={"eplb_min_stage_steps": HOLD})
+    log = []  # every rank's plans and results, in the one order the engine saw them
+    got = [None] * len(ps)
+    async with open_engine(cfg) as engine:
+        for r, s in enumerate(engine.schedulers):
+            s.on_plan = lambda p, r=r, s=s: log.append(("plan", r, p.placement_gen, s.placement_status().forwarded,
+                                                        p.is_dummy))
+            s.on_result = lambda p, res, r=r: log.append(("result", r, p.placement_gen, res.placement_ready))
+
+        async def one(i):
+            got[i], _ = await E.collect(engine, ps[i], params)
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+        stats = engine.balancer_statistics()
+        status = [s.placement_status() for s in engine.schedulers]
+    for p, g in zip(ps, got):
+        assert g == E.reference_greedy(p, params.max_tokens)
+    assert stats.generation >= 1 and stats.moved_experts > 0
+    assert all(st.running >= 1 for st in status)  # the placement advanced on both ranks
+    _check_switch(log, gen=1)
+
+
+def _check_switch(log: list, gen: int) -> None:
+    """Steps went on while the copy ran, and the ranks switched together, at a step boundary
+    after every rank had said it was ready: no step waited for the copy."""
+    first_plan = next(i for i, e in enumerate(log) if e[0] == "plan" and e[2] >= gen)
+    for r in (0, 1):
+        ready_at = next(i for i, e in enumerate(log) if e[0] == "result" and e[1] == r and e[3] >= gen)
+        assert ready_at < first_plan
+        plans = [e for e in log if e[0] == "plan" and e[1] == r]
+        results = [e for e in log if e[0] == "result" and e[1] == r]
+        # Steps this rank's runtime ran after the placement reached it and before it was ready:
+        staging = [p for p, res in zip(plans, results) if p[3] >= gen and res[3] < gen]
+        assert len(staging) >= HOLD
+        # Once a rank ran the new placement it never ran an older one.
+        gens = [p[2] for p in plans]
+        assert gens == sorted(gens)
+    switched = [e for e in log if e[0] == "plan" and e[2] >= gen]
+    assert any(not e[4] for e in switched)  # real tokens ran on the new placement (mid-generation)
+
+
+async def test_dep2_rebalancing_starts_over_after_a_rank_dies():
+    cfg = attrs.evolve(E.config(tokenizer=None), dep=2, eplb=EplbConfig(redundant_experts=2, window_steps=3))
+    async with open_engine(cfg) as engine:
+        gen = engine.generate(E.prompts()[2], SamplingParams(max_tokens=300, ignore_eos=True))
+        async for _ in gen:  # until the ranks run a balanced placement
+            if min(s.placement_status().running for s in engine.schedulers) >= 1:
+                break
+        before = engine.balancer_statistics().generation
+        os.kill(engine.schedulers[1].client.ready.pid, signal.SIGKILL)
+        with trio.fail_after(10), pytest.raises(RuntimeDied):
+            async for _ in gen:
+                pass
+        # The new runtimes start at the initial placement (generation 0); the balancer
+        # starts over from it, with generations that keep growing.
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        toks, _ = await E.collect(engine, E.prompts()[2], params)
+        assert toks == E.reference_greedy(E.prompts()[2], params.max_tokens)
+        assert all(s.placement_status().running > before for s in engine.schedulers)
+        assert [s.statistics().runtime_restarts for s in engine.schedulers] == [1, 1]
