@@ -54,6 +54,20 @@ class AnalyticCost:
         self.host_floor, self.host_added = host.step_terms(dep)
         self._distinct: dict[float, float] = {}
 
+    def _weights_and_moe(self, total: float) -> tuple[float, float]:
+        """(weight bytes a rank reads, MoE GEMM FLOPs) for ``total`` tokens through the MoE
+        layers, in ``step_time``'s operations and order, cached by ``total``."""
+        out = self._distinct.get(total)
+        if out is None:
+            m, c, n = self.m, self.c, self.dep
+            e, k = m.num_routed_experts, m.top_k
+            distinct = e * (1.0 - (1.0 - k / e) ** total)
+            experts_r = min(distinct / n / c.expert_balancedness, e / n)
+            moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
+            out = self._distinct[total] = (m.dense_bytes + m.moe_layers * experts_r * m.expert_bytes,
+                                           moe_flops * m.moe_layers)
+        return out
+
     def rank_step_time(self, tokens: list[float], ctx: list[float], pairs: list[float],
                        loaded: list[float]) -> float:
         """``step_time`` of one step from per-rank Python floats: the same operations in the
@@ -61,16 +75,9 @@ class AnalyticCost:
         few ranks (most steps of a sparse trace)."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         pad = max(tokens)  # the DP sync rule: every rank runs the largest rank's token count
-        total = pad * n
-        e, k = m.num_routed_experts, m.top_k
-        distinct = self._distinct.get(total)
-        if distinct is None:
-            distinct = self._distinct[total] = e * (1.0 - (1.0 - k / e) ** total)
-        experts_r = min(distinct / n / c.expert_balancedness, e / n)
-        moe_bytes = m.moe_layers * experts_r * m.expert_bytes
-        moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
+        k = m.top_k
+        dense_bytes, moe_gemm = self._weights_and_moe(pad * n)
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
-        dense_bytes, moe_gemm = m.dense_bytes + moe_bytes, moe_flops * m.moe_layers
         a2a_keep = 1 - c.a2a_overlap
         worst = -np.inf
         gemm = 2 * pad * m.dense_params + moe_gemm
@@ -93,14 +100,8 @@ class AnalyticCost:
         stepping would), in Python floats with its operations in its order."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         pad = max(ns)  # the DP sync rule, as in rank_step_time
-        total = pad * n
-        e, kk = m.num_routed_experts, m.top_k
-        distinct = self._distinct.get(total)
-        if distinct is None:
-            distinct = self._distinct[total] = e * (1.0 - (1.0 - kk / e) ** total)
-        experts_r = min(distinct / n / c.expert_balancedness, e / n)
-        dense = m.dense_bytes + m.moe_layers * experts_r * m.expert_bytes
-        moe_gemm = 2 * (total * kk / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param * m.moe_layers
+        kk = m.top_k
+        dense, moe_gemm = self._weights_and_moe(pad * n)
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
         kvb, hbm, flops, afpp, layers = m.kv_bytes_per_token, hw.hbm_bandwidth, hw.flops, m.attn_flops_per_pair, m.num_layers
         ranks, idle = [], -np.inf  # ranks without requests cost the same every step
