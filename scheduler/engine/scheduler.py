@@ -355,6 +355,7 @@ class Scheduler:
             self.core.abort(rid)
         streams, self.streams = self.streams, {}
         self._unscheduled.clear()
+        self._want_logprobs.clear()
         for s in streams.values():
             s.fail(error, now)
 
