@@ -22,7 +22,18 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
+    g.add_argument("--redundant-experts", type=int, default=0,
+                    help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
+    g.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def eplb_config(args):
+    """Expert load balancing from --redundant-experts / --eplb-window (None when off)."""
+    if not args.redundant_experts:
+        return None
+    from lockstep.policy.rebalance import EplbConfig
+    return EplbConfig(redundant_experts=args.redundant_experts, window_steps=args.eplb_window)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -34,7 +45,7 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     params.validate()
     config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
-                          dep=args.dep)
+                          dep=args.dep, eplb=eplb_config(args))
 
     async def main() -> None:
         async with open_engine(config) as engine:

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     s.add_argument("--device", default="cpu")
     s.add_argument("--dtype", default="float32")
     s.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
+    s.add_argument("--redundant-experts", type=int, default=0,
+                    help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
+    s.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
@@ -54,6 +57,7 @@ def configure_logging(fmt: str) -> None:
 
 def engine_config(args):
     from lockstep.engine.config import EngineConfig
+    from lockstep.generate_cli import eplb_config
     from lockstep.policy.config import SchedulerConfig
 
     if args.deployment:
@@ -64,7 +68,8 @@ def engine_config(args):
                             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                         scheduler=sched, runtime_options=_options(args.runtime_option),
-                        tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model), dep=args.dep)
+                        tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model), dep=args.dep,
+                        eplb=eplb_config(args))
 
 
 def _timing_tokenizer(model: str) -> str | None:

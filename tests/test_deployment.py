@@ -162,5 +162,21 @@ def test_engine_config_from_a_deployment_file():
     assert (cfg.model, cfg.runtime, cfg.device, cfg.dtype) == ("tiny", "torch", "cpu", "float32")
     assert cfg.scheduler.num_blocks == 2048 and cfg.scheduler.host_cache_blocks == 0
     assert cfg.hash_secret == "change-me"
-    with pytest.raises(ConfigError, match="dep = 1 so far"):
+    dep2 = deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated", "dep": 2}],
+                                 "engine": {"device": "cpu", "num_blocks": 64}})
+    assert EngineConfig.from_deployment(dep2).dep == 2
+    with pytest.raises(ConfigError, match="engine.model must be a preset"):  # no checkpoint to run
         EngineConfig.from_deployment(load_deployment(EXAMPLES / "h200-dep8.toml"))
+    with pytest.raises(ConfigError, match="one colocated instance"):
+        EngineConfig.from_deployment(load_deployment(EXAMPLES / "gb300-nvl72.toml"))
+
+
+def test_eplb_table():
+    from lockstep.policy.config import ConfigError
+
+    d = deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated", "dep": 2}],
+                              "eplb": {"redundant_experts": 2, "window_steps": 8}})
+    assert d.eplb.redundant_experts == 2 and d.eplb.window_steps == 8
+    with pytest.raises(ConfigError, match=r"\[eplb\].*window_steps"):
+        deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated"}],
+                              "eplb": {"window_steps": 0}})

@@ -61,10 +61,10 @@ class EngineConfig:
         if not 0 <= pool_index < len(dep.pools):
             raise ConfigError(f"{dep.source}: no pool #{pool_index + 1} (it has {len(dep.pools)})")
         pool = dep.pools[pool_index]
-        if pool.role != "colocated" or pool.dep != 1:
-            raise ConfigError(f"{dep.source}: pool {pool.name!r}: the engine serves colocated pools with "
-                              f"dep = 1 so far (got role {pool.role!r}, dep {pool.dep}); DEP and "
-                              "prefill/decode pools arrive with their issues")
+        if pool.role != "colocated" or pool.instances != 1:
+            raise ConfigError(f"{dep.source}: pool {pool.name!r}: the engine serves one colocated instance "
+                              f"so far (got role {pool.role!r}, {pool.instances} instances); prefill/decode "
+                              "pools arrive with disaggregation")
         model, eng = dep.model(pool.model), dep.engine
         ref = model.checkpoint and str((Path(dep.source).parent / model.checkpoint).resolve())
         sched = attrs.evolve(dep.scheduler_for(pool), host_cache_blocks=0)
@@ -73,7 +73,7 @@ class EngineConfig:
         elif eng.device == "cpu":
             sched = attrs.evolve(sched, num_blocks=min(sched.num_blocks, 4096))
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
-                   scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed)
+                   scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb)
 
     def runtime_spec(self, rank: int = 0, dist_init: str | None = None) -> RuntimeSpec:
         s = self.scheduler

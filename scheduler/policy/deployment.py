@@ -13,6 +13,7 @@ from pathlib import Path
 import attrs
 
 from .config import ConfigError, SchedulerConfig
+from .rebalance import EplbConfig
 
 ROLES = ("colocated", "prefill", "decode")
 
@@ -150,6 +151,7 @@ class Deployment:
     cost: CostSpec = CostSpec()
     host: HostSpec = HostSpec()
     engine: EngineSpec = EngineSpec()
+    eplb: EplbConfig | None = None  # expert load balancing for the engine's DEP pools
     hash_secret: str = "lockstep"
     seed: int = 0
     source: str = "<built-in>"
@@ -252,7 +254,7 @@ def load_deployment(path: str | Path) -> Deployment:
 
 
 def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
-    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "host", "engine"}
+    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "host", "engine", "eplb"}
     _no_unknown(data, known, source, "top level")
     models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
     if not models:
@@ -262,12 +264,13 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     cost = _build(CostSpec, data.get("cost", {}), source, "[cost]")
     engine = _build(EngineSpec, data.get("engine", {}), source, "[engine]")
     host = _build(HostSpec, data.get("host", {}), source, "[host]")
+    eplb = _build(EplbConfig, data["eplb"], source, "[eplb]") if "eplb" in data else None
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
     dep = Deployment(
         name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
-        pools=pools, scheduler=sched, cost=cost, host=host, engine=engine, hash_secret=str(data.get("hash_secret", "lockstep")),
+        pools=pools, scheduler=sched, cost=cost, host=host, engine=engine, eplb=eplb, hash_secret=str(data.get("hash_secret", "lockstep")),
         seed=int(data.get("seed", 0)), source=source,
     )
     for pool in pools:
