@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="PATH", help="write latency CDFs, throughput and KV use as PNG")
     s.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows (counted)")
     s.add_argument("--no-advance", action="store_true", help="step one by one (for checking)")
+    s.add_argument("--no-eplb", action="store_true",
+                   help="keep the naive expert placement even if the deployment has [eplb] "
+                        "(with [cost] expert_skew > 0: compare balancedness with the balancer off)")
     from lockstep import bench_serve, generate_cli, serve_cli
 
     generate_cli.add_parser(sub)

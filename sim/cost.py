@@ -52,19 +52,21 @@ class AnalyticCost:
                  host: HostSpec = HostSpec()):
         self.m, self.hw, self.c, self.dep = model, hw, cost, dep
         self.host_floor, self.host_added = host.step_terms(dep)
-        self._distinct: dict[float, float] = {}
+        self.balancedness = cost.expert_balancedness  # the simulator may move it window by window
+        self._distinct: dict[tuple[float, float], tuple[float, float]] = {}
 
     def _weights_and_moe(self, total: float) -> tuple[float, float]:
         """(weight bytes a rank reads, MoE GEMM FLOPs) for ``total`` tokens through the MoE
         layers, in ``step_time``'s operations and order, cached by ``total``."""
-        out = self._distinct.get(total)
+        bal = self.balancedness
+        out = self._distinct.get((total, bal))
         if out is None:
-            m, c, n = self.m, self.c, self.dep
+            m, n = self.m, self.dep
             e, k = m.num_routed_experts, m.top_k
             distinct = e * (1.0 - (1.0 - k / e) ** total)
-            experts_r = min(distinct / n / c.expert_balancedness, e / n)
-            moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
-            out = self._distinct[total] = (m.dense_bytes + m.moe_layers * experts_r * m.expert_bytes,
+            experts_r = min(distinct / n / bal, e / n)
+            moe_flops = 2 * (total * k / n / bal) * m.expert_bytes / m.bytes_per_param
+            out = self._distinct[(total, bal)] = (m.dense_bytes + m.moe_layers * experts_r * m.expert_bytes,
                                            moe_flops * m.moe_layers)
         return out
 
@@ -136,11 +138,11 @@ class AnalyticCost:
         total = pad * n
         e, k = m.num_routed_experts, m.top_k
         distinct = e * (1.0 - (1.0 - k / e) ** total)
-        experts_r = np.minimum(distinct / n / c.expert_balancedness, e / n)  # it holds only E/n
+        experts_r = np.minimum(distinct / n / self.balancedness, e / n)  # it holds only E/n
         moe_bytes = m.moe_layers * experts_r * m.expert_bytes
         kv = m.kv_bytes_per_token * (np.asarray(load.ctx, np.float64) + tokens)
         bytes_r = m.dense_bytes + moe_bytes + kv
-        moe_flops = 2 * (total * k / n / c.expert_balancedness) * m.expert_bytes / m.bytes_per_param
+        moe_flops = 2 * (total * k / n / self.balancedness) * m.expert_bytes / m.bytes_per_param
         gemm = 2 * pad * m.dense_params + moe_flops * m.moe_layers
         attn = m.attn_flops_per_pair * np.asarray(load.pairs, np.float64) * m.num_layers
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)  # FP8 GEMMs run 2x

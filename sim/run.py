@@ -42,7 +42,7 @@ def run_sim(args) -> int:
     workload, name = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
     sim = Simulator(deployment, workload, seed=args.seed, slo_ttft=args.slo_ttft,
-                    slo_tpot=args.slo_tpot, use_advance=not args.no_advance)
+                    slo_tpot=args.slo_tpot, use_advance=not args.no_advance, eplb=not args.no_eplb)
     show = len(workload) >= 2000 and sys.stderr.isatty()
     with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not show) as bar:

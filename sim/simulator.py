@@ -27,6 +27,7 @@ from lockstep.policy.router import PrefixAffinityRouter
 from lockstep.policy.step import StepPlan, StepResult
 
 from .cost import AnalyticCost
+from .experts import ExpertLoads
 from .metrics import Metrics, clean
 from .traces import TraceRequest, segment_tokens
 
@@ -61,7 +62,7 @@ class Instance:
 class Simulator:
     def __init__(self, deployment: Deployment, workload: Sequence[TraceRequest], *,
                  seed: int = 0, slo_ttft: float = 2.0, slo_tpot: float = 0.1,
-                 use_advance: bool = True, on_plan: Callable | None = None):
+                 use_advance: bool = True, on_plan: Callable | None = None, eplb: bool = True):
         self.d = deployment
         self.workload = list(workload)
         self.seed = seed
@@ -71,6 +72,9 @@ class Simulator:
         self.hasher = BlockHasher(deployment.hash_secret.encode(), deployment.scheduler.block_size)
         self.router = PrefixAffinityRouter()
         self.instances: list[Instance] = []
+        # Drifting expert loads per DEP pool ([cost] expert_skew > 0), balanced by [eplb] if on.
+        self._experts: list[tuple[ExpertLoads, AnalyticCost]] = []
+        self._next_window = np.inf
         for pool in deployment.pools:
             if pool.role != "colocated":
                 raise NotImplementedError(
@@ -79,6 +83,10 @@ class Simulator:
                 )
             model = deployment.model(pool.model)
             cost = AnalyticCost(model, deployment.hardware, deployment.cost, pool.dep, deployment.host)
+            if deployment.cost.expert_skew > 0 and pool.dep > 1:
+                loads = ExpertLoads(model, pool.dep, deployment.cost, deployment.eplb, seed, balance=eplb)
+                self._experts.append((loads, cost))
+                self._next_window = 0.0
             cfg = deployment.scheduler_for(pool)
             for i in range(pool.instances):
                 self.instances.append(Instance(f"{pool.name}/{i}", pool, cfg, self.hasher, cost))
@@ -159,6 +167,9 @@ class Simulator:
         i = 0
         while i < len(order) or self._events:
             t_arr = self.workload[order[i]].arrival_s if i < len(order) else np.inf
+            t_next = min(self._events[0][0] if self._events else np.inf, t_arr)
+            while self._next_window <= t_next:  # expert loads move at window boundaries
+                self._roll_window()
             if self._events and self._events[0][0] < t_arr:
                 t, _, idx = heapq.heappop(self._events)
                 self._step_done(idx, t, t_arr)
@@ -188,6 +199,12 @@ class Simulator:
         self._seq += 1
         inst.planned = inst.plan(now)  # async: plan N+1 while N runs
 
+    def _roll_window(self) -> None:
+        t = self._next_window
+        for loads, cost in self._experts:
+            cost.balancedness = loads.window(t)
+        self._next_window = t + self.d.cost.expert_window_s
+
     def _step_done(self, idx: int, t: float, next_arrival: float) -> None:
         inst = self.instances[idx]
         for core, plan in zip(inst.cores, inst.executing):
@@ -198,7 +215,8 @@ class Simulator:
         if plans is None and any(c.has_work() for c in inst.cores):
             plans = inst.plan(t)
         if plans is not None and self.use_advance:
-            plans, t = self._try_advance(idx, plans, t, next_arrival)
+            # An advance run must not cross a window boundary: its steps' costs would change.
+            plans, t = self._try_advance(idx, plans, t, min(next_arrival, self._next_window))
         self._dispatch(idx, t, plans)
 
     def _apply(self, core: SchedulerCore, plan: StepPlan, t: float) -> None:
@@ -308,4 +326,6 @@ class Simulator:
             num_gpus=self.d.num_gpus, slo_ttft=self.slo[0], slo_tpot=self.slo[1],
             prefix=(queries, hits, host_hits), preemptions=sum(c.num_preemptions for c in cores), extra=extra,
         )
+        if self._experts:
+            rep["balancedness"] = self._experts[0][0].report()
         return clean(rep)

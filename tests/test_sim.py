@@ -244,3 +244,29 @@ def test_prompts_hashed_together_equal_one_by_one(method):
         for p, (hashes, acc) in zip(prompts, h.hash_prompts(prompts)):
             want, want_acc = h.hash_prompt(p)
             assert hashes.shape == want.shape and (hashes == want).all() and (acc == want_acc).all()
+
+
+def _eplb_deployment(**cost):
+    return deployment_from_dict({
+        "models": [{"preset": "v2-lite"}], "hardware": {"preset": "h200"},
+        "pools": [{"name": "main", "role": "colocated", "dep": 8}],
+        "scheduler": {"max_num_seqs": 64, "max_num_batched_tokens": 4096},
+        "cost": {"expert_skew": 1.2, "expert_drift": 0.1, "expert_window_s": 2.0, **cost},
+        "eplb": {"redundant_experts": 16},
+    })
+
+
+def test_balancer_raises_balancedness_and_advance_still_equals_stepping():
+    workload = read_trace(MOONCAKE).requests[:60]
+    d = _eplb_deployment()
+    on = Simulator(d, workload)
+    rep_on = on.run()
+    off = Simulator(d, workload, eplb=False).run()
+    step = Simulator(d, workload, use_advance=False)
+    step.run()
+    b_on, b_off = rep_on["balancedness"], off["balancedness"]
+    assert b_on["balancer"] and not b_off["balancer"] and b_on["windows"] == b_off["windows"] > 2
+    assert b_on["series"][0] == b_off["series"][0]  # the first window runs the naive layout
+    assert b_on["mean"] > b_off["mean"] + 0.1
+    assert rep_on["tpot_s"]["mean"] < off["tpot_s"]["mean"]
+    assert np.array_equal(on.metrics.finish, step.metrics.finish, equal_nan=True)

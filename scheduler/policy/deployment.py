@@ -86,6 +86,11 @@ class CostSpec:
     """Knobs of the analytic cost model that are not hardware facts."""
 
     expert_balancedness: float = 0.8  # mean/max tokens per GPU in the MoE layers
+    # With expert_skew > 0 the simulator draws drifting expert loads instead of the fixed
+    # figure above (see lockstep.sim.experts): power-law exponent, per-window drift, window.
+    expert_skew: float = 0.0
+    expert_drift: float = 0.1
+    expert_window_s: float = 60.0
     a2a_overlap: float = 0.5  # share of all-to-all time hidden behind compute
 
 
