@@ -1,0 +1,208 @@
+"""KV transports between a real prefill process and this (decode) process: every byte of
+merged and non-contiguous runs, cancel, a dead peer reported as failed, no leaked fds."""
+
+import multiprocessing as mp
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from lockstep.transports.kv import KVTransferError, PeerInfo, block_runs, recv_peer_info
+from lockstep.transports.kv import nixl_transport, prefill_worker
+from lockstep.transports.kv.prefill_worker import make_transport, pattern
+
+NUM_BLOCKS, BLOCK_BYTES = 64, 1024
+KINDS = [
+    "shm",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_transport.available(), reason="nixl not installed")),
+]
+
+
+class Prefill:
+    """A prefill process and the socket to it."""
+
+    def __init__(self, kind: str):
+        ctx = mp.get_context("spawn")
+        self.sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = ctx.Process(target=prefill_worker.serve, args=(child, kind, NUM_BLOCKS, BLOCK_BYTES), daemon=True)
+        self.proc.start()
+        child.close()
+        self.sock.settimeout(60)  # a hang guard only
+        self.info = recv_peer_info(self.sock)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.sock.send(b"q")
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.sock.close()
+        self.proc.close()  # its sentinel fd
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+
+def wait_for(t, wanted: set[int]) -> tuple[set[int], set[int]]:
+    """Poll until every req_id in ``wanted`` was reported; the deadline only guards a hang."""
+    done, failed = set(), set()
+    deadline = time.monotonic() + 20
+    while not wanted <= done | failed:
+        d, f = t.poll()
+        assert not (set(d) | set(f)) & (done | failed), "a req_id was reported twice"
+        done |= set(d)
+        failed |= set(f)
+        assert time.monotonic() < deadline, f"still waiting for {wanted - done - failed}"
+    return done, failed
+
+
+def _fds() -> set:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+        except FileNotFoundError:
+            pass
+    return out
+
+
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
+
+
+def test_block_runs_merge_only_what_is_contiguous_on_both_sides():
+    assert block_runs([3, 4, 5, 10, 11, 20], [0, 1, 2, 7, 8, 30]) == [(3, 0, 3), (10, 7, 2), (20, 30, 1)]
+    assert block_runs([1, 2, 3], [5, 9, 10]) == [(1, 5, 1), (2, 9, 2)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError, match="2 remote and 1 local"):
+        block_runs([1, 2], [1])
+
+
+def test_pull_moves_every_byte_of_merged_and_scattered_runs(kind):
+    pre = Prefill(kind)
+    dec, pool = make_transport(kind, "decode", NUM_BLOCKS, BLOCK_BYTES)
+    try:
+        peer = dec.connect(pre.info)
+        want = pattern(NUM_BLOCKS, BLOCK_BYTES)
+        pulls = {
+            1: ([3, 4, 5, 10, 11, 20], [0, 1, 2, 7, 8, 30]),  # three runs
+            2: ([0, 1], [40, 41]),
+            3: ([63, 62, 61], [50, 51, 52]),  # reversed: nothing merges
+        }
+        for req_id, (remote, local) in pulls.items():
+            dec.pull(req_id, peer, remote, local)
+        done, failed = wait_for(dec, set(pulls))
+        assert (done, failed) == (set(pulls), set())
+        written = set()
+        for remote, local in pulls.values():
+            np.testing.assert_array_equal(pool[local], want[remote])
+            written |= set(local)
+        untouched = [b for b in range(NUM_BLOCKS) if b not in written]
+        assert not pool[untouched].any()
+        assert dec.poll() == ([], [])
+        with pytest.raises(ValueError, match="out of range"):
+            dec.pull(9, peer, [NUM_BLOCKS], [0])
+        with pytest.raises(KVTransferError, match="not connected"):
+            dec.pull(9, "nobody", [0], [0])
+    finally:
+        del pool
+        dec.close()
+        pre.stop()
+
+
+def test_a_cancelled_pull_is_never_reported(kind):
+    pre = Prefill(kind)
+    dec, pool = make_transport(kind, "decode", NUM_BLOCKS, BLOCK_BYTES)
+    try:
+        peer = dec.connect(pre.info)
+        dec.pull(5, peer, list(range(8)), list(range(8)))
+        dec.cancel(5)
+        dec.pull(6, peer, [9], [9])
+        done, failed = wait_for(dec, {6})
+        for _ in range(20):
+            d, f = dec.poll()
+            done |= set(d)
+            failed |= set(f)
+        assert (done, failed) == ({6}, set())
+        np.testing.assert_array_equal(pool[9], pattern(NUM_BLOCKS, BLOCK_BYTES)[9])
+    finally:
+        del pool
+        dec.close()
+        pre.stop()
+
+
+def test_a_pull_from_a_dead_peer_fails_instead_of_hanging(kind):
+    pre = Prefill(kind)
+    dec, pool = make_transport(kind, "decode", NUM_BLOCKS, BLOCK_BYTES)
+    try:
+        peer = dec.connect(pre.info)
+        dec.pull(1, peer, [0, 1], [0, 1])
+        assert wait_for(dec, {1}) == ({1}, set())  # connected and working first
+        pre.kill()
+        dec.pull(2, peer, [2, 3], [2, 3])
+        assert wait_for(dec, {2}) == (set(), {2})
+    finally:
+        del pool
+        dec.close()
+        pre.stop()
+
+
+def test_shm_leaks_no_fds_and_names_nothing():
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # multiprocessing's own helper keeps a pipe open
+    before = _fds()
+    for _ in range(2):
+        pre = Prefill("shm")
+        dec, pool = make_transport("shm", "decode", NUM_BLOCKS, BLOCK_BYTES)
+        peer = dec.connect(pre.info)
+        dec.pull(1, peer, [1, 2], [3, 4])
+        assert wait_for(dec, {1}) == ({1}, set())
+        assert not [f for f in os.listdir("/dev/shm") if "lockstep" in f]
+        del pool
+        dec.close()
+        pre.stop()
+    leaked = _fds() - before
+    assert not leaked, leaked
+
+
+def test_shm_rejects_bad_peer_info_and_closes_its_fds():
+    dec, pool = make_transport("shm", "decode", 4, 64)
+    r, w = os.pipe()
+    try:
+        with pytest.raises(KVTransferError, match="2 fds"):
+            dec.connect(PeerInfo(b"", (r,)))
+        with pytest.raises(OSError):
+            os.fstat(r)  # connect owned it and closed it
+        with pytest.raises(KVTransferError, match="alloc_pool"):
+            dec.register_pool(np.zeros((4, 64), np.uint8))
+    finally:
+        os.close(w)
+        del pool
+        dec.close()
+
+
+@pytest.mark.skipif(not nixl_transport.available(), reason="nixl not installed")
+def test_nixl_registers_a_torch_tensor_pool():
+    torch = pytest.importorskip("torch")
+    pre = Prefill("nixl")
+    dec = nixl_transport.NixlKVTransport("decode-torch")
+    pool = torch.zeros((NUM_BLOCKS, BLOCK_BYTES // 4), dtype=torch.int32)  # 1024 bytes a block
+    try:
+        dec.register_pool(pool)
+        peer = dec.connect(pre.info)
+        dec.pull(1, peer, [7, 8, 9], [0, 1, 2])
+        assert wait_for(dec, {1}) == ({1}, set())
+        got = pool[:3].numpy().view(np.uint8)
+        np.testing.assert_array_equal(got, pattern(NUM_BLOCKS, BLOCK_BYTES)[7:10])
+    finally:
+        dec.close()
+        pre.stop()
