@@ -16,11 +16,16 @@ import msgspec
 
 from lockstep.transports.kv.base import KVTransferError, PeerInfo, Region, block_runs, check_blocks, pool_region
 
-try:
-    from nixl._api import nixl_agent, nixl_agent_config
-except ImportError as e:  # raised when a transport is made, so importing this module stays safe
-    nixl_agent = None
-    _IMPORT_ERROR: ImportError | None = e
+try:  # the CUDA 12 build alone (the `nixl` meta package would pull both CUDA variants)
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+except ImportError:
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as e:  # raised when a transport is made, so importing this module stays safe
+        nixl_agent = None
+        _IMPORT_ERROR: ImportError | None = e
+    else:
+        _IMPORT_ERROR = None
 else:
     _IMPORT_ERROR = None
 
