@@ -19,6 +19,7 @@ from lockstep.policy.allreduce import (OPS, CollectiveError, LocalCollective, Ra
                                        num_rounds, schedule, simulate)
 from lockstep.transports.collective_shm import ShmCollective, ShmGroup, send_group
 from lockstep.transports.collective_tcp import TcpCollective, open_listener
+from leaks import open_fds
 
 I64 = st.integers(-(2**63), 2**63 - 1)
 GUARD_S = 30  # a hang guard, not a timing assertion
@@ -119,14 +120,6 @@ print(json.dumps(out), flush=True)
 """
 
 
-def open_fds() -> set:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except FileNotFoundError:
-            pass
-    return out
 
 
 def start_ranks(n: int, mode: str) -> list[subprocess.Popen]:

@@ -17,6 +17,7 @@ from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.request import RequestError, SamplingParams
 from lockstep.runtime.models import load_model
 from lockstep.runtime.models.batch import ForwardBatch
+from leaks import child_pids, fd_count
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -164,33 +165,19 @@ async def test_killed_runtime_fails_inflight_requests_then_engine_restarts_it():
         assert engine.scheduler.client.ready.pid != pid
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
-def _children() -> set[int]:
-    me = os.getpid()
-    out = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        out.add(int(pid))
-            except OSError:
-                pass
-    return out
 
 
 async def test_engine_leaves_no_process_or_fd_behind():
     async with open_engine(config(runtime="timing", tokenizer=None)) as engine:  # warm the forkserver
         await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))
-    fds, kids = _fds(), _children()
+    fds, kids = fd_count(), child_pids()
     for _ in range(3):
         async with open_engine(config(tokenizer=None)) as engine:
             await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))
-    assert _fds() == fds
-    assert _children() == kids
+    assert fd_count() == fds
+    assert child_pids() == kids
 
 
 def test_sync_llm_generates_text_for_each_prompt():

@@ -12,6 +12,7 @@ import pytest
 from lockstep.transports.kv import KVTransferError, PeerInfo, block_runs, recv_peer_info
 from lockstep.transports.kv import nixl_transport, prefill_worker
 from lockstep.transports.kv.prefill_worker import make_transport, pattern
+from leaks import open_fds
 
 NUM_BLOCKS, BLOCK_BYTES = 64, 1024
 KINDS = [
@@ -63,14 +64,6 @@ def wait_for(t, wanted: set[int]) -> tuple[set[int], set[int]]:
     return done, failed
 
 
-def _fds() -> set:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except FileNotFoundError:
-            pass
-    return out
 
 
 @pytest.fixture(params=KINDS)
@@ -159,7 +152,7 @@ def test_shm_leaks_no_fds_and_names_nothing():
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # multiprocessing's own helper keeps a pipe open
-    before = _fds()
+    before = open_fds()
     for _ in range(2):
         pre = Prefill("shm")
         dec, pool = make_transport("shm", "decode", NUM_BLOCKS, BLOCK_BYTES)
@@ -170,7 +163,7 @@ def test_shm_leaks_no_fds_and_names_nothing():
         del pool
         dec.close()
         pre.stop()
-    leaked = _fds() - before
+    leaked = open_fds() - before
     assert not leaked, leaked
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from lockstep.cli import _parser
 from lockstep.serve_cli import serve
+from leaks import child_pids, fd_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,8 +72,6 @@ async def sse_completion(client: httpx.AsyncClient, url: str, body: dict) -> lis
     return chunks
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
 
 
 def _tasks() -> int:
@@ -85,16 +84,6 @@ def _tasks() -> int:
     return n
 
 
-def _children() -> int:
-    me = os.getpid()
-    n = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                n += int(f.read().rsplit(")", 1)[1].split()[1]) == me
-        except OSError:
-            pass
-    return n
 
 
 @pytest.mark.slow
@@ -104,7 +93,7 @@ async def test_two_thousand_concurrent_streams_no_errors_no_leaks():
     async with InProcess(*TIMING) as srv:  # warm: forkserver, imports
         async with httpx.AsyncClient(timeout=60) as c:
             await sse_completion(c, srv.url, {"model": "tiny", "prompt": [5, 6], "max_tokens": 2, "stream": True})
-    fds, kids, tasks = _fds(), _children(), _tasks()
+    fds, kids, tasks = fd_count(), len(child_pids()), _tasks()
     errors = []
     async with InProcess(*TIMING) as srv:
         limits = httpx.Limits(max_connections=2100, max_keepalive_connections=0)
@@ -129,8 +118,8 @@ async def test_two_thousand_concurrent_streams_no_errors_no_leaks():
         assert engine.scheduler.streams == {}
         engine.scheduler.core.check_integrity()
         assert srv.server.metrics.finished == {"length": 2000}
-    assert _children() == kids
-    assert _fds() == fds
+    assert len(child_pids()) == kids
+    assert fd_count() == fds
     assert _tasks() == tasks
 
 

@@ -14,6 +14,7 @@ from lockstep.policy.step import StepPlan
 from lockstep.transports import echo_worker
 from lockstep.transports.shm_ring import MessageTooLarge, Ring, send_ring
 from lockstep.transports.step_codec import decode, encode
+from leaks import open_fds
 
 
 def plan(step: int, n: int) -> StepPlan:
@@ -95,20 +96,11 @@ def test_a_full_ring_blocks_the_producer_until_the_consumer_catches_up():
         ring.close()
 
 
-def _fds() -> set:
-    """Open fds with what they point at."""
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
-        except FileNotFoundError:
-            pass
-    return out
 
 
 def test_round_trips_with_a_real_process_and_nothing_leaks():
     resource_tracker.ensure_running()  # multiprocessing's own helper keeps a pipe open
-    fds_before = _fds()
+    fds_before = open_fds()
     ctx = mp.get_context("spawn")
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = ctx.Process(target=echo_worker.serve, args=(child,), daemon=True)
@@ -138,7 +130,7 @@ def test_round_trips_with_a_real_process_and_nothing_leaks():
             proc.kill()
             proc.join(10)
         proc.close()  # its sentinel fd
-    leaked = _fds() - fds_before
+    leaked = open_fds() - fds_before
     assert not leaked, leaked
     assert not [f for f in os.listdir("/dev/shm") if "lockstep" in f]
 
