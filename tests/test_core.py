@@ -174,6 +174,9 @@ class FakeRuntime:
                 continue
             if self.check_kv:
                 self._write(rid, 0, self.specs[rid].remote_kv)
+                table = self.tables[rid]  # pulled full blocks are published like computed ones
+                for j in range(min(self.specs[rid].remote_kv // self.bs, len(self.hashes[rid]))):
+                    self.host_store.setdefault(self.hashes[rid][j], self.kv[table[j]].copy())
             done.append(rid)
         if self.check_kv:
             for _, rid, start, k in fed:  # writes of a step precede its reads
@@ -816,3 +819,40 @@ def test_extend_chain_equals_chained_extend(method, m):
         hj, aj = h.extend(parent[None], blocks[j : j + 1], np.array([7 + j]))
         assert (hj[0] == hashes[j]).all() and (aj[0] == accs[j]).all()
         parent = aj[0]
+
+
+def test_prefill_side_holds_blocks_until_released():
+    """P/D prefill side: a hold_kv request that finishes by length keeps its blocks (the
+    decode side pulls them) until release_held."""
+    cfg = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256)
+    core = SchedulerCore(cfg, BlockHasher(b"k", 16))
+    rng = np.random.default_rng(3)
+    held = Request(id=0, prompt=rng.integers(2, VOCAB, 40).astype(np.int32),
+                   params=SamplingParams(max_tokens=1), hold_kv=True)
+    stopped = Request(id=1, prompt=rng.integers(2, VOCAB, 40).astype(np.int32),
+                      params=SamplingParams(max_tokens=1), hold_kv=True, eos_token_id=EOS)
+    core.add_request(held)
+    core.add_request(stopped)
+    plan = core.schedule(0.0)
+    out = core.update(plan, StepResult(plan.step_id, np.ones(2, np.int32), np.array([7, EOS], np.int32)), 0.0)
+    assert sorted(out.finished) == [(0, FinishReason.LENGTH), (1, FinishReason.LENGTH)]
+    # Both kept theirs (length first, as vLLM): the engine sees the EOS and releases at once.
+    assert sorted(core.held) == [0, 1] and len(core.held[0]) == 3  # ceil(40 / 16)
+    assert core.release_held(1)
+    core.check_integrity()
+    assert core.pool.num_used == 3 and not core.has_work()
+    assert core.release_held(0) and not core.release_held(0)
+    assert core.pool.num_used == 0
+    core.check_integrity()
+
+
+def test_pulled_prompt_blocks_are_published():
+    cfg = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256)
+    core = SchedulerCore(cfg, BlockHasher(b"k", 16))
+    req = kv_specs(1, prompt_len=33, remote=32)[0].request()
+    core.add_request(req)
+    plan = core.schedule(0.0)
+    assert core.num_waiting_for_kv == 1
+    core.update(plan, empty_result(plan, kv_loads_done=np.array([0])), 0.0)
+    assert core.num_waiting_for_kv == 0
+    assert core.pool.cached_prefix_len(req.block_hashes) == 2  # both pulled blocks can be shared

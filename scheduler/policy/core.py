@@ -52,6 +52,9 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
         self.prefix_hits = 0  # of which were cached (on the GPU or in the host tier)
         self.host_hits = 0  # of which came from the host tier
         self._to_drop: list[int] = []  # tell the runtime: forget these requests
+        # P/D prefill side: finished requests' blocks kept for the decode side to pull
+        # (request id -> blocks, one reference each) until ``release_held``.
+        self.held: dict[int, list[int]] = {}
         self._preempted_this_step = False
         self._prefilling: set[int] = set()  # slots with prompt (or recompute) tokens left
         self._chunked_now: set[int] = set()  # slots given a prefill chunk in this schedule
@@ -139,6 +142,20 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
 
     def has_work(self) -> bool:
         return bool(self._waiting) or bool(self.s_active.any())
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        """Requests whose blocks are allocated and whose KV is being pulled from elsewhere."""
+        return int((self.s_active & ~self.s_decodable).sum()) if self.s_active.any() else 0
+
+    def release_held(self, req_id: int) -> bool:
+        """Free the blocks a finished ``hold_kv`` request kept (the decode side pulled them,
+        gave up, or a timeout passed). False if nothing was held for it."""
+        blocks = self.held.pop(req_id, None)
+        if blocks is None:
+            return False
+        self.pool.free(blocks[::-1])
+        return True
 
     def load(self) -> int:
         """Tokens this rank still has to hold: for least-loaded routing."""
@@ -423,6 +440,8 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
             assert len(req.blocks) * self.bs >= self.s_ncomp[slot], "tokens without KV blocks"
             assert self.s_ncomp[slot] <= self.s_nknown[slot] <= self.s_maxtotal[slot]
             np.add.at(refs, req.blocks, 1)
+        for blocks in self.held.values():
+            np.add.at(refs, blocks, 1)
         assert (refs == self.pool.ref).all(), "block refcounts do not match request tables"
         assert len(self._free_slots) + int(self.s_active.sum()) == self.config.max_num_seqs
         prefilling = set(np.flatnonzero(self.s_active & (self.s_ncomp < self.s_prefill_end)).tolist())

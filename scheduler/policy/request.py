@@ -85,6 +85,7 @@ class Request:
     hash_acc: np.ndarray | None = None  # chain accumulator after the last hashed block
     cache_salt: str | None = None
     remote_kv_tokens: int = 0  # prompt tokens whose KV arrives from another pool
+    hold_kv: bool = False  # P/D prefill side: keep the blocks after finishing, for a pull
     eos_token_id: int = -1
     # -- owned by the core ---------------------------------------------------------------
     state: RequestState = RequestState.WAITING

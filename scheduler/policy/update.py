@@ -124,7 +124,10 @@ class UpdatePath:
             req = self.s_req[slot]
             reason = FinishReason.STOP if tok == self.s_stop.item(slot) else FinishReason.LENGTH
             if self.s_nout.item(slot) >= self.s_maxout.item(slot):
-                reason = FinishReason.LENGTH
+                reason = FinishReason.LENGTH  # length first, as vLLM's check_stop
+            if req.hold_kv and reason is FinishReason.LENGTH:  # P/D: the decode side pulls them
+                self.held[req.id] = list(req.blocks)
+                self.pool.touch(req.blocks)
             self._release(req)
             self._finish(req, reason)
             out.append((req.id, reason))
@@ -148,4 +151,6 @@ class UpdatePath:
         req.state = RequestState.RUNNING
         req.num_computed = min(req.remote_kv_tokens, req.num_known - 1) if ok else 0
         self.s_ncomp[req.slot] = req.num_computed
+        if ok:  # the pulled prompt blocks can be shared from now on
+            self._publish_prompt_blocks(req, 0)
         self.s_decodable[req.slot] = True
