@@ -21,6 +21,7 @@ ENTRY_POINT_GROUP = "lockstep.runtimes"
 
 # Message kinds on the rings (1 and 2 are StepPlan and StepResult, see step_codec).
 SHUTDOWN, PLAN, RESULT, READY, NEW_REQUESTS, FORGET, FAILURE, NEW_PLACEMENT = 0, 1, 2, 3, 4, 5, 6, 7
+KV_CONNECT, KV_PULL = 8, 9
 
 
 class RuntimeSpec(msgspec.Struct, frozen=True):
@@ -50,6 +51,8 @@ class Ready(msgspec.Struct, frozen=True):
     num_experts: int
     pid: int
     moe_layers: list[int] = []  # the layers with routed experts (rows of expert_counts)
+    kv_peer: bytes = b""  # with options["kv_transport"]: what a P/D peer connects with
+    kv_bytes_per_token: int = 0  # the KV pool's real bytes per token (all layers)
 
 
 class NewRequests(msgspec.Struct, frozen=True):
@@ -82,6 +85,23 @@ class NewPlacement(msgspec.Struct, frozen=True):
         return np.frombuffer(self.phy2log, dtype="<i8").reshape(self.layers, self.slots)
 
 
+class KVConnect(msgspec.Struct, frozen=True):
+    """Connect to a P/D peer's KV pool (its ``Ready.kv_peer``)."""
+
+    peer: bytes
+
+
+class KVPull(msgspec.Struct, frozen=True):
+    """Start pulling a request's prompt KV: ``remote`` blocks of ``peer`` into our ``local``
+    blocks. An empty ``peer`` means the engine already knows it cannot be pulled: report it
+    failed."""
+
+    req_id: int
+    peer: str
+    remote: list[int]
+    local: list[int]
+
+
 class Failure(msgspec.Struct, frozen=True):
     """The runtime could not go on: its last words before it exits."""
 
@@ -104,6 +124,10 @@ class Runtime(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def shutdown(self) -> None: ...
+
+    # Optional, for P/D (a runtime without them reports every KV load done at once):
+    #   kv_connect(msg: KVConnect), kv_pull(msg: KVPull), and idle(), called about every
+    #   millisecond while no plan is waiting, so a transport can make progress.
 
 
 def available() -> dict[str, object]:

@@ -18,13 +18,15 @@ import msgspec
 from lockstep.transports.shm_ring import Ring, recv_ring
 from lockstep.transports.step_codec import decode, encode
 
-from .base import (FAILURE, FORGET, NEW_PLACEMENT, NEW_REQUESTS, PLAN, READY, SHUTDOWN, Forget, Failure,
-                   NewPlacement, NewRequests, RuntimeSpec, create)
+from .base import (FAILURE, FORGET, KV_CONNECT, KV_PULL, NEW_PLACEMENT, NEW_REQUESTS, PLAN, READY, SHUTDOWN,
+                   Forget, Failure, KVConnect, KVPull, NewPlacement, NewRequests, RuntimeSpec, create)
 
 _ENC = msgspec.msgpack.Encoder()
 _NEW = msgspec.msgpack.Decoder(NewRequests)
 _FORGET = msgspec.msgpack.Decoder(Forget)
 _PLACEMENT = msgspec.msgpack.Decoder(NewPlacement)
+_CONNECT = msgspec.msgpack.Decoder(KVConnect)
+_PULL = msgspec.msgpack.Decoder(KVPull)
 
 
 def run(sock: socket.socket, spec_bytes: bytes) -> None:
@@ -53,8 +55,9 @@ def run(sock: socket.socket, spec_bytes: bytes) -> None:
 
 
 def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
+    idle = getattr(runtime, "idle", None)
     while True:
-        msg = _next(inbox, sock)
+        msg = _next(inbox, sock, idle)
         if msg is None:
             return
         kind, _, payload = msg
@@ -68,21 +71,34 @@ def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
                 runtime.forget(_FORGET.decode(payload).req_ids)
             case 7:  # NEW_PLACEMENT
                 runtime.new_placement(_PLACEMENT.decode(payload))
+            case 8:  # KV_CONNECT
+                runtime.kv_connect(_CONNECT.decode(payload))
+            case 9:  # KV_PULL
+                runtime.kv_pull(_PULL.decode(payload))
             case 0:  # SHUTDOWN
                 return
             case _:
                 raise ValueError(f"runtime got message kind {kind}; expected one of "
-                                 f"{[SHUTDOWN, PLAN, NEW_REQUESTS, FORGET, NEW_PLACEMENT]}")
+                                 f"{[SHUTDOWN, PLAN, NEW_REQUESTS, FORGET, NEW_PLACEMENT, KV_CONNECT, KV_PULL]}")
 
 
-def _next(inbox: Ring, sock: socket.socket):
-    """The next message, or None once the engine is gone (its socket end closed)."""
+def _next(inbox: Ring, sock: socket.socket, idle=None):
+    """The next message, or None once the engine is gone (its socket end closed). With an
+    ``idle`` hook (a KV transport to keep moving), wake every millisecond to call it."""
+    tick = 0.5 if idle is None else 0.001
+    waited, spin = 0.0, {}
     while True:
         try:
-            return inbox.recv(timeout=0.5)
+            return inbox.recv(timeout=tick, **spin)
         except TimeoutError:
-            if _peer_gone(sock):
-                return None
+            spin = {"spin_s": 0.0, "yield_s": 0.0}  # spun once already: now only sleep
+            waited += tick
+            if idle is not None:
+                idle()
+            if waited >= 0.5:
+                waited = 0.0
+                if _peer_gone(sock):
+                    return None
 
 
 def _peer_gone(sock: socket.socket) -> bool:

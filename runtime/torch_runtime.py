@@ -18,7 +18,7 @@ import torch
 
 from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
-from .base import NewPlacement, NewRequests, Ready, RuntimeSpec
+from .base import KVConnect, KVPull, NewPlacement, NewRequests, Ready, RuntimeSpec
 from .models import load_model
 from .models.batch import ForwardBatch
 from .sampling import sample
@@ -57,14 +57,55 @@ class TorchRuntime:
         self.moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.placements = self._place_experts(spec)
         self.bs = spec.block_size
-        self.kv = self.model.make_kv_cache(spec.num_blocks, spec.block_size)
+        self.endpoint = self._kv_endpoint(spec)
+        if self.endpoint is None:
+            self.idle = None  # nothing to keep moving between steps: the loop sleeps soundly
+        storage = None if self.endpoint is None else torch.from_numpy(self.endpoint.pool)
+        self.kv_pool, self.kv = self.model.make_kv_pool(spec.num_blocks, spec.block_size, storage=storage)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                      num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid(),
-                     moe_layers=self.moe_layers)
+                     moe_layers=self.moe_layers, kv_peer=b"" if self.endpoint is None else self.endpoint.export(),
+                     kv_bytes_per_token=self.kv_pool[0].numel() * self.kv_pool.element_size() // self.bs)
+
+    def _kv_endpoint(self, spec: RuntimeSpec):
+        """P/D: the pool lives in (or is registered with) a KV transport."""
+        kind = spec.options.get("kv_transport")
+        if not kind:
+            return None
+        if self.device.type != "cpu":
+            raise ValueError(f"kv_transport {kind!r}: this runtime registers CPU KV pools only so far, "
+                             f"and its device is {self.device}")
+        from .kv import KVEndpoint
+
+        cfg = self.model.cfg
+        block_bytes = cfg.num_hidden_layers * spec.block_size * cfg.kv_cache_dim * self.model.dtype.itemsize
+        return KVEndpoint(kind, spec.options.get("kv_name", f"runtime-{os.getpid()}"), spec.num_blocks, block_bytes)
+
+    # -- P/D KV transfer ---------------------------------------------------------------------
+    def kv_connect(self, msg: KVConnect) -> None:
+        self._need_endpoint().connect(msg.peer)
+
+    def kv_pull(self, msg: KVPull) -> None:
+        self._need_endpoint().pull(msg.req_id, msg.peer, msg.remote, msg.local)
+
+    def idle(self) -> None:
+        self.endpoint.progress()
+
+    def _need_endpoint(self):
+        if self.endpoint is None:
+            raise ValueError("this runtime has no KV transport: start it with runtime option 'kv_transport'")
+        return self.endpoint
+
+    def _kv_loads(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
+        """(done, failed) KV loads to report with this step."""
+        if self.endpoint is None:  # nothing is pulled here: a load is done when planned
+            return plan.kv_load_req_ids, np.zeros(0, np.int64)
+        done, failed = self.endpoint.poll()
+        return np.asarray(done, np.int64), np.asarray(failed, np.int64)
 
     def _join_group(self, spec: RuntimeSpec) -> None:
         """Expert parallelism over the DEP instance: Gloo on CPU, NCCL on GPU."""
@@ -109,6 +150,8 @@ class TorchRuntime:
     def forget(self, req_ids: list[int]) -> None:
         for rid in req_ids:
             self.params.pop(rid, None)
+        if self.endpoint is not None:
+            self.endpoint.cancel(req_ids)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.placements is None:
@@ -120,11 +163,13 @@ class TorchRuntime:
 
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
-        if plan.num_reqs == 0:
+        self._update_tables(plan)
+        if plan.num_reqs == 0 or (len(plan.token_ids) == 0 and self.world == 1):
             if self.world > 1:  # a dummy step: the MoE collectives must still run here
                 self.model(self._empty_batch(), self.kv)
-            return StepResult(step_id=plan.step_id, num_sampled=np.zeros(0, np.int32),
-                              token_ids=np.zeros(0, np.int32), kv_loads_done=plan.kv_load_req_ids)
+            done, failed = self._kv_loads(plan)
+            return StepResult(step_id=plan.step_id, num_sampled=np.zeros(plan.num_reqs, np.int32),
+                              token_ids=np.zeros(0, np.int32), kv_loads_done=done, kv_loads_failed=failed)
         batch, positions = self._batch(plan)
         t1 = time.perf_counter()
         logits, counts = self.model(batch, self.kv)
@@ -134,19 +179,22 @@ class TorchRuntime:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         t2 = time.perf_counter()
+        done, failed = self._kv_loads(plan)
         return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32), token_ids=tokens,
-                          kv_loads_done=plan.kv_load_req_ids, expert_counts=counts.cpu().numpy(),
+                          kv_loads_done=done, kv_loads_failed=failed, expert_counts=counts.cpu().numpy(),
                           logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1)
+
+    def _update_tables(self, plan: StepPlan) -> None:
+        """New block ids go into each slot's table at block_start onwards."""
+        if len(plan.block_ids):
+            nb = np.diff(plan.block_offsets)
+            rows = np.repeat(plan.slots.astype(np.int64), nb)
+            cols = np.repeat(plan.block_start.astype(np.int64) - plan.block_offsets[:-1], nb) + np.arange(len(plan.block_ids))
+            self.tables[rows, cols] = plan.block_ids
 
     def _batch(self, plan: StepPlan) -> tuple[ForwardBatch, np.ndarray]:
         n, bs = plan.num_reqs, self.bs
         slots = plan.slots.astype(np.int64)
-        # New block ids go into each slot's table at block_start onwards.
-        nb = np.diff(plan.block_offsets)
-        if len(plan.block_ids):
-            rows = np.repeat(slots, nb)
-            cols = np.repeat(plan.block_start.astype(np.int64) - plan.block_offsets[:-1], nb) + np.arange(len(plan.block_ids))
-            self.tables[rows, cols] = plan.block_ids
         num_new = plan.num_new.astype(np.int64)
         entry = np.repeat(np.arange(n), num_new)
         ids = plan.token_ids.astype(np.int64)
@@ -159,10 +207,15 @@ class TorchRuntime:
         table = self.tables[slots, :width]
         slot_mapping = table[entry, pos // bs].astype(np.int64) * bs + pos % bs
         sample_rows = plan.token_offsets[1:][plan.samples] - 1
+        query_start = np.array(plan.token_offsets, dtype=np.int64)
+        if not num_new.all():  # entries that only carry a block table (KV being pulled in)
+            keep = np.flatnonzero(num_new)
+            query_start = np.concatenate([query_start[:1], query_start[1:][keep]])
+            seq_lens, table = seq_lens[keep], table[keep]
         d = self.device
         batch = ForwardBatch(
             input_ids=torch.from_numpy(ids).to(d), positions=torch.from_numpy(pos).to(d),
-            query_start=torch.from_numpy(np.array(plan.token_offsets, dtype=np.int64)).to(d),
+            query_start=torch.from_numpy(query_start).to(d),
             seq_lens=torch.from_numpy(seq_lens).to(d), block_tables=torch.from_numpy(np.ascontiguousarray(table)).to(d),
             slot_mapping=torch.from_numpy(slot_mapping).to(d), sample_index=torch.from_numpy(sample_rows).to(d),
         )
@@ -184,7 +237,10 @@ class TorchRuntime:
                             slot_mapping=e.to(d), sample_index=e.to(d))
 
     def shutdown(self) -> None:
-        self.kv = None
+        self.kv = self.kv_pool = None
+        if getattr(self, "endpoint", None) is not None:
+            self.endpoint.close()
+            self.endpoint = None
         if self.world > 1:
             import torch.distributed as dist
             if dist.is_initialized():

@@ -22,6 +22,7 @@ import trio
 
 from lockstep.engine.balancer import Balancer, BalancerStats
 from lockstep.engine.config import EngineConfig
+from lockstep.engine.disagg import DecodeSide, Disagg, PrefillSide
 from lockstep.engine.group import LocalGroup
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
 from lockstep.engine.output import RequestStream
@@ -188,24 +189,37 @@ def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[st
 
 @asynccontextmanager
 async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
-    """Start the runtime process and the actors; stop them all on exit."""
+    """Start the runtime processes and the actors; stop them all on exit.
+
+    Ranks are laid out flat: with P/D the prefill pool's ranks come first (new requests go
+    there), then the decode pool's; otherwise every rank of every instance takes requests."""
     config = config or EngineConfig()
-    group = LocalGroup(config.dep, config.dist_init_address) if config.dep > 1 else None
     balancer = Balancer(config.eplb) if config.eplb is not None else None
     loads = None if balancer is None else balancer.send_channel
+    disagg = Disagg(config.kv_transport, config.kv_hold_timeout_s) if config.prefill_instances else None
     async with trio.open_nursery() as nursery:
-        schedulers = [Scheduler(config.make_core, partial(_client, config, group, rank), group=group, rank=rank,
-                                loads=loads) for rank in range(config.dep)]
-        async with trio.open_nursery() as starting:  # together: the runtimes join one group
+        schedulers: list[Scheduler] = []
+        if disagg is not None:
+            disagg.prefill = _pool(config, "prefill", config.prefill_instances, config.prefill_dep, disagg, None)
+            schedulers += disagg.prefill
+        pool = _pool(config, "decode" if disagg else "colocated", config.instances, config.dep, disagg, loads)
+        if disagg is not None:
+            disagg.decode = pool
+        schedulers += pool
+        async with trio.open_nursery() as starting:  # together: each instance's runtimes join one group
             for s in schedulers:
                 starting.start_soon(nursery.start, s.run)
         ready = schedulers[0].client.ready
         if balancer is not None:
             await nursery.start(balancer.run, ready, [s.place_nowait for s in schedulers])
         tokenizer = config.load_tokenizer()
-        frontend = Frontend(tokenizer, config.hasher(), schedulers, max_model_len=config.scheduler.max_model_len,
+        targets = disagg.prefill if disagg is not None else schedulers
+        frontend = Frontend(tokenizer, config.hasher(), targets, max_model_len=config.scheduler.max_model_len,
                             vocab_size=ready.vocab_size, eos_token_id=ready.eos_token_id,
                             mailbox_size=config.mailbox_size)
+        if disagg is not None:
+            first = len(disagg.prefill)
+            disagg.on_moved = lambda rid, j: frontend.rank_of.__setitem__(rid, first + j)
         await nursery.start(frontend.run)
         try:
             yield Engine(config, schedulers, frontend, tokenizer, balancer)
@@ -213,8 +227,23 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
             nursery.cancel_scope.cancel()
 
 
-def _client(config: EngineConfig, group: LocalGroup | None, rank: int):
-    return config.make_client(rank, None if group is None else group.dist_init)
+def _pool(config: EngineConfig, role: str, instances: int, dep: int, disagg: Disagg | None, loads) -> list[Scheduler]:
+    """The Scheduler actors of ``instances`` instances of ``dep`` ranks each (not started)."""
+    out = []
+    for _ in range(instances):
+        group = LocalGroup(dep, config.dist_init_address) if dep > 1 else None
+        for rank in range(dep):
+            side = None
+            if disagg is not None:
+                side = (PrefillSide if role == "prefill" else DecodeSide)(disagg, len(out))
+            make_client = partial(_client, config, group, rank, dep, disagg, role)
+            out.append(Scheduler(config.make_core, make_client, group=group, rank=rank, loads=loads, role=side))
+    return out
+
+
+def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int, disagg: Disagg | None, role: str):
+    options = None if disagg is None else disagg.runtime_options(role, config.runtime_options)
+    return config.make_client(rank, None if group is None else group.dist_init, world_size=dep, options=options)
 
 
 class LLM:

@@ -129,7 +129,8 @@ class Attention(nn.Module):
         latent, k_pe = self.kv_a_proj_with_mqa(x).split(
             [self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         entry = torch.cat([self.kv_a_layernorm(latent), self.rope.apply(k_pe, cos, sin)], dim=-1)
-        cache.view(-1, self.cfg.kv_cache_dim)[slots] = entry.to(cache.dtype)
+        bs = cache.shape[1]  # a layer's view of the block-major pool: (blocks, bs, dim), strided
+        cache[slots // bs, slots % bs] = entry.to(cache.dtype)
 
     def _expand(self, cached: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached (L, kv_cache_dim) -> keys (L, heads, qk_head_dim), values (L, heads, v)."""
@@ -285,10 +286,24 @@ class DeepseekV3(nn.Module):
 
     def make_kv_cache(self, num_blocks: int, block_size: int,
                       dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-        """One zeroed (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim) tensor per layer."""
-        shape = (num_blocks, block_size, self.cfg.kv_cache_dim)
-        return [torch.zeros(shape, dtype=dtype or self.dtype, device=self.device)
-                for _ in range(self.cfg.num_hidden_layers)]
+        """Per-layer (num_blocks, block_size, kv_lora_rank + qk_rope_head_dim) views of one
+        zeroed block-major pool (see ``make_kv_pool``)."""
+        return self.make_kv_pool(num_blocks, block_size, dtype)[1]
+
+    def make_kv_pool(self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+                     storage: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The KV pool, block-major: (num_blocks, layers, block_size, kv_cache_dim), so one
+        block of every layer is one contiguous span (one descriptor moves it in P/D), and
+        per-layer views of it. ``storage``: zeroed bytes to lay it over (a shared pool)."""
+        dtype = dtype or self.dtype
+        shape = (num_blocks, self.cfg.num_hidden_layers, block_size, self.cfg.kv_cache_dim)
+        if storage is None:
+            pool = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            pool = storage.view(torch.uint8).view(dtype).view(shape)
+            if pool.device != self.device:
+                raise ValueError(f"KV pool storage is on {pool.device}, the model on {self.device}")
+        return pool, [pool[:, i] for i in range(self.cfg.num_hidden_layers)]
 
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()

@@ -33,8 +33,15 @@ class EngineConfig:
     ring_bytes: int = 1 << 22
     runtime_options: dict = attrs.field(factory=dict)
     mailbox_size: int = 256
-    dep: int = 1  # data-parallel ranks in this engine (one Scheduler and runtime each)
+    dep: int = 1  # data-parallel ranks per instance (one Scheduler and runtime each)
     eplb: EplbConfig | None = None  # expert load balancing (physical slots, rebalancing)
+    instances: int = 1  # colocated instances, or with P/D the decode pool's
+    # Prefill/decode disaggregation: prefill instances (0: colocated serving), their ranks,
+    # how KV moves between the pools, and how long a prefill keeps unclaimed KV.
+    prefill_instances: int = 0
+    prefill_dep: int = 1
+    kv_transport: str = "nixl"
+    kv_hold_timeout_s: float = 120.0
 
     def __attrs_post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -46,6 +53,23 @@ class EngineConfig:
         if self.eplb is not None and self.eplb.redundant_experts % self.dep:
             raise ConfigError(f"eplb.redundant_experts must be a multiple of engine.dep ({self.dep}) so every "
                               f"rank has as many expert slots, got {self.eplb.redundant_experts}")
+        for name in ("instances", "prefill_dep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"engine.{name} must be an integer >= 1, got {v!r}")
+        if not isinstance(self.prefill_instances, int) or self.prefill_instances < 0:
+            raise ConfigError(f"engine.prefill_instances must be an integer >= 0 (0: no P/D), "
+                              f"got {self.prefill_instances!r}")
+        if self.kv_transport not in ("nixl", "shm"):
+            raise ConfigError(f"engine.kv_transport must be 'nixl' or 'shm', got {self.kv_transport!r}")
+        if not self.kv_hold_timeout_s > 0:
+            raise ConfigError(f"engine.kv_hold_timeout_s must be > 0, got {self.kv_hold_timeout_s!r}")
+        if self.prefill_instances and self.runtime == "torch" and self.device != "cpu":
+            raise ConfigError(f"engine.prefill_instances: P/D moves KV between CPU pools only so far "
+                              f"(engine.device is {self.device!r})")
+        if self.eplb is not None and (self.instances > 1 or self.prefill_instances):
+            raise ConfigError("engine.eplb balances one colocated instance so far; got "
+                              f"{self.instances} instances and {self.prefill_instances} prefill instances")
         runtimes = available()
         if self.runtime not in runtimes:
             raise ConfigError(f"engine.runtime must be one of the registered runtimes {sorted(runtimes)}, "
@@ -75,9 +99,10 @@ class EngineConfig:
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
                    scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb)
 
-    def runtime_spec(self, rank: int = 0, dist_init: str | None = None) -> RuntimeSpec:
+    def runtime_spec(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
+                     options: dict | None = None) -> RuntimeSpec:
         s = self.scheduler
-        options = dict(self.runtime_options)
+        options = dict(self.runtime_options if options is None else options)
         if dist_init is not None:
             options["dist_init"] = dist_init
         if self.eplb is not None:
@@ -85,7 +110,7 @@ class EngineConfig:
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
                            num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
                            max_model_len=s.max_model_len, seed=self.seed, options=options,
-                           rank=rank, world_size=self.dep)
+                           rank=rank, world_size=self.dep if world_size is None else world_size)
 
     def dist_init_address(self) -> str:
         """A fresh rendezvous for the runtimes' torch.distributed group (expert
@@ -104,8 +129,10 @@ class EngineConfig:
     def make_core(self) -> SchedulerCore:
         return SchedulerCore(self.scheduler, self.hasher())
 
-    def make_client(self, rank: int = 0, dist_init: str | None = None) -> RuntimeClient:
-        return RuntimeClient(self.runtime_spec(rank, dist_init), ring_bytes=self.ring_bytes)
+    def make_client(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
+                    options: dict | None = None) -> RuntimeClient:
+        spec = self.runtime_spec(rank, dist_init, world_size=world_size, options=options)
+        return RuntimeClient(spec, ring_bytes=self.ring_bytes)
 
     def load_tokenizer(self):
         if self.tokenizer is None:

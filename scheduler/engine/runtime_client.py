@@ -18,8 +18,9 @@ import trio
 
 from lockstep.policy.step import StepPlan, StepResult
 from lockstep.runtime import main as runtime_main
-from lockstep.runtime.base import (FAILURE, FORGET, NEW_PLACEMENT, NEW_REQUESTS, READY, RESULT, SHUTDOWN,
-                                   Failure, Forget, NewPlacement, NewRequests, Ready, RuntimeSpec)
+from lockstep.runtime.base import (FAILURE, FORGET, KV_CONNECT, KV_PULL, NEW_PLACEMENT, NEW_REQUESTS, READY, RESULT,
+                                   SHUTDOWN, Failure, Forget, KVConnect, KVPull, NewPlacement, NewRequests, Ready,
+                                   RuntimeSpec)
 from lockstep.transports import trio_ring
 from lockstep.transports.shm_ring import Ring, send_ring
 from lockstep.transports.step_codec import decode, encode
@@ -109,6 +110,14 @@ class RuntimeClient:
         """An expert placement to stage; the runtime switches when a plan names ``gen``."""
         p = np.ascontiguousarray(phy2log, dtype="<i8")
         self._pending.append((NEW_PLACEMENT, _ENC.encode(NewPlacement(gen, p.shape[0], p.shape[1], p.tobytes()))))
+
+    def kv_connect(self, peer: bytes) -> None:
+        """Connect to a P/D peer's KV pool (its ``Ready.kv_peer``)."""
+        self._pending.append((KV_CONNECT, _ENC.encode(KVConnect(peer))))
+
+    def kv_pull(self, req_id: int, peer: str, remote: list[int], local: list[int]) -> None:
+        """Start pulling a request's KV (an empty ``peer``: report it failed)."""
+        self._pending.append((KV_PULL, _ENC.encode(KVPull(req_id, peer, remote, local))))
 
     def send_plan(self, plan: StepPlan) -> None:
         for kind, payload in self._pending:

@@ -87,6 +87,10 @@ class SchedulerStats:
     steps: int
     generated_tokens: int
     runtime_restarts: int
+    waiting_for_kv: int = 0  # P/D decode: requests whose prompt KV is being pulled
+    kv_held: int = 0  # P/D prefill: finished prefills whose blocks wait for a pull
+    kv_pulls: int = 0  # P/D decode: pulls done
+    kv_pull_failures: int = 0  # of which fell back to prefilling on the decode side
 
 
 class Scheduler:
@@ -94,7 +98,7 @@ class Scheduler:
                  *, pacer: Pacer | None = None, on_plan: Callable[[StepPlan], None] | None = None,
                  on_result: Callable[[StepPlan, StepResult], None] | None = None,
                  group: LocalGroup | None = None, rank: int = 0,
-                 loads: trio.MemorySendChannel | None = None):
+                 loads: trio.MemorySendChannel | None = None, role=None):
         self.make_core, self.make_client = make_core, make_client
         self.core = make_core()
         self.client: RuntimeClient | None = None
@@ -102,6 +106,7 @@ class Scheduler:
         self.on_plan, self.on_result = on_plan, on_result  # observers (tests, benchmarks)
         self.group, self.rank = group, rank  # the DEP instance this rank steps with, if any
         self.loads = loads  # the expert load balancer's mailbox, when it runs
+        self.role = role  # the P/D side this rank plays (lockstep.engine.disagg), or None
         self._placement = PlacementStatus(0, 0, 0)
         self.streams: dict[int, RequestStream] = {}
         self._unscheduled: set[int] = set()  # admitted, not yet in any plan (for queue time)
@@ -119,6 +124,7 @@ class Scheduler:
         self.client = self.make_client()
         try:
             await self.client.start()
+            self._started()
             task_status.started()
             while True:
                 if self.group is None:
@@ -172,9 +178,10 @@ class Scheduler:
             now = self.pacer.now()
             self._handle(sub, now)
         elif self.group is None:
-            msg = await self._inbox.receive()
+            with trio.move_on_after(self._role_wait()):
+                msg = await self._inbox.receive()
+                self._handle(msg, self.pacer.now())
             now = self.pacer.now()
-            self._handle(msg, now)
             self._take_messages(now)
         else:
             await self._wait_group()
@@ -191,10 +198,23 @@ class Scheduler:
                 self._handle(msg, self.pacer.now())
                 self.group.wake()
             nursery.start_soon(on_message)
-            await self.group.wait_woken(seen)
+            with trio.move_on_after(self._role_wait()):
+                await self.group.wait_woken(seen)
+            if self.group.wake_gen == seen:  # this rank's own timer: the others step with it
+                self.group.wake()
             nursery.cancel_scope.cancel()
 
+    def _role_wait(self) -> float:
+        """How long an idle rank may sleep: forever, unless its P/D side has a deadline
+        (a hold to expire) or KV loads to poll."""
+        if self.role is None:
+            return math.inf
+        t = self.role.wake_after(self.pacer.now())
+        return math.inf if t is None else t
+
     def _take_messages(self, now: float) -> None:
+        if self.role is not None:
+            self.role.tick(self, now)
         for sub in self.pacer.due(now):
             self._handle(sub, now)
         while True:
@@ -207,6 +227,8 @@ class Scheduler:
     def _handle(self, msg, now: float) -> None:
         match msg:
             case Submit(req=req, stream=stream):
+                if self.role is not None:
+                    req = self.role.on_submit(req)
                 try:
                     self.core.add_request(req)
                 except RequestError as e:
@@ -225,6 +247,8 @@ class Scheduler:
                 self._want_logprobs.discard(rid)
                 if self.core.abort(rid):
                     self.client.forget([rid])
+                if self.role is not None:
+                    self.role.on_abort(self, rid)
                 s = self.streams.pop(rid, None)
                 if s is not None:
                     s.finish(reason, now)
@@ -234,11 +258,14 @@ class Scheduler:
                 self.client.new_placement(gen, phy2log)
                 self._placement = attrs.evolve(self._placement, forwarded=gen)
             case _:
-                raise TypeError(f"Scheduler got an unknown message {msg!r}")
+                if self.role is None or not self.role.handle(self, msg, now):
+                    raise TypeError(f"Scheduler got an unknown message {msg!r}")
 
     def _plan(self, now: float) -> StepPlan | None:
         plan = self.core.schedule(now)
-        return None if plan.is_empty() else plan
+        if plan.is_empty():  # an empty plan still collects KV-load completions (P/D decode)
+            return plan if self.role is not None and self.role.wants_poll(self, now) else None
+        return plan
 
     async def _dispatch(self, now: float) -> None:
         """One round; if it sent a plan, (async scheduling) plan the step after it too."""
@@ -266,6 +293,8 @@ class Scheduler:
     def _send(self, plan: StepPlan) -> None:
         if self._unscheduled and not plan.is_dummy:
             self._mark_scheduled(plan)
+        if self.role is not None and len(plan.kv_load_req_ids):
+            self.role.before_send(self, plan)  # the pulls go out ahead of the plan
         if self.on_plan is not None:
             self.on_plan(plan)
         self.client.send_plan(plan)  # after the control messages queued since the last one
@@ -309,7 +338,10 @@ class Scheduler:
         self.generated += int(out.num_tokens.sum())
         if self._want_logprobs and result.logprobs is not None:
             self._deliver_logprobs(plan, result, out)
-        deliver(self.streams, out.req_ids, out.num_tokens, out.token_ids, out.finished, now)
+        finished = out.finished
+        if self.role is not None:  # P/D prefill: hand-offs leave with their first token
+            finished = self.role.after_update(self, plan, result, out, now)
+        deliver(self.streams, out.req_ids, out.num_tokens, out.token_ids, finished, now)
         if out.finished:
             self.client.forget([rid for rid, _ in out.finished])
 
@@ -321,7 +353,12 @@ class Scheduler:
         await self.client.aclose()
         self.client = self.make_client()
         await self.client.start()
+        self._started()
         self.restarts += 1
+
+    def _started(self) -> None:
+        if self.role is not None:
+            self.role.on_started(self)
 
     async def _restart_with_group(self) -> None:
         error = self.group.failure
@@ -335,6 +372,7 @@ class Scheduler:
         await self.group.barrier("down", on_last=self.group.restarted)
         self.client = self.make_client()
         await self.client.start()
+        self._started()
         self.restarts += 1
         await self.group.barrier("up")
 
@@ -353,6 +391,8 @@ class Scheduler:
         now = self.pacer.now()
         for rid in list(self.core.requests):
             self.core.abort(rid)
+        if self.role is not None:
+            self.role.on_fail(self)
         streams, self.streams = self.streams, {}
         self._unscheduled.clear()
         self._want_logprobs.clear()
@@ -374,4 +414,6 @@ class Scheduler:
             kv_blocks_total=c.pool.num_blocks, prefix_queries=self._old[0] + c.prefix_queries,
             prefix_hits=self._old[1] + c.prefix_hits, preemptions=self._old[2] + c.num_preemptions,
             steps=self.steps, generated_tokens=self.generated, runtime_restarts=self.restarts,
+            waiting_for_kv=c.num_waiting_for_kv, kv_held=len(c.held),
+            kv_pulls=getattr(self.role, "pulled", 0), kv_pull_failures=getattr(self.role, "pull_failed", 0),
         )
