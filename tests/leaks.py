@@ -30,3 +30,20 @@ def child_pids() -> set[int]:
         except OSError:
             pass
     return out
+
+
+def descendant_pids() -> set[int]:
+    """Live processes below this one at any depth (runtime processes are children of the
+    forkserver, itself a child of this process)."""
+    parent: dict[int, int] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            pass
+    out, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - out
+        out |= frontier
+    return out

@@ -178,9 +178,15 @@ class Scheduler:
             now = self.pacer.now()
             self._handle(sub, now)
         elif self.group is None:
-            with trio.move_on_after(self._role_wait()):
-                msg = await self._inbox.receive()
-                self._handle(msg, self.pacer.now())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._until_runtime_exits, nursery.cancel_scope)
+                with trio.move_on_after(self._role_wait()):
+                    msg = await self._inbox.receive()
+                    self._handle(msg, self.pacer.now())
+                nursery.cancel_scope.cancel()
+            if not self.client.alive():  # died while idle: restart now, not on the next request
+                code = None if self.client.proc is None else self.client.proc.exitcode
+                return await self._restart(RuntimeDied(f"runtime process exited while idle (code {code})"))
             now = self.pacer.now()
             self._take_messages(now)
         else:
@@ -203,6 +209,12 @@ class Scheduler:
             if self.group.wake_gen == seen:  # this rank's own timer: the others step with it
                 self.group.wake()
             nursery.cancel_scope.cancel()
+
+    async def _until_runtime_exits(self, scope: trio.CancelScope) -> None:
+        proc = self.client.proc
+        if proc is not None:
+            await trio.lowlevel.wait_readable(proc.sentinel)
+            scope.cancel()
 
     def _role_wait(self) -> float:
         """How long an idle rank may sleep: forever, unless its P/D side has a deadline
