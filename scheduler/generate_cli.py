@@ -25,6 +25,13 @@ def add_parser(sub) -> None:
     g.add_argument("--redundant-experts", type=int, default=0,
                     help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
     g.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
+    g.add_argument("--instances", type=int, default=1,
+                    help="instances of --dep ranks (with --prefill-instances: the decode pool's)")
+    g.add_argument("--prefill-instances", type=int, default=0,
+                    help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
+    g.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
+    g.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
+                    help="how decode runtimes pull KV from prefill runtimes")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
@@ -36,6 +43,12 @@ def eplb_config(args):
     return EplbConfig(redundant_experts=args.redundant_experts, window_steps=args.eplb_window)
 
 
+def pd_options(args) -> dict:
+    """Instances and prefill/decode disaggregation from the command line."""
+    return dict(instances=args.instances, prefill_instances=args.prefill_instances, prefill_dep=args.prefill_dep,
+                kv_transport=args.kv_transport)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from lockstep.api import open_engine
     from lockstep.engine.config import EngineConfig
@@ -45,7 +58,7 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
     params.validate()
     config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
-                          dep=args.dep, eplb=eplb_config(args))
+                          dep=args.dep, eplb=eplb_config(args), **pd_options(args))
 
     async def main() -> None:
         async with open_engine(config) as engine:

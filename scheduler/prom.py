@@ -74,11 +74,18 @@ class ServerMetrics:
             ("vllm:num_requests_waiting", "Requests waiting to be processed.", stats.waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent.",
              stats.kv_blocks_used / max(stats.kv_blocks_total, 1)),
+            # P/D (zero when colocated): lockstep's own names, vLLM has none for these.
+            ("lockstep:num_requests_waiting_for_kv", "Decode-side requests whose prompt KV is being pulled.",
+             stats.waiting_for_kv),
+            ("lockstep:num_kv_held", "Prefilled requests whose KV waits for a decode rank's pull.", stats.kv_held),
         ]
         counters = [
             ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_queries),
             ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_hits),
             ("vllm:num_preemptions", "Cumulative preemptions.", stats.preemptions),
+            ("lockstep:kv_pulls", "P/D KV pulls completed.", stats.kv_pulls),
+            ("lockstep:kv_pull_failures", "P/D KV pulls that failed (the decode side prefilled instead).",
+             stats.kv_pull_failures),
             ("vllm:prompt_tokens", "Prefill tokens processed.", self.prompt_tokens),
             ("vllm:generation_tokens", "Generation tokens processed.", self.generation_tokens),
         ]

@@ -32,6 +32,13 @@ def add_parser(sub) -> None:
     s.add_argument("--redundant-experts", type=int, default=0,
                     help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
     s.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
+    s.add_argument("--instances", type=int, default=1,
+                    help="instances of --dep ranks (with --prefill-instances: the decode pool's)")
+    s.add_argument("--prefill-instances", type=int, default=0,
+                    help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
+    s.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
+    s.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
+                    help="how decode runtimes pull KV from prefill runtimes")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
@@ -57,7 +64,7 @@ def configure_logging(fmt: str) -> None:
 
 def engine_config(args):
     from lockstep.engine.config import EngineConfig
-    from lockstep.generate_cli import eplb_config
+    from lockstep.generate_cli import eplb_config, pd_options
     from lockstep.policy.config import SchedulerConfig
 
     if args.deployment:
@@ -69,7 +76,7 @@ def engine_config(args):
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                         scheduler=sched, runtime_options=_options(args.runtime_option),
                         tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model), dep=args.dep,
-                        eplb=eplb_config(args))
+                        eplb=eplb_config(args), **pd_options(args))
 
 
 def _timing_tokenizer(model: str) -> str | None:

@@ -240,6 +240,38 @@ def test_openai_client_completions_chat_and_errors(real_server):
         assert name in metrics
 
 
+def test_pd_deployment_serves_the_same_greedy_tokens(real_server):
+    """`lockstep serve --deployment examples/serve-pd-cpu.toml`: a prefill pool and a decode
+    pool pulling KV over NIXL, answering as the colocated server does."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--deployment",
+                             "examples/serve-pd-cpu.toml", "--port", str(port), "--log-format", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 9, "temperature": 0,
+                "ignore_eos": True}
+        want = httpx.post(f"{real_server[1]}/v1/completions", json=body, timeout=60).json()
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["usage"] == want["usage"]
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'lockstep:kv_pulls_total{model_name="tiny"} 1.0' in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
 def test_bench_serve_prints_and_saves_its_report(real_server, tmp_path, capsys):
     from lockstep.cli import main
 

@@ -80,15 +80,25 @@ class EngineConfig:
 
     @classmethod
     def from_deployment(cls, dep, pool_index: int = 0) -> EngineConfig:
-        """One rank of ``dep.pools[pool_index]``, as its [engine] table says to run it.
-        The engine has no host-memory KV tier yet, so it is left off here."""
-        if not 0 <= pool_index < len(dep.pools):
-            raise ConfigError(f"{dep.source}: no pool #{pool_index + 1} (it has {len(dep.pools)})")
-        pool = dep.pools[pool_index]
-        if pool.role != "colocated" or pool.instances != 1:
-            raise ConfigError(f"{dep.source}: pool {pool.name!r}: the engine serves one colocated instance "
-                              f"so far (got role {pool.role!r}, {pool.instances} instances); prefill/decode "
-                              "pools arrive with disaggregation")
+        """What the deployment's pools say to run, as its [engine] table says to run them:
+        ``dep.pools[pool_index]`` when the pools are colocated, or the prefill and decode
+        pools together. The engine has no host-memory KV tier yet, so it is left off here."""
+        roles = sorted(p.role for p in dep.pools)
+        if roles == ["decode", "prefill"]:
+            prefill = next(p for p in dep.pools if p.role == "prefill")
+            pool = next(p for p in dep.pools if p.role == "decode")
+            if prefill.model != pool.model:
+                raise ConfigError(f"{dep.source}: the prefill pool serves {prefill.model!r} and the decode pool "
+                                  f"{pool.model!r}; P/D pools must serve one model")
+            pd = dict(prefill_instances=prefill.instances, prefill_dep=prefill.dep,
+                      kv_transport=dep.engine.kv_transport, kv_hold_timeout_s=dep.engine.kv_hold_timeout_s)
+        elif set(roles) == {"colocated"}:
+            if not 0 <= pool_index < len(dep.pools):
+                raise ConfigError(f"{dep.source}: no pool #{pool_index + 1} (it has {len(dep.pools)})")
+            pool, pd = dep.pools[pool_index], {}
+        else:
+            raise ConfigError(f"{dep.source}: the engine runs colocated pools, or one prefill pool and one "
+                              f"decode pool; got pools with roles {roles}")
         model, eng = dep.model(pool.model), dep.engine
         ref = model.checkpoint and str((Path(dep.source).parent / model.checkpoint).resolve())
         sched = attrs.evolve(dep.scheduler_for(pool), host_cache_blocks=0)
@@ -97,7 +107,8 @@ class EngineConfig:
         elif eng.device == "cpu":
             sched = attrs.evolve(sched, num_blocks=min(sched.num_blocks, 4096))
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
-                   scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb)
+                   scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb,
+                   instances=pool.instances, **pd)
 
     def runtime_spec(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
                      options: dict | None = None) -> RuntimeSpec:
