@@ -70,8 +70,12 @@ class Spec:
 
 class FakeRuntime:
     def __init__(self, cfg: SchedulerConfig, specs: dict[int, Spec], hasher: BlockHasher, *,
-                 check_kv: bool, load_delay: int = 1, fail_loads: frozenset = frozenset()):
+                 check_kv: bool, load_delay: int = 1, fail_loads: frozenset = frozenset(), spec_seed: int = 0):
         self.bs = cfg.block_size
+        # Speculative decodes: this runtime "drafts" the true tokens and accepts a random
+        # number of them, writing garbage KV where rejected drafts sat.
+        self.spec_rng = np.random.default_rng(spec_seed)
+        self.spec_accepted: dict[int, int] = {}  # plan entry -> drafts accepted, this step
         self.cfg = cfg
         self.specs = specs
         self.truth = {rid: s.truth() for rid, s in specs.items()}
@@ -135,6 +139,25 @@ class FakeRuntime:
                 if blocks:
                     assert bstart <= len(table), f"request {rid}: block_start {bstart} past its table"
                     table[bstart : bstart + len(blocks)] = blocks
+            toks0 = plan.token_ids[to[i] : to[i + 1]]
+            if self.cfg.num_spec_tokens and k and toks0[0] == PLACEHOLDER and rid in self.last:
+                # With speculation a decode goes where the runtime's own count says (the
+                # plan may predate the rollback of drafts rejected in the step before).
+                actual = self.last[rid][0]
+                assert actual <= start, f"request {rid}: tentative start {start} behind {actual}"
+                start = actual
+            if k > 1 and toks0[0] == PLACEHOLDER:  # a speculative decode with k - 1 drafts
+                assert (toks0 == PLACEHOLDER).all()
+                actual = start
+                acc = int(self.spec_rng.integers(0, k))
+                self.spec_accepted[i] = acc
+                if self.check_kv:
+                    table = self.tables[rid]
+                    assert len(table) * self.bs >= actual + k, f"request {rid}: drafts without blocks"
+                    pos = np.arange(actual + 1 + acc, actual + k)
+                    tb = np.asarray(table, dtype=np.int64)
+                    self.kv[tb[pos // self.bs], pos % self.bs] = -7  # rejected drafts' KV
+                start, k = actual, 1 + acc
             fed.append((i, rid, start, k))
         for rid, (first, num) in loads.items():  # host-tier loads land before the step runs
             self.host_loads += 1
@@ -149,6 +172,9 @@ class FakeRuntime:
             if not self.check_kv:
                 continue
             toks = plan.token_ids[to[i] : to[i + 1]].astype(np.int64)
+            if i in self.spec_accepted:  # the fed token and the accepted drafts: true ones
+                toks = self.truth[rid][start : start + k].copy()
+                toks[0] = PLACEHOLDER
             if k and toks[0] == PLACEHOLDER:
                 # "the token this request sampled in the previous step": there must be one
                 assert self.last.get(rid, (-1, 0))[0] == start, (
@@ -185,10 +211,13 @@ class FakeRuntime:
         toks = []
         for i, rid, start, k in fed:
             if plan.samples[i]:
-                ns[i] = 1
-                tok = int(self.truth[rid][start + k])
-                toks.append(tok)
-                self.last[rid] = (start + k, tok)
+                got = [int(self.truth[rid][start + k])]
+                if i in self.spec_accepted:  # accepted drafts, then the bonus token
+                    got = self.truth[rid][start + 1 : start + k + 1].tolist()
+                ns[i] = len(got)
+                toks += got
+                self.last[rid] = (start + k, got[-1])
+        self.spec_accepted.clear()
         return StepResult(
             step_id=plan.step_id, num_sampled=ns, token_ids=np.asarray(toks, dtype=np.int32),
             kv_loads_done=np.asarray(done, dtype=np.int64),
@@ -230,11 +259,11 @@ def decode_only(core: SchedulerCore, plan: StepPlan, rt: FakeRuntime) -> bool:
 
 
 def drive(cfg: SchedulerConfig, specs: list[Spec], *, use_advance=False, sync=False, check_kv=True,
-          load_delay=1, fail_loads=frozenset(), max_idle=200) -> Run:
+          load_delay=1, fail_loads=frozenset(), max_idle=200, spec_seed=0) -> Run:
     core = SchedulerCore(cfg, BlockHasher(b"test-secret", cfg.block_size))
     by_id = {s.rid: s for s in specs}
     rt = FakeRuntime(cfg, by_id, core.hasher, check_kv=check_kv and not use_advance,
-                     load_delay=load_delay, fail_loads=fail_loads)
+                     load_delay=load_delay, fail_loads=fail_loads, spec_seed=spec_seed)
     arrivals = sorted(specs, key=lambda s: (s.arrival, s.rid))
     aborts = sorted((s.abort_at, s.rid) for s in specs if s.abort_at is not None)
     run = Run(core, {}, [], [])
@@ -386,6 +415,20 @@ def test_random_workloads_sync(wl):
     cfg, specs = wl
     run = drive(cfg, specs, sync=True)
     check_outcome(run, specs, cfg)
+
+
+@FAST
+@given(workloads(), st.integers(1, 5), st.booleans(), st.integers(0, 2**16))
+def test_random_workloads_with_speculative_decoding(wl, k, sync, seed):
+    """Speculative decodes (k drafts, a random number accepted, rejected drafts' KV left as
+    garbage) with chunked prefill, prefix caching, preemption and async scheduling: every
+    request gets exactly its tokens, and every position it attends to holds the right KV."""
+    cfg, specs = wl
+    cfg = attrs.evolve(cfg, num_spec_tokens=k)
+    run = drive(cfg, specs, sync=sync, spec_seed=seed)
+    check_outcome(run, specs, cfg)
+    st_ = run.core.spec_stats()
+    assert st_["accepted_tokens"] <= st_["draft_tokens"] <= k * st_["drafts"]
 
 
 def pool_state(run: Run, specs: list[Spec]) -> tuple:

@@ -24,6 +24,8 @@ class BulkDecode:
         decoding, nothing waiting can start (blocks only shrink while nobody finishes), and
         no request reaches its last token sooner.
         """
+        if self.config.num_spec_tokens:  # steps differ by how many drafts each accepts
+            return 0
         slots = self.active_slots()
         if not len(slots) or not all(self.s_decodable[slots].tolist()):
             return 0

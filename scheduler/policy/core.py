@@ -28,11 +28,12 @@ from .decode import DecodeScheduling
 from .hashing import BlockHasher
 from .plans import PlanAssembly, PlanConstants
 from .request import FinishReason, Request, RequestError, RequestState
-from .step import StepPlan
+from .spec import SpecDecoding
+from .step import EMPTY_I64, StepPlan
 from .update import UpdatePath
 
 
-class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
+class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, SpecDecoding):
     def __init__(self, config: SchedulerConfig, hasher: BlockHasher):
         if hasher.block_size != config.block_size:
             raise ValueError(f"the hasher hashes blocks of {hasher.block_size} tokens but "
@@ -80,6 +81,7 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
         self.s_stop = np.full(n, -2, dtype=np.int64)  # eos id, or -2 when ignored
         self.s_tail = np.zeros((n, self.bs), dtype=np.int32)  # tokens of the open block
         self._const = PlanConstants(n)
+        self._init_spec()
 
     # -- intake --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -167,9 +169,13 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
     def schedule(self, now: float) -> StepPlan:
         budget = self.config.max_num_batched_tokens
         entries: list[tuple] = []  # (req, n_new, tokens, new_blocks, block_start)
-        dec_slots, grown = self._schedule_decodes(budget)
+        if self.config.num_spec_tokens:  # decodes with drafts: entries like prefill chunks
+            dec_slots, grown = EMPTY_I64, (EMPTY_I64, EMPTY_I64)
+            budget = self._schedule_spec_decodes(budget, entries)
+        else:
+            dec_slots, grown = self._schedule_decodes(budget)
+            budget -= len(dec_slots)
         dec_rids = self.s_rid[dec_slots]
-        budget -= len(dec_slots)
         budget = self._schedule_prefills(budget, entries)
         # No admissions in a step that preempted: they would take the blocks just freed.
         loads = [] if self._preempted_this_step else self._admit_waiting(budget, entries, now)
@@ -185,7 +191,6 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath):
     def _schedule_prefills(self, budget: int, entries: list) -> int:
         if not self._prefilling:
             return budget
-        self._chunked_now.clear()
         for slot in sorted(self._prefilling, key=lambda s: self._key(self.s_req[s])):
             if budget <= 0:
                 break

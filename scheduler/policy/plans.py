@@ -68,7 +68,13 @@ class PlanAssembly:
         if len(grown[0]):  # grown slots are a subsequence of dec_slots, both ascending
             counts[np.searchsorted(dec_slots, grown[0])] = 1
             blk_parts.append(grown[1].tolist())
-        for i, (req, k, start, toks, blks, bstart, sampled) in enumerate(entries, n_dec):
+        drafts = None
+        for i, e in enumerate(entries, n_dec):
+            req, k, start, toks, blks, bstart, sampled = e[:7]
+            if len(e) > 7 and e[7]:  # a speculative decode
+                if drafts is None:
+                    drafts = np.zeros(n, dtype=np.int32)
+                drafts[i] = e[7]
             req_ids[i], slots[i], num_new[i], start_pos[i] = req.id, req.slot, k, start
             samples[i], block_start[i], counts[i] = sampled, bstart, len(blks)
             tok_parts.append(toks)
@@ -86,6 +92,8 @@ class PlanAssembly:
         total = int(tok_offsets[-1])
         if n:  # every plan with requests must be applied; empty ones need not be
             self._plan_epochs[self._step] = self.s_epoch[slots]
+            if drafts is not None:
+                self._plan_spec[self._step] = drafts
         load_arr = np.asarray(loads, dtype=np.int64).reshape(-1, 3)
         return StepPlan(
             step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,

@@ -31,12 +31,15 @@ class UpdatePath:
                 self._kv_load_finished(rid, ok=False)
         ns = result.num_sampled
         epochs = self._plan_epochs.pop(plan.step_id, None)
+        drafts = self._plan_spec.pop(plan.step_id, None) if self._plan_spec else None
         if plan.num_reqs == 0:  # a step that only carried KV-load completions
             e = EMPTY_I64
             return StepOutputs(req_ids=e, num_tokens=e.astype(np.int32),
                                token_ids=e.astype(np.int32), finished=(), first_token_ids=e)
         if epochs is None:
             raise ValueError(f"step {plan.step_id} was not planned by this core, or was applied twice")
+        if drafts is not None:
+            return self._update_spec(plan, result, drafts, epochs)
         slots = plan.slots.astype(np.int64)
         # A slot's owner may have finished, been preempted or even re-admitted meanwhile.
         n = len(slots)
