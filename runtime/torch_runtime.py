@@ -66,10 +66,25 @@ class TorchRuntime:
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
+        self.spec = self._speculator(spec)
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                      num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid(),
                      moe_layers=self.moe_layers, kv_peer=b"" if self.endpoint is None else self.endpoint.export(),
                      kv_bytes_per_token=self.kv_pool[0].numel() * self.kv_pool.element_size() // self.bs)
+
+    def _speculator(self, spec: RuntimeSpec):
+        """Speculative decoding with the draft named by runtime option ``draft_model``."""
+        name = spec.options.get("draft_model")
+        if not name:
+            return None
+        if self.world > 1:
+            raise ValueError("draft_model: speculative decoding runs on one rank so far (the draft's "
+                             f"steps would have to line up across {self.world} expert-parallel ranks)")
+        from .speculative import Speculator, load_draft
+
+        draft = load_draft(str(name), self.model, dtype=self.model.dtype, device=self.device,
+                           seed=int(spec.options.get("draft_seed", spec.seed)))
+        return Speculator(self, draft, spec.num_blocks, spec.block_size, spec.max_num_seqs, spec.seed)
 
     def _kv_endpoint(self, spec: RuntimeSpec):
         """P/D: the pool lives in (or is registered with) a KV transport."""
@@ -170,6 +185,10 @@ class TorchRuntime:
             done, failed = self._kv_loads(plan)
             return StepResult(step_id=plan.step_id, num_sampled=np.zeros(plan.num_reqs, np.int32),
                               token_ids=np.zeros(0, np.int32), kv_loads_done=done, kv_loads_failed=failed)
+        if self.spec is not None:
+            done, failed = self._kv_loads(plan)
+            return attrs.evolve(self.spec.execute(plan), kv_loads_done=done, kv_loads_failed=failed,
+                                host_s=0.0)
         batch, positions = self._batch(plan)
         t1 = time.perf_counter()
         logits, counts = self.model(batch, self.kv)

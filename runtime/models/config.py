@@ -136,6 +136,15 @@ _PRESETS: dict[str, dict[str, Any]] = {
         v_head_dim=24, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
         rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=0, eos_token_ids=(1,),
     ),
+    # A smaller model with tiny's vocabulary: a draft for speculative decoding tests.
+    "tiny-draft": dict(
+        vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=2, n_routed_experts=4, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
+        rope_theta=10000.0, max_position_embeddings=4096, bos_token_id=0, eos_token_ids=(1,),
+    ),
     # DeepSeek-V2-Lite's shape (and its YaRN settings) in the V3 architecture: sigmoid
     # routing, so it is not V2-Lite's checkpoint math, but the same weights and KV bytes.
     "v2-lite": dict(

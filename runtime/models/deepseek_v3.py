@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -251,6 +252,17 @@ class DeepseekV3(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype, device)
 
     # -- construction ---------------------------------------------------------------------
+    def truncated(self, num_layers: int) -> DeepseekV3:
+        """This model's first ``num_layers`` layers with its embeddings, final norm and head,
+        sharing the weights: a draft for self-speculative decoding."""
+        m = DeepseekV3.__new__(DeepseekV3)
+        nn.Module.__init__(m)
+        m.cfg = attrs.evolve(self.cfg, num_hidden_layers=num_layers)
+        m.dtype, m.device, m.rope = self.dtype, self.device, self.rope
+        m.embed_tokens, m.norm, m.lm_head = self.embed_tokens, self.norm, self.lm_head
+        m.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        return m
+
     @classmethod
     def random_init(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                     device: torch.device | str = "cpu") -> DeepseekV3:

@@ -42,6 +42,10 @@ class EngineConfig:
     prefill_dep: int = 1
     kv_transport: str = "nixl"
     kv_hold_timeout_s: float = 120.0
+    # Speculative decoding: a draft model (a preset, a checkpoint directory, or "layers:N",
+    # the target's own first N layers) proposes num_spec_tokens tokens per decode step.
+    draft_model: str = ""
+    num_spec_tokens: int = 3
 
     def __attrs_post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -70,6 +74,13 @@ class EngineConfig:
         if self.eplb is not None and (self.instances > 1 or self.prefill_instances):
             raise ConfigError("engine.eplb balances one colocated instance so far; got "
                               f"{self.instances} instances and {self.prefill_instances} prefill instances")
+        if not isinstance(self.num_spec_tokens, int) or not 1 <= self.num_spec_tokens <= 16:
+            raise ConfigError(f"engine.num_spec_tokens must be an integer in [1, 16], got {self.num_spec_tokens!r}")
+        if self.draft_model and self.runtime == "torch" and not (
+                self.draft_model in preset_names() or self.draft_model.startswith("layers:")
+                or (Path(self.draft_model) / "config.json").is_file()):
+            raise ConfigError(f"engine.draft_model must be a preset {preset_names()}, 'layers:N' or a checkpoint "
+                              f"directory holding config.json, got {self.draft_model!r}")
         runtimes = available()
         if self.runtime not in runtimes:
             raise ConfigError(f"engine.runtime must be one of the registered runtimes {sorted(runtimes)}, "
@@ -118,6 +129,8 @@ class EngineConfig:
             options["dist_init"] = dist_init
         if self.eplb is not None:
             options.setdefault("redundant_experts", self.eplb.redundant_experts)
+        if self.draft_model:
+            options.setdefault("draft_model", self.draft_model)
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
                            num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
                            max_model_len=s.max_model_len, seed=self.seed, options=options,
@@ -137,8 +150,14 @@ class EngineConfig:
     def hasher(self) -> BlockHasher:
         return BlockHasher(self.hash_secret.encode(), self.scheduler.block_size)
 
+    def core_config(self) -> SchedulerConfig:
+        """The scheduler limits, with room for drafts when speculating."""
+        if self.draft_model and not self.scheduler.num_spec_tokens:
+            return attrs.evolve(self.scheduler, num_spec_tokens=self.num_spec_tokens)
+        return self.scheduler
+
     def make_core(self) -> SchedulerCore:
-        return SchedulerCore(self.scheduler, self.hasher())
+        return SchedulerCore(self.core_config(), self.hasher())
 
     def make_client(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
                     options: dict | None = None) -> RuntimeClient:

@@ -1,0 +1,215 @@
+"""Speculative decoding inside the torch runtime: a draft model proposes, the target verifies.
+
+A speculative decode entry feeds ``1 + d`` PLACEHOLDERs: the last sampled token and ``d``
+drafts this runtime proposes itself. Each step:
+
+1. the draft model catches up on the true tokens it has not seen (one, or two when every
+   draft of the last step was accepted) and proposes ``d`` tokens, one forward per draft;
+   prefill chunks go through the draft too, so its cache holds the prompt;
+2. the target runs once over every entry: prefill chunks, and for each decode the last token
+   and its drafts, with logits at every one of those positions;
+3. greedy requests accept the longest prefix of drafts equal to the target's argmax, plus the
+   target's next token; sampled requests accept draft ``x`` with probability
+   ``min(1, p(x) / q(x))`` and on a rejection draw from ``max(p - q, 0)`` renormalized, so the
+   output is distributed exactly as the target's (Leviathan et al., Chen et al.).
+
+The scheduler plans as if every draft were accepted and rolls back on the result, so a plan
+can name a decode's position too far ahead; this runtime places each decode at its own
+count (``pos``), which is exact. Rejected drafts leave KV behind in both caches at positions
+that the next step overwrites.
+
+The draft is a preset (random weights), a checkpoint directory, or ``layers:N``: the target's
+own first N layers with its embeddings and head (self-speculation; shares the weights).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
+
+from .models.batch import ForwardBatch
+from .sampling import _probs, _row_seed
+
+
+def load_draft(name: str, target, *, dtype: torch.dtype, device: torch.device, seed: int):
+    """The draft model named by the runtime option ``draft_model``."""
+    if name.startswith("layers:"):
+        n = int(name.split(":", 1)[1])
+        if not 1 <= n < target.cfg.num_hidden_layers:
+            raise ValueError(f"draft_model {name!r}: N must be in [1, {target.cfg.num_hidden_layers})")
+        return target.truncated(n)
+    from .models import load_model
+
+    draft = load_model(name, dtype=dtype, device=device, seed=seed)
+    if draft.cfg.vocab_size != target.cfg.vocab_size:
+        raise ValueError(f"draft_model {name!r} has a vocabulary of {draft.cfg.vocab_size}, the target "
+                         f"{target.cfg.vocab_size}: a draft must share the target's tokenizer")
+    return draft
+
+
+class Speculator:
+    def __init__(self, runtime, draft, num_blocks: int, block_size: int, max_num_seqs: int, seed: int):
+        self.rt, self.draft, self.bs = runtime, draft, block_size
+        self.gen = torch.Generator().manual_seed(seed)  # unseeded requests' draws, on the host
+        self.kv_pool, self.kv = draft.make_kv_pool(num_blocks, block_size)
+        self.pos = np.full(max_num_seqs, -1, dtype=np.int64)  # position of each slot's last sampled token
+        self.pending: list[list[int]] = [[] for _ in range(max_num_seqs)]  # true tokens the draft has not seen
+
+    # -- one step -----------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        offs, slots = plan.token_offsets, plan.slots.astype(np.int64)
+        default = (1.0, 1.0, -1, -1, -1)
+        entries = []  # (plan index, slot, fed tokens or None for a decode, first position, drafts, params)
+        for i in range(plan.num_reqs):
+            k = int(plan.num_new[i])
+            if k == 0:  # a table-only entry (KV being pulled in)
+                continue
+            slot, params = int(slots[i]), self.rt.params.get(int(plan.req_ids[i]), default)
+            toks = plan.token_ids[offs[i] : offs[i + 1]].astype(np.int64)
+            if toks[0] == PLACEHOLDER:  # a decode, at this runtime's own count
+                entries.append((i, slot, None, int(self.pos[slot]), k - 1, params))
+            else:
+                entries.append((i, slot, toks, int(plan.start_pos[i]), 0, params))
+        proposals, qs = self._propose(entries)
+        ns = np.zeros(plan.num_reqs, dtype=np.int32)
+        out = self._verify(plan, entries, proposals, qs, ns)
+        return StepResult(step_id=plan.step_id, num_sampled=ns, token_ids=np.asarray(out, dtype=np.int32),
+                          gpu_s=time.perf_counter() - t0)
+
+    def _propose(self, entries) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+        """Drafts per plan index, and the draft's distributions where they were sampled.
+        The first draft forward also feeds prefill chunks and the tokens the draft missed."""
+        proposals: dict[int, list[int]] = {}
+        qs: dict[int, list[torch.Tensor]] = {}
+        feed, drafting = [], []  # drafting: (plan index, slot, first position, drafts, params, feed row)
+        for i, slot, toks, start, d, params in entries:
+            if toks is not None:
+                feed.append((slot, toks, start))
+                continue
+            pend = self.pending[slot] or [int(self.rt.last[slot])]
+            self.pending[slot] = []
+            feed.append((slot, np.asarray(pend, dtype=np.int64), start - len(pend) + 1))
+            if d:
+                drafting.append((i, slot, start, d, params, len(feed) - 1))
+        if not drafting:
+            if feed:  # keep the draft's cache in step even when nobody drafts
+                self._forward(self.draft, self.kv, feed, [])
+            return proposals, qs
+        ends = np.cumsum([len(t) for _, t, _ in feed]) - 1
+        logits = self._forward(self.draft, self.kv, feed, [int(ends[r]) for *_, r in drafting])
+        step = 0
+        while True:
+            for row, (i, slot, start, d, params, _) in enumerate(drafting):
+                tok, q = self._draw(logits[row], params, start + step + 1)
+                proposals.setdefault(i, []).append(tok)
+                if q is not None:
+                    qs.setdefault(i, []).append(q)
+            step += 1
+            drafting = [e for e in drafting if e[3] > step]
+            if not drafting:
+                return proposals, qs
+            feed = [(slot, np.array([proposals[i][-1]], np.int64), start + step)
+                    for i, slot, start, *_ in drafting]
+            logits = self._forward(self.draft, self.kv, feed, list(range(len(feed))))
+
+    def _verify(self, plan, entries, proposals, qs, ns) -> list[int]:
+        """One target forward over everything; the tokens each sampling entry gets."""
+        rt = self.rt
+        feed, rows, spans = [], [], []
+        n_rows = 0
+        for i, slot, toks, start, d, params in entries:
+            decode = toks is None
+            if decode:
+                toks = np.asarray([int(rt.last[slot])] + proposals.get(i, []), dtype=np.int64)
+            feed.append((slot, toks, start))
+            if decode or plan.samples[i]:
+                m = len(toks) if decode else 1
+                spans.append((i, slot, start + len(toks) - m, len(rows), m, params))
+                rows += range(n_rows + len(toks) - m, n_rows + len(toks))
+            n_rows += len(toks)
+        if not feed:
+            return []
+        logits = self._forward(rt.model, rt.kv, feed, rows)
+        out: list[int] = []
+        for i, slot, pos0, r0, m, params in spans:
+            drafts = proposals.get(i, [])
+            got = self._accept(logits[r0 : r0 + m], drafts, qs.get(i), params, pos0)
+            ns[i] = len(got)
+            out += got
+            self.pos[slot] = pos0 + len(got)
+            rt.last[slot] = got[-1]
+            # The draft saw the fed token and drafts 1..d-1: with all d accepted it misses d_d.
+            self.pending[slot] = ([drafts[-1]] if drafts and len(got) - 1 == len(drafts) else []) + [got[-1]]
+        return out
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _forward(self, model, kv, feed, sample_rows) -> torch.Tensor:
+        """Run ``model`` over [(slot, tokens, first position)] through the slots' tables."""
+        rt, bs = self.rt, self.bs
+        lens = np.array([len(t) for _, t, _ in feed], dtype=np.int64)
+        ids = np.concatenate([t for _, t, _ in feed])
+        starts = np.array([s for _, _, s in feed], dtype=np.int64)
+        entry = np.repeat(np.arange(len(feed)), lens)
+        qs = np.zeros(len(feed) + 1, dtype=np.int64)
+        np.cumsum(lens, out=qs[1:])
+        pos = starts[entry] + np.arange(len(ids)) - qs[entry]
+        seq_lens = starts + lens
+        width = int(-(-seq_lens.max() // bs))
+        table = rt.tables[np.array([s for s, _, _ in feed], dtype=np.int64), :width]
+        slot_mapping = table[entry, pos // bs].astype(np.int64) * bs + pos % bs
+        d = rt.device
+        batch = ForwardBatch(
+            input_ids=torch.from_numpy(ids).to(d), positions=torch.from_numpy(pos).to(d),
+            query_start=torch.from_numpy(qs).to(d), seq_lens=torch.from_numpy(seq_lens).to(d),
+            block_tables=torch.from_numpy(np.ascontiguousarray(table)).to(d),
+            slot_mapping=torch.from_numpy(slot_mapping).to(d),
+            sample_index=torch.as_tensor(sample_rows, dtype=torch.int64).to(d))
+        logits, _ = model(batch, kv)
+        return logits
+
+    def _draw(self, logits: torch.Tensor, params, pos: int) -> tuple[int, torch.Tensor | None]:
+        """A draft token: the argmax for greedy requests, else a draw from q (kept for the
+        acceptance test)."""
+        temp, top_p, top_k, seed, _ = params
+        if temp <= 0:
+            return int(logits.argmax()), None
+        q = _probs(logits[None], np.array([temp]), np.array([top_p]), np.array([top_k]))[0].cpu()
+        return int(torch.multinomial(q, 1, generator=self._gen(seed, pos, 1)).item()), q
+
+    def _accept(self, logits, drafts: list[int], q, params, pos0: int) -> list[int]:
+        """Tokens an entry gets: its accepted drafts, then one from the target. ``pos0`` is
+        the position of the fed token the first row of ``logits`` follows."""
+        temp, top_p, top_k, seed, _ = params
+        if temp <= 0:
+            target = logits.argmax(dim=-1).tolist()
+            got = []
+            for j, x in enumerate(drafts):
+                if target[j] != x:
+                    break
+                got.append(x)
+            return got + [int(target[len(got)])]
+        m = len(logits)
+        p = _probs(logits, np.full(m, temp), np.full(m, top_p), np.full(m, top_k)).cpu()
+        got = []
+        for j, x in enumerate(drafts):
+            g = self._gen(seed, pos0 + j + 1, 2)
+            pj, qj = p[j], q[j]
+            if torch.rand(1, generator=g).item() * float(qj[x]) < float(pj[x]):  # min(1, p/q)
+                got.append(x)
+                continue
+            resid = torch.clamp(pj - qj, min=0)
+            total = float(resid.sum())
+            return got + [int(torch.multinomial(resid / total if total > 0 else pj, 1, generator=g).item())]
+        g = self._gen(seed, pos0 + len(drafts) + 1, 3)
+        return got + [int(torch.multinomial(p[len(drafts)], 1, generator=g).item())]
+
+    def _gen(self, seed: int, pos: int, salt: int) -> torch.Generator:
+        """Seeded requests draw from (seed, position, purpose); others share one generator."""
+        if seed < 0:
+            return self.gen
+        return torch.Generator().manual_seed(_row_seed(seed * 4 + salt, pos))
