@@ -151,6 +151,18 @@ class Engine:
         stats = [s.statistics() for s in self.schedulers]
         return SchedulerStats(*(sum(getattr(x, f.name) for x in stats) for f in attrs.fields(SchedulerStats)))
 
+    def spec_statistics(self) -> dict:
+        """Speculative decoding, summed over the ranks: drafts, draft tokens, accepted tokens,
+        acceptances per draft position and the mean accepted length (tokens per decode)."""
+        st = self.statistics()
+        per_pos = sum((s.spec_accepted_per_position() for s in self.schedulers),
+                      np.zeros(self.schedulers[0].core.config.num_spec_tokens, dtype=np.int64))
+        d = st.spec_drafts
+        return {"drafts": d, "draft_tokens": st.spec_draft_tokens, "accepted_tokens": st.spec_accepted_tokens,
+                "accepted_per_position": per_pos.tolist(),
+                "acceptance_rate": st.spec_accepted_tokens / st.spec_draft_tokens if st.spec_draft_tokens else 0.0,
+                "mean_accepted_length": 1 + st.spec_accepted_tokens / d if d else 0.0}
+
     def balancer_statistics(self) -> BalancerStats | None:
         """The expert load balancer's, when it runs (``EngineConfig.eplb``)."""
         return None if self.balancer is None else self.balancer.statistics()

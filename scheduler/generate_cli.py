@@ -30,6 +30,10 @@ def add_parser(sub) -> None:
     g.add_argument("--prefill-instances", type=int, default=0,
                     help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
     g.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
+    g.add_argument("--draft-model", default="",
+                    help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
+                         "(the target's first N layers)")
+    g.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
     g.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
                     help="how decode runtimes pull KV from prefill runtimes")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -44,9 +48,9 @@ def eplb_config(args):
 
 
 def pd_options(args) -> dict:
-    """Instances and prefill/decode disaggregation from the command line."""
+    """Instances, prefill/decode disaggregation and speculative decoding from the command line."""
     return dict(instances=args.instances, prefill_instances=args.prefill_instances, prefill_dep=args.prefill_dep,
-                kv_transport=args.kv_transport)
+                kv_transport=args.kv_transport, draft_model=args.draft_model, num_spec_tokens=args.num_spec_tokens)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -74,6 +78,10 @@ def run_generate(args: argparse.Namespace) -> int:
             rate = last.num_output_tokens / max(last.e2e_s - last.ttft_s, 1e-9) if last.num_output_tokens > 1 else 0.0
             print(f"[{last.num_output_tokens} tokens, finish: {last.finish_reason}, "
                   f"TTFT {last.ttft_s * 1e3:.1f} ms, {rate:.1f} tokens/s]", file=sys.stderr)
+            if config.draft_model:
+                sp = engine.spec_statistics()
+                print(f"[speculative: {sp['drafts']} drafts, acceptance {sp['acceptance_rate']:.0%}, "
+                      f"mean accepted length {sp['mean_accepted_length']:.2f}]", file=sys.stderr)
 
     trio.run(main)
     return 0

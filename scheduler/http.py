@@ -55,7 +55,9 @@ def make_app(server: Server) -> Starlette:
             "max_model_len": server.engine.frontend.max_model_len, "vocab_size": server.engine.frontend.vocab_size}]})
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(server.metrics.render(server.engine.statistics()),
+        eng = server.engine
+        per_pos = eng.spec_statistics()["accepted_per_position"] if eng.config.draft_model else ()
+        return PlainTextResponse(server.metrics.render(eng.statistics(), per_pos),
                                  media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:

@@ -67,7 +67,7 @@ class ServerMetrics:
         """A request that ended without a final output (its client went away)."""
         self.finished["abort"] = self.finished.get("abort", 0) + 1
 
-    def render(self, stats) -> str:
+    def render(self, stats, accepted_per_pos=()) -> str:
         lb = self.labels
         gauges = [
             ("vllm:num_requests_running", "Requests in model execution batches.", stats.running),
@@ -83,6 +83,9 @@ class ServerMetrics:
             ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_queries),
             ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_hits),
             ("vllm:num_preemptions", "Cumulative preemptions.", stats.preemptions),
+            ("vllm:spec_decode_num_drafts", "Speculative decodes (requests x steps with drafts).", stats.spec_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_accepted_tokens),
             ("lockstep:kv_pulls", "P/D KV pulls completed.", stats.kv_pulls),
             ("lockstep:kv_pull_failures", "P/D KV pulls that failed (the decode side prefilled instead).",
              stats.kv_pull_failures),
@@ -95,6 +98,11 @@ class ServerMetrics:
         for name, help_, v in counters:
             out += [f"# HELP {name}_total {help_}", f"# TYPE {name}_total counter",
                     f"{name}_total{{{lb}}} {float(v)}"]
+        if len(accepted_per_pos):
+            name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+            out += [f"# HELP {name} Speculative decodes that accepted the draft at each position.",
+                    f"# TYPE {name} counter"]
+            out += [f'{name}{{{lb},position="{j}"}} {float(c)}' for j, c in enumerate(accepted_per_pos)]
         out += ["# HELP vllm:request_success_total Finished requests by reason.",
                 "# TYPE vllm:request_success_total counter"]
         for reason, c in sorted(self.finished.items()):

@@ -37,6 +37,10 @@ def add_parser(sub) -> None:
     s.add_argument("--prefill-instances", type=int, default=0,
                     help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
     s.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
+    s.add_argument("--draft-model", default="",
+                    help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
+                         "(the target's first N layers)")
+    s.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
     s.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
                     help="how decode runtimes pull KV from prefill runtimes")
     s.add_argument("--host", default="127.0.0.1")

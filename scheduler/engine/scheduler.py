@@ -91,6 +91,9 @@ class SchedulerStats:
     kv_held: int = 0  # P/D prefill: finished prefills whose blocks wait for a pull
     kv_pulls: int = 0  # P/D decode: pulls done
     kv_pull_failures: int = 0  # of which fell back to prefilling on the decode side
+    spec_drafts: int = 0  # speculative decodes (a request's step with drafts)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -119,6 +122,8 @@ class Scheduler:
         self._stopping = False
         self.steps = self.generated = self.restarts = 0
         self._old = (0, 0, 0)  # prefix queries, hits, preemptions of cores replaced on restarts
+        self._old_spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens of replaced cores
+        self._old_per_pos = np.zeros_like(self.core.spec_accepted_per_pos)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.client = self.make_client()
@@ -396,6 +401,9 @@ class Scheduler:
         old = self.core
         self._old = (self._old[0] + old.prefix_queries, self._old[1] + old.prefix_hits,
                      self._old[2] + old.num_preemptions)
+        self._old_spec = (self._old_spec[0] + old.spec_drafts, self._old_spec[1] + old.spec_draft_tokens,
+                          self._old_spec[2] + old.spec_accepted_tokens)
+        self._old_per_pos = self._old_per_pos + old.spec_accepted_per_pos
         self.core = self.make_core()
         self._in_flight.clear()
 
@@ -428,4 +436,10 @@ class Scheduler:
             steps=self.steps, generated_tokens=self.generated, runtime_restarts=self.restarts,
             waiting_for_kv=c.num_waiting_for_kv, kv_held=len(c.held),
             kv_pulls=getattr(self.role, "pulled", 0), kv_pull_failures=getattr(self.role, "pull_failed", 0),
+            spec_drafts=self._old_spec[0] + c.spec_drafts, spec_draft_tokens=self._old_spec[1] + c.spec_draft_tokens,
+            spec_accepted_tokens=self._old_spec[2] + c.spec_accepted_tokens,
         )
+
+    def spec_accepted_per_position(self) -> np.ndarray:
+        """Speculative decodes that accepted at least j + 1 drafts, per j."""
+        return self._old_per_pos + self.core.spec_accepted_per_pos

@@ -1,0 +1,101 @@
+"""Speculative decoding end to end (real runtime processes, the tiny model in float64) and
+the rejection sampler's distribution.
+
+Greedy output with speculation must equal greedy output without it, token for token, for
+any draft: a random smaller model (acceptance near zero), the target's own first layers
+(some acceptance) and the target itself (acceptance 100%). Sampled output must be
+distributed as the target's: checked by chi-square on the sampler itself, with fixed seeds.
+"""
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+from lockstep.api import open_engine
+from lockstep.policy.request import SamplingParams
+from lockstep.runtime.speculative import Speculator
+from test_engine import collect, config, prompts, reference_greedy
+
+LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+async def run_all(engine, ps, params):
+    got = [None] * len(ps)
+
+    async def one(i):
+        got[i], _ = await collect(engine, ps[i], params)
+    async with trio.open_nursery() as n:
+        for i in range(len(ps)):
+            n.start_soon(one, i)
+    return got
+
+
+@pytest.mark.parametrize("draft,k", [("tiny-draft", 3), ("layers:2", 2), ("tiny", 4)])
+async def test_greedy_with_speculation_equals_greedy_without(draft, k):
+    ps = prompts()
+    async with open_engine(config(tokenizer=None, draft_model=draft, num_spec_tokens=k)) as engine:
+        got = await run_all(engine, ps, LONG)
+        sp = engine.spec_statistics()
+        for s in engine.schedulers:
+            s.core.check_integrity()
+            assert s.core.pool.num_used == 0
+    for p, g in zip(ps, got):
+        assert g == reference_greedy(p, LONG.max_tokens)
+    assert sp["drafts"] > 0 and sp["draft_tokens"] <= k * sp["drafts"]
+    if draft == "tiny":  # the draft is the target: every draft is accepted
+        assert sp["accepted_tokens"] == sp["draft_tokens"] and sp["accepted_per_position"][-1] > 0
+    if draft == "layers:2":
+        assert sp["accepted_tokens"] > 0
+
+
+async def test_speculation_with_sampling_and_seeds_is_reproducible():
+    ps = prompts()[:3]
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    outs = []
+    for _ in range(2):
+        async with open_engine(config(tokenizer=None, draft_model="layers:2")) as engine:
+            outs.append(await run_all(engine, ps, params))
+    assert outs[0] == outs[1] and all(len(o) == 16 for o in outs[0])
+
+
+def _sampler() -> Speculator:
+    s = Speculator.__new__(Speculator)
+    s.gen = torch.Generator().manual_seed(1234)
+    return s
+
+
+@pytest.mark.parametrize("drafts", [1, 3])
+def test_rejection_sampling_reproduces_the_target_distribution(drafts):
+    """Draft tokens from q, accepted by min(1, p/q), rejections resampled from (p - q)+:
+    the first token out must follow p exactly, whatever q is."""
+    V, trials = 6, 5000
+    g = torch.Generator().manual_seed(7)
+    target_logits = torch.randn(drafts + 1, V, generator=g, dtype=torch.float64) * 1.5
+    q = [torch.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 1.5, -1).float() for _ in range(drafts)]
+    p0 = torch.softmax(target_logits[0], -1).numpy()
+    s = _sampler()
+    params = (1.0, 1.0, -1, -1, -1)
+    draw = torch.Generator().manual_seed(99)
+    counts = np.zeros(V)
+    accepted = 0
+    for _ in range(trials):
+        xs = [int(torch.multinomial(qj, 1, generator=draw).item()) for qj in q]
+        got = s._accept(target_logits, xs, q, params, pos0=10)
+        counts[got[0]] += 1
+        accepted += len(got) - 1
+    expected = p0 * trials
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # chi-square with 5 degrees of freedom at p = 0.001
+    assert 0 < accepted < trials * drafts  # some drafts accepted, some rejected
+
+
+def test_greedy_acceptance_takes_the_longest_matching_prefix():
+    s = _sampler()
+    logits = torch.full((4, 5), -5.0)
+    for row, tok in enumerate([2, 4, 1, 3]):
+        logits[row, tok] = 5.0
+    greedy = (0.0, 1.0, -1, -1, -1)
+    assert s._accept(logits, [2, 4, 1], None, greedy, 0) == [2, 4, 1, 3]  # all accepted, bonus
+    assert s._accept(logits, [2, 0, 1], None, greedy, 0) == [2, 4]  # first mismatch: target's token
+    assert s._accept(logits, [3, 4, 1], None, greedy, 0) == [2]
