@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from .openai_protocol import BadRequest, Job, parse_body, parse_completion
 from .policy.request import RequestError
-from .prom import ServerMetrics
+from .prom import ServerMetrics, merge_exposition
 
 _JSON = msgspec.json.Encoder()
 
@@ -43,27 +43,45 @@ def error(message: str, param: str | None = None, status: int = 400, kind: str =
     return Response(_JSON.encode(body), status_code=status, media_type="application/json")
 
 
-def make_app(server: Server) -> Starlette:
+def make_app(servers: Server | list[Server]) -> Starlette:
+    """One app for one or several served models; requests route by their ``model`` field."""
+    servers = [servers] if isinstance(servers, Server) else list(servers)
+    by_name = {s.model_name: s for s in servers}
+    if len(by_name) != len(servers):
+        raise ValueError(f"served model names must be unique, got {[s.model_name for s in servers]}")
+    first = servers[0]
+
+    def pick(body: dict, required: bool = True) -> Server:
+        model = body.get("model")
+        if model is None and not required:
+            return first
+        if model not in by_name:
+            raise BadRequest(f"model {model!r} is not served here; available: {sorted(by_name)}", "model")
+        return by_name[model]
+
     async def health(request: Request) -> Response:
-        if server.draining:
+        if first.draining:
             return error("the server is shutting down", status=503, kind="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "lockstep",
-            "max_model_len": server.engine.frontend.max_model_len, "vocab_size": server.engine.frontend.vocab_size}]})
+            "id": s.model_name, "object": "model", "created": s.created, "owned_by": "lockstep",
+            "max_model_len": s.engine.frontend.max_model_len, "vocab_size": s.engine.frontend.vocab_size}
+            for s in servers]})
 
     async def metrics(request: Request) -> Response:
-        eng = server.engine
-        per_pos = eng.spec_statistics()["accepted_per_position"] if eng.config.draft_model else ()
-        return PlainTextResponse(server.metrics.render(eng.statistics(), per_pos),
-                                 media_type="text/plain; version=0.0.4")
+        texts = []
+        for s in servers:
+            eng = s.engine
+            per_pos = eng.spec_statistics()["accepted_per_position"] if eng.config.draft_model else ()
+            texts.append(s.metrics.render(eng.statistics(), per_pos))
+        return PlainTextResponse(merge_exposition(texts), media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:
         try:
             body = parse_body(await request.body())
-            _check_model(server, body, required=False)
+            server = pick(body, required=False)
             tok = _tokenizer(server)
             if "messages" in body:
                 from .openai_protocol import _messages
@@ -80,7 +98,7 @@ def make_app(server: Server) -> Starlette:
     async def detokenize(request: Request) -> Response:
         try:
             body = parse_body(await request.body())
-            _check_model(server, body, required=False)
+            server = pick(body, required=False)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
                 raise BadRequest("tokens must be a list of non-negative integers", "tokens")
@@ -89,10 +107,10 @@ def make_app(server: Server) -> Starlette:
             return error(str(e), e.param)
 
     async def completions(request: Request) -> Response:
-        return await _complete(server, request, chat=False)
+        return await _complete(pick, request, chat=False)
 
     async def chat(request: Request) -> Response:
-        return await _complete(server, request, chat=True)
+        return await _complete(pick, request, chat=True)
 
     return Starlette(routes=[
         Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
@@ -108,21 +126,16 @@ def _tokenizer(server: Server):
     return server.engine.tokenizer
 
 
-def _check_model(server: Server, body: dict, required: bool = True) -> None:
-    model = body.get("model")
-    if model is None and not required:
-        return
-    if model != server.model_name:
-        raise BadRequest(f"model {model!r} is not served here; available: [{server.model_name!r}]", "model")
-
-
-async def _complete(server: Server, request: Request, *, chat: bool) -> Response:
+async def _complete(pick, request: Request, *, chat: bool) -> Response:
+    try:
+        body = parse_body(await request.body())
+        server = pick(body)
+    except BadRequest as e:
+        return error(str(e), e.param)
     if server.draining:
         return error("the server is shutting down", status=503, kind="service_unavailable")
     engine = server.engine
     try:
-        body = parse_body(await request.body())
-        _check_model(server, body)
         template = engine.tokenizer.apply_chat_template if engine.tokenizer is not None else None
         if chat and template is None:
             raise BadRequest("this model has no tokenizer, so no chat template", "messages")

@@ -110,3 +110,27 @@ class ServerMetrics:
         for h in (self.ttft, self.itl, self.e2e, self.queue):
             out += h.render(lb)
         return "\n".join(out) + "\n"
+
+
+def merge_exposition(texts: list[str]) -> str:
+    """Several models' metrics as one exposition: each family's HELP and TYPE once, its
+    samples (told apart by their model_name label) together, as the text format requires."""
+    if len(texts) == 1:
+        return texts[0]
+    order: list[str] = []
+    head: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for text in texts:
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP "):
+                family = line.split()[2]
+                if family not in head:
+                    order.append(family)
+                    head[family], samples[family] = [line], []
+            elif line.startswith("# TYPE "):
+                if len(head[family]) == 1:
+                    head[family].append(line)
+            elif line:
+                samples[family].append(line)
+    return "\n".join(line for f in order for line in head[f] + samples[f]) + "\n"

@@ -8,6 +8,7 @@ the engine: the runtime process exits and its shared memory goes with it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
@@ -66,6 +67,21 @@ def configure_logging(fmt: str) -> None:
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
 
 
+def engine_configs(args) -> list[tuple[str, object]]:
+    """(served name, EngineConfig) per model: one from the flags, or each model a deployment's
+    pools serve."""
+    if not args.deployment:
+        return [(args.served_model_name or args.model, engine_config(args))]
+    from lockstep.engine.config import EngineConfig
+    from lockstep.policy.deployment import load_deployment
+
+    dep = load_deployment(args.deployment)
+    served = sorted({p.model for p in dep.pools}, key=[p.model for p in dep.pools].index)
+    if args.served_model_name and len(served) > 1:
+        raise ValueError(f"--served-model-name names one model, but {args.deployment} serves {served}")
+    return [(args.served_model_name or m, EngineConfig.from_deployment(dep, model=m)) for m in served]
+
+
 def engine_config(args):
     from lockstep.engine.config import EngineConfig
     from lockstep.generate_cli import eplb_config, pd_options
@@ -115,10 +131,13 @@ async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_
     from lockstep.api import open_engine
     from lockstep.http import Server, make_app
 
-    config = engine_config(args)
-    async with open_engine(config) as engine:
-        name = args.served_model_name or (config.model if args.deployment else args.model)
-        server = Server(engine, name, default_max_tokens=args.max_tokens_default)
+    configs = engine_configs(args)
+    async with contextlib.AsyncExitStack() as stack:
+        servers = []
+        for name, config in configs:  # a deployment that lists several models: an engine each
+            engine = await stack.enter_async_context(open_engine(config))
+            servers.append(Server(engine, name, default_max_tokens=args.max_tokens_default))
+        server = servers[0]
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]
         hc.graceful_timeout = args.drain_timeout
@@ -129,13 +148,14 @@ async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_
         async def shutdown_trigger() -> None:
             await shutdown()
             log.info("draining", deadline_s=args.drain_timeout)
-            server.draining = True
+            for s in servers:
+                s.draining = True
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(lambda task_status: hypercorn_serve(
-                make_app(server), hc, shutdown_trigger=shutdown_trigger, task_status=task_status))
-            log.info("serving", model=server.model_name, runtime=args.runtime, urls=binds,
-                     runtime_pid=engine.scheduler.client.ready.pid)
+                make_app(servers), hc, shutdown_trigger=shutdown_trigger, task_status=task_status))
+            log.info("serving", models=[s.model_name for s in servers], urls=binds,
+                     runtime_pid=server.engine.scheduler.client.ready.pid)
             task_status.started((server, binds))
     log.info("stopped")
 

@@ -167,8 +167,18 @@ def test_engine_config_from_a_deployment_file():
     assert EngineConfig.from_deployment(dep2).dep == 2
     with pytest.raises(ConfigError, match="engine.model must be a preset"):  # no checkpoint to run
         EngineConfig.from_deployment(load_deployment(EXAMPLES / "h200-dep8.toml"))
-    with pytest.raises(ConfigError, match="one colocated instance"):
-        EngineConfig.from_deployment(load_deployment(EXAMPLES / "gb300-nvl72.toml"))
+    pd = EngineConfig.from_deployment(load_deployment(EXAMPLES / "serve-pd-cpu.toml"))
+    assert (pd.prefill_instances, pd.instances, pd.kv_transport) == (1, 1, "nixl")
+    two = load_deployment(EXAMPLES / "serve-two-models-cpu.toml")
+    assert EngineConfig.from_deployment(two, model="tiny-draft").model == "tiny-draft"
+    with pytest.raises(ConfigError, match="several models"):
+        EngineConfig.from_deployment(two)
+    with pytest.raises(ConfigError, match="no pool serves model 'big'"):
+        EngineConfig.from_deployment(two, model="big")
+    mixed = deployment_from_dict({"models": [{"preset": "tiny"}], "engine": {"device": "cpu"},
+                                  "pools": [{"role": "colocated"}, {"role": "decode"}]})
+    with pytest.raises(ConfigError, match="roles"):
+        EngineConfig.from_deployment(mixed)
 
 
 def test_eplb_table():

@@ -2,6 +2,7 @@
 through httpx, 2,000 concurrent streams against the timing runtime with leak counts, a
 client that disconnects, fuzzed bodies (never a 5xx), and SIGTERM draining a real process."""
 
+import contextlib
 import json
 import os
 import resource
@@ -180,28 +181,36 @@ async def post(c: httpx.AsyncClient, url: str, body) -> int:
     return r.status_code
 
 
-@pytest.fixture(scope="module")
-def real_server():
-    """`lockstep serve --model tiny` as its own process, like a user runs it."""
+@contextlib.contextmanager
+def running_server(*args: str):
+    """`lockstep serve ARGS` as its own process, like a user runs it; yields (process, URL)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--model", "tiny", "--port", str(port),
-                             "--drain-timeout", "10", "--log-format", "json"],
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stdout.read().decode()
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
-    yield proc, url
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def real_server():
+    """`lockstep serve --model tiny`."""
+    with running_server("--model", "tiny", "--drain-timeout", "10", "--log-format", "json") as server:
+        yield server
 
 
 def test_openai_client_completions_chat_and_errors(real_server):
@@ -243,31 +252,34 @@ def test_openai_client_completions_chat_and_errors(real_server):
 def test_pd_deployment_serves_the_same_greedy_tokens(real_server):
     """`lockstep serve --deployment examples/serve-pd-cpu.toml`: a prefill pool and a decode
     pool pulling KV over NIXL, answering as the colocated server does."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--deployment",
-                             "examples/serve-pd-cpu.toml", "--port", str(port), "--log-format", "json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read().decode()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
-        body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 9, "temperature": 0,
-                "ignore_eos": True}
-        want = httpx.post(f"{real_server[1]}/v1/completions", json=body, timeout=60).json()
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(f"{real_server[1]}/v1/completions", json=body, timeout=60).json()
+    with running_server("--deployment", "examples/serve-pd-cpu.toml", "--log-format", "json") as (proc, url):
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
         assert got["usage"] == want["usage"]
+        assert 'lockstep:kv_pulls_total{model_name="tiny"} 1.0' in httpx.get(f"{url}/metrics").text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+
+
+def test_one_server_serves_two_models_by_name(real_server):
+    """`examples/serve-two-models-cpu.toml`: each model has its own engine and statistics."""
+    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = httpx.post(f"{real_server[1]}/v1/completions", json={**body, "model": "tiny"}, timeout=60).json()
+    with running_server("--deployment", "examples/serve-two-models-cpu.toml", "--log-format", "json") as (proc, url):
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "tiny-draft"]
+        a = httpx.post(f"{url}/v1/completions", json={**body, "model": "tiny"}, timeout=60).json()
+        b = httpx.post(f"{url}/v1/completions", json={**body, "model": "tiny-draft", "max_tokens": 6},
+                       timeout=60).json()
+        assert a["choices"][0]["text"] == want["choices"][0]["text"] and a["model"] == "tiny"
+        assert b["usage"]["completion_tokens"] == 6 and b["model"] == "tiny-draft"
+        bad = httpx.post(f"{url}/v1/completions", json={**body, "model": "gpt-4"})
+        assert bad.status_code == 400 and "tiny-draft" in bad.json()["error"]["message"]
         metrics = httpx.get(f"{url}/metrics").text
-        assert 'lockstep:kv_pulls_total{model_name="tiny"} 1.0' in metrics
-    finally:
+        assert 'vllm:generation_tokens_total{model_name="tiny"} 4.0' in metrics
+        assert 'vllm:generation_tokens_total{model_name="tiny-draft"} 6.0' in metrics
+        assert metrics.count("# TYPE vllm:generation_tokens_total counter") == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
 

@@ -90,26 +90,31 @@ class EngineConfig:
                               f"holding config.json, got {self.model!r}")
 
     @classmethod
-    def from_deployment(cls, dep, pool_index: int = 0) -> EngineConfig:
-        """What the deployment's pools say to run, as its [engine] table says to run them:
-        ``dep.pools[pool_index]`` when the pools are colocated, or the prefill and decode
-        pools together. The engine has no host-memory KV tier yet, so it is left off here."""
-        roles = sorted(p.role for p in dep.pools)
+    def from_deployment(cls, dep, pool_index: int = 0, model: str | None = None) -> EngineConfig:
+        """What the deployment's pools for ``model`` say to run (the only model when None),
+        as its [engine] table says to run them: the ``pool_index``-th of its pools when they
+        are colocated, or its prefill and decode pools together. The engine has no
+        host-memory KV tier yet, so it is left off here."""
+        served = sorted({p.model for p in dep.pools})
+        if model is None and len(served) > 1:
+            raise ConfigError(f"{dep.source}: the pools serve several models {served}: name one "
+                              "(lockstep serve starts an engine for each)")
+        if model is not None and model not in served:
+            raise ConfigError(f"{dep.source}: no pool serves model {model!r}; pools serve {served}")
+        pools = [p for p in dep.pools if model is None or p.model == model]
+        roles = sorted(p.role for p in pools)
         if roles == ["decode", "prefill"]:
-            prefill = next(p for p in dep.pools if p.role == "prefill")
-            pool = next(p for p in dep.pools if p.role == "decode")
-            if prefill.model != pool.model:
-                raise ConfigError(f"{dep.source}: the prefill pool serves {prefill.model!r} and the decode pool "
-                                  f"{pool.model!r}; P/D pools must serve one model")
+            prefill = next(p for p in pools if p.role == "prefill")
+            pool = next(p for p in pools if p.role == "decode")
             pd = dict(prefill_instances=prefill.instances, prefill_dep=prefill.dep,
                       kv_transport=dep.engine.kv_transport, kv_hold_timeout_s=dep.engine.kv_hold_timeout_s)
         elif set(roles) == {"colocated"}:
-            if not 0 <= pool_index < len(dep.pools):
-                raise ConfigError(f"{dep.source}: no pool #{pool_index + 1} (it has {len(dep.pools)})")
-            pool, pd = dep.pools[pool_index], {}
+            if not 0 <= pool_index < len(pools):
+                raise ConfigError(f"{dep.source}: no pool #{pool_index + 1} (it has {len(pools)})")
+            pool, pd = pools[pool_index], {}
         else:
-            raise ConfigError(f"{dep.source}: the engine runs colocated pools, or one prefill pool and one "
-                              f"decode pool; got pools with roles {roles}")
+            raise ConfigError(f"{dep.source}: the engine runs a model's colocated pools, or one prefill pool "
+                              f"and one decode pool; got pools with roles {roles}")
         model, eng = dep.model(pool.model), dep.engine
         ref = model.checkpoint and str((Path(dep.source).parent / model.checkpoint).resolve())
         sched = attrs.evolve(dep.scheduler_for(pool), host_cache_blocks=0)
