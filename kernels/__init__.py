@@ -1,1 +1,12 @@
-"""Triton kernels, each above its launcher and next to a torch reference."""
+"""Triton kernels, each above its launcher and next to a torch reference.
+
+- `fused_moe`: routed experts (align, gate/up GEMM + SiLU·mul, down GEMM, top-k sum); bf16
+  or FP8 block-scaled weights.
+- `mla_decode`: absorbed-form MLA decode over the paged latent cache, split-K, bf16 or FP8.
+- `mla_prefill`: new tokens over a long cached prefix, chunked, expanded form.
+- `topk`: exact top-k over long rows (sparse-attention indexer).
+- `kv_store`: new latents into the paged cache, bf16 or FP8 with per-token scales.
+
+Importing this package imports nothing; each module needs triton. Tuned launch configs live in
+dicts at the top of each module (written from benchmarks/gpu/bench_kernels.py on an H200).
+"""

@@ -1,0 +1,99 @@
+"""What every launcher shares: argument checks that name the bad argument, the FP8 format, and
+the one switch the CPU interpreter needs.
+
+Under `TRITON_INTERPRET=1` a kernel's tensors are numpy arrays and bfloat16 is held as raw
+uint16, so a bf16 `tl.dot` (or bf16 arithmetic) would compute on bit patterns. Kernels therefore
+load bf16, cast dot operands to `DOT` (float32 in the interpreter, bfloat16 on the GPU, where the
+cast is free) and do all elementwise math in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+DOT = tl.constexpr(tl.float32 if INTERPRET else tl.bfloat16)
+_SOFT_FP8 = tl.constexpr(INTERPRET)
+
+
+
+def _interpreter_numpy_fix() -> None:
+    """Triton 3.6's interpreter turns a scalar into a loop bound with `int(array)`, and its
+    scalars are 1-element 1-D arrays, which numpy >= 2.4 refuses to convert: every
+    data-dependent `range(start, end)` would fail. Re-point `__index__` at the element."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "lockstep_fixed", False):
+        return
+
+    def fixed(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    fixed.lockstep_fixed = True
+    interpreter._patch_lang_tensor = fixed
+
+
+if INTERPRET:
+    _interpreter_numpy_fix()
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+def check(t, name: str, *, dims: int | None = None, dtypes: tuple = (), device=None,
+          last_contiguous: bool = True) -> None:
+    """Raise ValueError naming `name` when `t` is not a tensor of the given rank and dtype on
+    `device` whose last dimension is unit-stride (the kernels vectorise along it)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+    if dtypes and t.dtype not in dtypes:
+        want = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} must be one of ({want}), got {str(t.dtype).removeprefix('torch.')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the other arguments on {device}: move it there")
+    if last_contiguous and t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be unit-stride in its last dimension (strides "
+                         f"{t.stride()}): pass a .contiguous() copy")
+
+
+def check_shape(t: torch.Tensor, name: str, shape: tuple) -> None:
+    """`shape` entries of None match any size."""
+    if len(shape) != t.dim() or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def to_fp8(x):
+    """float32 (already within +-448) to e4m3fn, round to nearest even.
+
+    The GPU converts in hardware. Triton 3.6's interpreter mis-rounds when rounding up carries
+    into the exponent (1.97 becomes 1.0), so there the bits are assembled here."""
+    if _SOFT_FP8:
+        bits = x.to(tl.uint32, bitcast=True)
+        sign = (bits >> 31).to(tl.int32)
+        mag = bits & 0x7FFFFFFF
+        # Normal range: keep exponent and 3 mantissa bits; a carry out of the mantissa moves
+        # into the exponent by itself, which is exactly what rounding up should do.
+        base = (mag >> 20).to(tl.int32)
+        low = (mag & 0xFFFFF).to(tl.int32)
+        up = (low > 0x80000) | ((low == 0x80000) & ((base & 1) == 1))
+        normal = base + up.to(tl.int32) - ((127 - 7) << 3)
+        # Subnormal range (below 2**-6): multiples of 2**-9; adding 2**23 rounds to even.
+        a = tl.abs(x) * 512.0
+        sub = ((a + 8388608.0) - 8388608.0).to(tl.int32)
+        code = tl.where(mag >= 0x3C800000, normal, sub)  # 0x3C800000 is 2**-6
+        code = tl.minimum(code, 0x7E)
+        return ((sign << 7) | code).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        return x.to(tl.float8e4nv)

@@ -1,0 +1,375 @@
+"""Fused MoE for the routed experts: align, gate/up GEMM with SiLU·mul, down GEMM with the
+routing weight, and the sum over each token's top-k.
+
+1. align: the T*k (token, slot) pairs are grouped by expert into blocks of BLOCK_M rows, each
+   expert's rows padded to a whole block, so every block of the grouped GEMMs reads one
+   expert's weights; padding rows hold the sentinel T*k.
+2. up: per (block, tile of I) program, act = silu(x W_gate^T) * (x W_up^T) from the fused
+   gate_up weight [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up, the layout of the model's
+   `Experts`); act stays bf16 in a [T*k, I] buffer.
+3. down: y = weight * (act W_down^T) from [E, H, I], into a [T*k, H] buffer.
+4. sum: out[t] = sum over the k slots, in slot order (deterministic, no atomics).
+
+At decode sizes the expert weights dominate the bytes: every block streams its expert's
+weights once, so the grid puts blocks of one expert side by side (they share tiles in L2).
+FP8 weights (e4m3fn with one float32 scale per 128x128 block, DeepSeek's layout) are
+converted to bf16 in registers and the activations stay bf16 (W8A16): the bytes halve and
+nothing is lost on the activation side. Expert ids outside [0, E) (experts held by another
+rank) contribute nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._util import DOT, FP8, FP8_MAX, check, check_shape, next_pow2
+
+QBLOCK = 128  # FP8 weight scale block (rows and columns)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+# Tuned on an H200 by benchmarks/gpu/bench_kernels.py:
+# (E, H, I, "bf16" | "fp8", token bucket) -> {"BLOCK_M": .., "up": {..}, "down": {..}}.
+MOE_CONFIGS: dict[tuple, dict] = {}
+
+
+def default_moe_config(tokens: int, top_k: int, experts: int) -> dict:
+    per_expert = tokens * top_k / max(experts, 1)
+    bm = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+    if bm == 64:
+        up = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+        down = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    else:
+        up = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+        down = {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": bm, "up": up, "down": down}
+
+
+def moe_config(e: int, h: int, i: int, fp8: bool, tokens: int, top_k: int) -> dict:
+    bucket = max([b for b in TOKEN_BUCKETS if b <= tokens], default=1)
+    found = MOE_CONFIGS.get((e, h, i, "fp8" if fp8 else "bf16", bucket))
+    return found or default_moe_config(tokens, top_k, e)
+
+
+def max_padded_rows(n_pairs: int, experts: int, block_m: int) -> int:
+    """Upper bound of the aligned length: each expert in use adds at most block_m - 1 rows."""
+    return n_pairs + min(experts, n_pairs) * (block_m - 1)
+
+
+# -- align --------------------------------------------------------------------------------
+
+# Sizes that change with the batch are not specialised on: one compile serves every batch.
+@triton.jit(do_not_specialize=["n", "max_blocks"])
+def _moe_align_kernel(ids_ptr, n, sorted_ptr, blk_expert_ptr, total_ptr, max_blocks,
+                      E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr, BCHUNK: tl.constexpr):
+    # One program: the pair count is small at decode (T*k <= a few thousand). Chunks of
+    # CHUNK pairs x E_PAD experts (16K one-hot cells) keep the serial steps few.
+    er = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+        mine = (ids >= 0) & (ids < E)
+        counts += tl.histogram(tl.where(mine, ids, 0).to(tl.int32), E_PAD, mask=mine)
+    padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(total_ptr, total)
+    jm = tl.arange(0, BLOCK_M)
+    for b0 in range(0, max_blocks, BCHUNK):
+        blocks = b0 + tl.arange(0, BCHUNK)
+        first = blocks * BLOCK_M
+        live = first < total
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
+        tl.store(blk_expert_ptr + blocks, tl.where(live, expert, -1), mask=blocks < max_blocks)
+        # Padding rows of live blocks get the sentinel; real rows are written below.
+        mine = er[None, :] == expert[:, None]
+        start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
+        count = tl.sum(tl.where(mine, counts[None, :], 0), 1)
+        pos = first[:, None] + jm[None, :]
+        pad = (pos - start[:, None] >= count[:, None]) & live[:, None]
+        tl.store(sorted_ptr + pos, tl.zeros([BCHUNK, BLOCK_M], tl.int32) + n, mask=pad)
+    running = starts
+    for c0 in range(0, n, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+        hit = ((ids[:, None] == er[None, :]) & (ids[:, None] < E)).to(tl.int32)
+        rank = tl.cumsum(hit, 0) - hit  # earlier pairs of the same expert in this chunk
+        pos = tl.sum(hit * (running[None, :] + rank), 1)
+        tl.store(sorted_ptr + pos, offs, mask=(offs < n) & (tl.sum(hit, 1) > 0))
+        running += tl.sum(hit, 0)
+
+
+ALIGN_KERNEL_MAX_PAIRS = 8192  # above this the one-program kernel is slower than torch's sort
+
+
+def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [max_blocks * block_m] int32, expert of each block [max_blocks] int32
+    (-1 past the end), aligned length [1] int32). Pairs keep index order within an expert."""
+    n = topk_ids.numel()
+    if n > ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_reference(topk_ids, experts, block_m)
+    dev = topk_ids.device
+    max_blocks = triton.cdiv(max_padded_rows(n, experts, block_m), block_m)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    total = torch.empty(1, dtype=torch.int32, device=dev)
+    e_pad = max(32, next_pow2(experts))  # histogram bins: a multiple of the warp size
+    _moe_align_kernel[(1,)](topk_ids, n, sorted_ids, blk_expert, total, max_blocks,
+                            E=experts, E_PAD=e_pad, BLOCK_M=block_m,
+                            CHUNK=max(16, min(16384 // e_pad, next_pow2(n))), BCHUNK=16,
+                            num_warps=8)
+    return sorted_ids, blk_expert, total
+
+
+def moe_align_reference(topk_ids: torch.Tensor, experts: int, block_m: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same in torch ops, without a host sync (also the path for large prefills)."""
+    flat = topk_ids.flatten().long()
+    n, dev = flat.numel(), flat.device
+    key = torch.where((flat >= 0) & (flat < experts), flat, experts)  # foreign experts last
+    counts = torch.bincount(key, minlength=experts + 1)[:experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(key, stable=True)
+    ko = key[order]
+    live = ko < experts
+    kc = ko.clamp(max=experts - 1)
+    rank = torch.arange(n, device=dev) - (counts.cumsum(0) - counts)[kc]
+    max_blocks = triton.cdiv(max_padded_rows(n, experts, block_m), block_m)
+    sorted_ids = torch.full((max_blocks * block_m + 1,), n, dtype=torch.int32, device=dev)
+    dest = torch.where(live, ends[kc] - padded[kc] + rank, max_blocks * block_m)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    firsts = torch.arange(max_blocks, device=dev) * block_m
+    blk = torch.searchsorted(ends, firsts, right=True)
+    blk_expert = torch.where(firsts < ends[-1], blk, -1).to(torch.int32)
+    return sorted_ids[:-1], blk_expert, ends[-1:].to(torch.int32)
+
+
+# -- up: gate/up GEMM, SiLU·mul -------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["n_pairs", "top_k"])
+def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, total_ptr,
+                   n_pairs, top_k, inter, hidden,
+                   s_xt, s_we, s_wn, s_se, s_sn, s_sk, s_at,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   QUANT: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+    flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = flat < n_pairs
+    tok = (flat // top_k).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * s_xt + offs_k[None, :]
+    g_ptrs = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + inter * s_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(DOT)
+            wg = tl.load(g_ptrs, mask=nm[:, None], other=0.0).to(DOT)
+            wu = tl.load(u_ptrs, mask=nm[:, None], other=0.0).to(DOT)
+        else:
+            km = (k0 + offs_k) < hidden
+            a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0).to(DOT)
+            wg = tl.load(g_ptrs, mask=nm[:, None] & km[None, :], other=0.0).to(DOT)
+            wu = tl.load(u_ptrs, mask=nm[:, None] & km[None, :], other=0.0).to(DOT)
+        if QUANT:  # BLOCK_K divides 128: one scale column per tile, one scale row per 128 rows
+            sp = ws_ptr + e * s_se + (k0 // 128) * s_sk
+            sg = tl.load(sp + (offs_n // 128) * s_sn, mask=nm, other=0.0)
+            su = tl.load(sp + ((offs_n + inter) // 128) * s_sn, mask=nm, other=0.0)
+            acc_g += tl.dot(a, tl.trans(wg)) * sg[None, :]
+            acc_u += tl.dot(a, tl.trans(wu)) * su[None, :]
+        else:
+            acc_g = tl.dot(a, tl.trans(wg), acc_g)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    dst = act_ptr + flat[:, None].to(tl.int64) * s_at + offs_n[None, :]
+    tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nm[None, :])
+
+
+# -- down: down GEMM times the routing weight ------------------------------------------------
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def _moe_down_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, topw_ptr, sorted_ptr, blk_expert_ptr,
+                     total_ptr, n_pairs, hidden, inter,
+                     s_at, s_we, s_wn, s_se, s_sn, s_sk, s_yt,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     QUANT: tl.constexpr, EVEN_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+    flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = flat < n_pairs
+    rows = flat.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nm = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + rows[:, None] * s_at + offs_k[None, :]
+    w_ptrs = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(DOT)
+            w = tl.load(w_ptrs, mask=nm[:, None], other=0.0).to(DOT)
+        else:
+            km = (k0 + offs_k) < inter
+            a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0).to(DOT)
+            w = tl.load(w_ptrs, mask=nm[:, None] & km[None, :], other=0.0).to(DOT)
+        if QUANT:
+            s = tl.load(ws_ptr + e * s_se + (offs_n // 128) * s_sn + (k0 // 128) * s_sk,
+                        mask=nm, other=0.0)
+            acc += tl.dot(a, tl.trans(w)) * s[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    acc *= tl.load(topw_ptr + rows, mask=valid, other=0.0)[:, None]
+    dst = y_ptr + rows[:, None] * s_yt + offs_n[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nm[None, :])
+
+
+# -- sum over the top-k slots ----------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["top_k"])
+def _moe_sum_kernel(y_ptr, ids_ptr, out_ptr, top_k, hidden, experts, s_yt, s_ot,
+                    BLOCK: tl.constexpr):
+    t, c = tl.program_id(0), tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    hm = offs < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in range(top_k):
+        row = t * top_k + j
+        e = tl.load(ids_ptr + row)
+        ok = (e >= 0) & (e < experts)  # rows of foreign experts were never written
+        acc += tl.load(y_ptr + row.to(tl.int64) * s_yt + offs, mask=hm & ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=hm)
+
+
+def _check_moe(x, w13, w2, topk_weights, topk_ids, s13, s2) -> bool:
+    dev = x.device
+    check(x, "x", dims=2, dtypes=(torch.bfloat16, torch.float16))
+    check(w13, "w_gate_up", dims=3, dtypes=(x.dtype, FP8), device=dev)
+    check(w2, "w_down", dims=3, dtypes=(w13.dtype,), device=dev)
+    check(topk_weights, "topk_weights", dims=2, dtypes=(torch.float32,), device=dev)
+    check(topk_ids, "topk_ids", dims=2, dtypes=(torch.int32, torch.int64), device=dev)
+    t, h = x.shape
+    e, i2 = w13.shape[0], w13.shape[1]
+    if i2 % 2:
+        raise ValueError(f"w_gate_up must be [E, 2I, H] (gate rows then up rows); got {tuple(w13.shape)}")
+    check_shape(w13, "w_gate_up", (e, i2, h))
+    check_shape(w2, "w_down", (e, h, i2 // 2))
+    check_shape(topk_ids, "topk_ids", (t, None))
+    check_shape(topk_weights, "topk_weights", tuple(topk_ids.shape))
+    if not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        raise ValueError("topk_ids and topk_weights must be contiguous: pass .contiguous() copies")
+    quant = w13.dtype == FP8
+    for s, w, name in ((s13, w13, "w_gate_up_scale"), (s2, w2, "w_down_scale")):
+        if quant:
+            if s is None:
+                raise ValueError(f"FP8 weights need {name} [E, ceil(N/128), ceil(K/128)] float32")
+            check(s, name, dims=3, dtypes=(torch.float32,), device=dev, last_contiguous=False)
+            check_shape(s, name, (e, triton.cdiv(w.shape[1], QBLOCK), triton.cdiv(w.shape[2], QBLOCK)))
+        elif s is not None:
+            raise ValueError(f"{name} is only for FP8 weights; these are {w.dtype}")
+    return quant
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+              w_gate_up_scale: torch.Tensor | None = None,
+              w_down_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
+
+    x [T, H] bf16/fp16; w_gate_up [E, 2I, H] and w_down [E, H, I] in x's dtype, or e4m3fn with
+    w_*_scale [E, ceil(N/128), ceil(K/128)] float32 (N, K: the weight's last two dims);
+    topk_weights [T, k] float32; topk_ids [T, k] int32/int64. Returns [T, H] in x's dtype."""
+    quant = _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
+    t, h = x.shape
+    e, inter = w_gate_up.shape[0], w_down.shape[2]
+    k = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    cfg = config or moe_config(e, h, inter, quant, t, k)
+    bm, up, down = cfg["BLOCK_M"], cfg["up"], cfg["down"]
+    if quant and (QBLOCK % up["BLOCK_K"] or QBLOCK % down["BLOCK_K"]):
+        raise ValueError(f"FP8 weights need BLOCK_K dividing {QBLOCK}; config has "
+                         f"{up['BLOCK_K']} / {down['BLOCK_K']}")
+    sorted_ids, blk_expert, total = moe_align(topk_ids, e, bm)
+    n_pairs, blocks = t * k, blk_expert.numel()
+    act = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(n_pairs, h, dtype=x.dtype, device=x.device)
+    s13 = w_gate_up_scale if quant else topk_weights.view(1, 1, -1)  # unused pointer otherwise
+    s2 = w_down_scale if quant else topk_weights.view(1, 1, -1)
+    _moe_up_kernel[(blocks, triton.cdiv(inter, up["BLOCK_N"]))](
+        x, w_gate_up, s13, act, sorted_ids, blk_expert, total, n_pairs, k, inter, h,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        s13.stride(0), s13.stride(1), s13.stride(2), act.stride(0),
+        BLOCK_M=bm, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], QUANT=quant,
+        EVEN_K=h % up["BLOCK_K"] == 0, num_warps=up["num_warps"], num_stages=up["num_stages"])
+    _moe_down_kernel[(blocks, triton.cdiv(h, down["BLOCK_N"]))](
+        act, w_down, s2, y, topk_weights, sorted_ids, blk_expert, total, n_pairs, h, inter,
+        act.stride(0), w_down.stride(0), w_down.stride(1),
+        s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], QUANT=quant,
+        EVEN_K=inter % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
+        num_stages=down["num_stages"])
+    block = min(1024, next_pow2(h))
+    _moe_sum_kernel[(t, triton.cdiv(h, block))](y, topk_ids, out, k, h, e, y.stride(0),
+                                                out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
+# -- references --------------------------------------------------------------------------------
+
+def quantize_fp8_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (e4m3fn [E, N, K], float32 scale [E, ceil(N/128), ceil(K/128)])."""
+    e, n, k = w.shape
+    nb, kb = triton.cdiv(n, QBLOCK), triton.cdiv(k, QBLOCK)
+    pad = F.pad(w.float(), (0, kb * QBLOCK - k, 0, nb * QBLOCK - n))
+    tiles = pad.view(e, nb, QBLOCK, kb, QBLOCK)
+    scale = tiles.abs().amax(dim=(2, 4)).clamp_min(1e-12) / FP8_MAX
+    q = (tiles / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(e, nb * QBLOCK, kb * QBLOCK)[:, :n, :k].contiguous(), scale
+
+
+def dequantize_fp8_blockwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = q.shape[1], q.shape[2]
+    s = scale.repeat_interleave(QBLOCK, 1).repeat_interleave(QBLOCK, 2)[:, :n, :k]
+    return q.float() * s
+
+
+def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                        w_gate_up_scale: torch.Tensor | None = None,
+                        w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-expert loop in float32; the activation is rounded to x's dtype between the GEMMs,
+    as the kernel stores it."""
+    if w_gate_up.dtype == FP8:
+        w_gate_up = dequantize_fp8_blockwise(w_gate_up, w_gate_up_scale)
+        w_down = dequantize_fp8_blockwise(w_down, w_down_scale)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in topk_ids.unique().tolist():
+        if not 0 <= e < w_gate_up.shape[0]:
+            continue
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gate, up = (x[tok].float() @ w_gate_up[e].float().T).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype).float()
+        y = act @ w_down[e].float().T * topk_weights[tok, slot, None]
+        out.index_add_(0, tok, y)
+    return out.to(x.dtype)

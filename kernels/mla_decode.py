@@ -1,0 +1,216 @@
+"""MLA decode attention over the paged latent KV cache, absorbed-weight form.
+
+With W_UK absorbed into the query, every head attends to the same cached entry
+[latent (kv_lora_rank) | k_pe (rope_dim)]: the latent is both key (with q_latent) and value, so
+one program loads a tile of entries once and serves a group of heads with two small GEMMs.
+The sequence is split over programs (flash-decoding): each split writes its normalised
+partial output and log-sum-exp, and a second kernel merges the splits. The output stays in
+latent space [B, H, kv_lora_rank]; W_UV is applied by the caller.
+
+An FP8 cache stores e4m3 entries with one float32 scale per token (see kv_store.py). The
+scale factors out of both products: scores are q.k_fp8 * s, and the value sum uses p * s.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import DOT, FP8, check, check_shape, next_pow2
+
+LOG2E = 1.4426950408889634
+
+# Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (cache dtype, batch bucket) -> config.
+# BLOCK_N tokens per tile; MIN_SPLIT: fewest tokens a split may get (more splits fill the GPU at
+# small batch but add partial-output traffic).
+DECODE_CONFIGS: dict[tuple[str, int], dict] = {}
+DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "MIN_SPLIT": 256}
+BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
+
+
+def decode_config(kv_dtype: torch.dtype, batch: int) -> dict:
+    name = "fp8" if kv_dtype == FP8 else "bf16"
+    bucket = max([b for b in BATCH_BUCKETS if b <= batch], default=BATCH_BUCKETS[0])
+    return {**DEFAULT_CONFIG, **DECODE_CONFIGS.get((name, bucket), {})}
+
+
+def num_splits_for(batch: int, head_groups: int, max_seq_len: int, min_split: int,
+                   sms: int) -> int:
+    """Enough programs for about two waves, but no split shorter than `min_split` tokens."""
+    want = triton.cdiv(2 * sms, batch * head_groups)
+    most = max(1, max_seq_len // min_split)
+    return max(1, min(want, most, 128))
+
+
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
+def _mla_decode_split_kernel(
+        ql_ptr, qpe_ptr, cache_ptr, scale_ptr, bt_ptr, len_ptr, op_ptr, lse_ptr, sm_scale_log2,
+        s_qlb, s_qlh, s_qpb, s_qph, s_cblk, s_ctok, s_sblk, s_stok, s_btb,
+        s_ob, s_oh, s_os, s_lb, s_lh, num_heads, block_size, num_splits,
+        DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+    b, sp, hg = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(len_ptr + b)
+    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * per
+    end = tl.minimum(start + per, seq_len)
+    heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = heads < num_heads
+    ol, orr = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
+    lm, rm = ol < DL, orr < DR
+    q = tl.load(ql_ptr + b * s_qlb + heads[:, None] * s_qlh + ol[None, :],
+                mask=hm[:, None] & lm[None, :], other=0.0).to(DOT)
+    qp = tl.load(qpe_ptr + b * s_qpb + heads[:, None] * s_qph + orr[None, :],
+                 mask=hm[:, None] & rm[None, :], other=0.0).to(DOT)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pm = pos < end
+        blk = tl.load(bt_ptr + b * s_btb + pos // block_size, mask=pm, other=0).to(tl.int64)
+        row = blk * s_cblk + (pos % block_size) * s_ctok
+        kv = tl.load(cache_ptr + row[:, None] + ol[None, :], mask=pm[:, None] & lm[None, :],
+                     other=0.0).to(DOT)
+        kp = tl.load(cache_ptr + row[:, None] + DL + orr[None, :],
+                     mask=pm[:, None] & rm[None, :], other=0.0).to(DOT)
+        s = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
+        if QUANT:
+            ts = tl.load(scale_ptr + blk * s_sblk + (pos % block_size) * s_stok, mask=pm,
+                         other=0.0)
+            s = s * ts[None, :]
+        s = tl.where(pm[None, :], s * sm_scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        if QUANT:
+            p = p * ts[None, :]
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), kv)
+        m = m_new
+    some = den > 0.0  # false for an empty split (seq_len shorter than this split's start)
+    lse = tl.where(some, m + tl.log2(tl.where(some, den, 1.0)), float("-inf"))
+    out = acc / tl.where(some, den, 1.0)[:, None]
+    tl.store(op_ptr + b * s_ob + heads[:, None] * s_oh + sp * s_os + ol[None, :], out,
+             mask=hm[:, None] & lm[None, :])
+    tl.store(lse_ptr + b * s_lb + heads * s_lh + sp, lse, mask=hm)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, s_os, s_lb, s_lh,
+                             s_outb, s_outh, num_splits,
+                             DL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h, dc = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    ss = tl.arange(0, BLOCK_S)
+    lse = tl.load(lse_ptr + b * s_lb + h * s_lh + ss, mask=ss < num_splits, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty: output zeros
+    w = tl.exp2(lse - mx)
+    live = lse > float("-inf")
+    od = dc * BLOCK_D + tl.arange(0, BLOCK_D)
+    o = tl.load(op_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + od[None, :],
+                mask=live[:, None] & (od < DL)[None, :], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + b * s_outb + h * s_outh + od, out.to(out_ptr.dtype.element_ty),
+             mask=od < DL)
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+               block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+               scale: torch.Tensor | None = None, *, max_seq_len: int | None = None,
+               num_splits: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over its cached entries.
+
+    q_latent [B, H, DL] and q_pe [B, H, DR] (bf16/fp16); cache [num_blocks, block_size, DL + DR]
+    bf16 or e4m3fn (then `scale` [num_blocks, block_size] float32); block_tables [B, max_blocks]
+    int32; seq_lens [B] int32 (tokens to attend to, the new one included; 0 gives zeros).
+    Returns [B, H, DL] in q's dtype. `max_seq_len` (host-known bound) and `num_splits` only
+    shape the launch; fix num_splits when capturing a CUDA graph."""
+    dev = q_latent.device
+    check(q_latent, "q_latent", dims=3, dtypes=(torch.bfloat16, torch.float16))
+    check(q_pe, "q_pe", dims=3, dtypes=(q_latent.dtype,), device=dev)
+    check(cache, "cache", dims=3, dtypes=(torch.bfloat16, torch.float16, FP8), device=dev)
+    check(block_tables, "block_tables", dims=2, dtypes=(torch.int32, torch.int64), device=dev)
+    check(seq_lens, "seq_lens", dims=1, dtypes=(torch.int32, torch.int64), device=dev,
+          last_contiguous=False)
+    b, h, dl = q_latent.shape
+    dr = q_pe.shape[2]
+    check_shape(q_pe, "q_pe", (b, h, None))
+    check_shape(cache, "cache", (None, None, dl + dr))
+    check_shape(block_tables, "block_tables", (b, None))
+    check_shape(seq_lens, "seq_lens", (b,))
+    quant = cache.dtype == FP8
+    if quant:
+        if scale is None:
+            raise ValueError("an FP8 cache needs scale [num_blocks, block_size] float32")
+        check(scale, "scale", dims=2, dtypes=(torch.float32,), device=dev, last_contiguous=False)
+        check_shape(scale, "scale", tuple(cache.shape[:2]))
+    elif scale is not None:
+        raise ValueError(f"scale is only for an FP8 cache; this cache is {cache.dtype}")
+    cfg = {**decode_config(cache.dtype, b), **(config or {})}
+    block_h = min(64, max(16, next_pow2(h)))
+    groups = triton.cdiv(h, block_h)
+    if num_splits is None:
+        bound = max_seq_len or block_tables.shape[1] * cache.shape[1]
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+        num_splits = num_splits_for(b, groups, bound, cfg["MIN_SPLIT"], sms)
+    part = torch.empty(b, h, num_splits, dl, dtype=torch.float32, device=dev)
+    lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
+    out = torch.empty(b, h, dl, dtype=q_latent.dtype, device=dev)
+    if b == 0:
+        return out
+    sc = scale if quant else seq_lens.view(1, -1)  # unused pointer when not quantized
+    _mla_decode_split_kernel[(b, num_splits, groups)](
+        q_latent, q_pe, cache, sc, block_tables, seq_lens, part, lse, sm_scale * LOG2E,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), cache.stride(1), sc.stride(0), sc.stride(1), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        h, cache.shape[1], num_splits,
+        DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
+        BLOCK_N=cfg["BLOCK_N"], QUANT=quant, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    block_d = min(128, next_pow2(dl))
+    _mla_decode_merge_kernel[(b, h, triton.cdiv(dl, block_d))](
+        part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), num_splits,
+        DL=dl, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def gather_entries(cache: torch.Tensor, block_tables: torch.Tensor, length: int,
+                   scale: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
+    """[B, length, D] of each sequence's first `length` cache entries, dequantized."""
+    bs = cache.shape[1]
+    nb = triton.cdiv(length, bs)
+    idx = block_tables[:, :nb].long()
+    ent = cache[idx].reshape(idx.shape[0], nb * bs, cache.shape[-1])[:, :length].to(dtype)
+    if scale is not None:
+        ent = ent * scale[idx].reshape(idx.shape[0], nb * bs)[:, :length, None].to(dtype)
+    return ent
+
+
+def mla_decode_reference(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                         scale: torch.Tensor | None = None,
+                         compute_dtype: torch.dtype = torch.float32,
+                         max_len: int | None = None) -> torch.Tensor:
+    """Plain torch: gather every sequence's entries, then softmax(q.k) @ latent. With
+    compute_dtype=bfloat16 it is the unfused torch baseline the benchmark times (pass
+    max_len, a bound on seq_lens, to keep it free of host syncs)."""
+    dl = q_latent.shape[2]
+    length = max_len or max(int(seq_lens.max()), 1)
+    ent = gather_entries(cache, block_tables, length, scale, compute_dtype)
+    kv, kp = ent[..., :dl], ent[..., dl:]
+    s = (torch.einsum("bhd,bld->bhl", q_latent.to(compute_dtype), kv)
+         + torch.einsum("bhr,blr->bhl", q_pe.to(compute_dtype), kp)).float() * sm_scale
+    live = torch.arange(length, device=s.device)[None, :] < seq_lens[:, None]
+    s = s.masked_fill(~live[:, None, :], float("-inf"))
+    p = torch.nan_to_num(s.softmax(-1), nan=0.0)  # rows with seq_len 0 give zeros
+    return torch.einsum("bhl,bld->bhd", p.to(compute_dtype), kv).to(q_latent.dtype)
+
+
+def default_sm_scale(qk_head_dim: int) -> float:
+    return 1.0 / math.sqrt(qk_head_dim)

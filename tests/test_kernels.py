@@ -1,0 +1,281 @@
+"""The Triton kernels against their plain-torch references, on fresh random inputs with fixed
+seeds. On a CUDA machine the kernels run compiled at model-like shapes; without one they run
+under TRITON_INTERPRET=1 at tiny shapes (the interpreter executes every program in numpy), so
+`make test` covers their logic on any x86 machine. Only the long-row and full-size cases,
+which take minutes in the interpreter, need CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # Must precede the kernels' import: triton.jit decides compiled vs interpreted there.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton", reason="triton is installed on x86_64 only (see pyproject's test extra)")
+
+from lockstep.kernels import _util  # noqa: E402
+from lockstep.kernels.fused_moe import (  # noqa: E402
+    fused_moe, fused_moe_reference, moe_align, moe_align_reference, quantize_fp8_blockwise)
+from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token  # noqa: E402
+from lockstep.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
+from lockstep.kernels.mla_prefill import mla_prefill, mla_prefill_reference  # noqa: E402
+from lockstep.kernels.topk import topk, topk_reference  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+BF16 = torch.bfloat16
+NEEDS_CUDA = pytest.mark.skipif(not CUDA, reason="full-size shapes take minutes in the CPU interpreter")
+
+if not CUDA and not _util.INTERPRET:
+    raise RuntimeError("lockstep.kernels was imported before TRITON_INTERPRET=1 was set; run "
+                       "this file in its own process or export TRITON_INTERPRET=1")
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def randn(*shape, g, dtype=BF16, scale=1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g, device=DEV) * scale).to(dtype)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, tol: float = 2e-2) -> None:
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def same_fp8(a: torch.Tensor, b: torch.Tensor) -> None:
+    """FP8 codes equal, up to one code in a rare element (different hardware conversions)."""
+    d = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+    assert int(d.max()) <= 1 and float((d > 0).float().mean()) < 1e-3
+
+
+# -- KV store ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kv_store_matches_reference(fp8):
+    g = gen(1)
+    dl, dr, bs, blocks = (512, 64, 64, 16) if CUDA else (32, 16, 4, 6)
+    t = 40 if CUDA else 7
+    latent, k_pe = randn(t, dl, g=g), randn(t, dr, g=g, scale=3.0)
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(1))[:t].to(DEV)
+    slots[2] = -1  # a padding token stores nothing
+    dtype = _util.FP8 if fp8 else BF16
+    cache, ref = (torch.zeros(blocks, bs, dl + dr, device=DEV).to(dtype) for _ in range(2))
+    scale, ref_scale = (torch.zeros(blocks, bs, device=DEV) if fp8 else None for _ in range(2))
+    kv_store(cache, latent, k_pe, slots, scale)
+    kv_store_reference(ref, latent, k_pe, slots, ref_scale)
+    if fp8:
+        same_fp8(cache, ref)
+        torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(cache, ref)
+
+
+def test_kv_store_rejects_bad_arguments():
+    cache = torch.zeros(2, 4, 48, dtype=_util.FP8, device=DEV)
+    lat, pe = torch.zeros(3, 32, dtype=BF16, device=DEV), torch.zeros(3, 16, dtype=BF16, device=DEV)
+    slots = torch.zeros(3, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="scale"):
+        kv_store(cache, lat, pe, slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kv_store(cache.to(BF16), lat, pe, slots[:2])
+    with pytest.raises(ValueError, match="cache entries"):
+        kv_store(cache.to(BF16), lat, pe[:, :8], slots)
+
+
+# -- MLA decode ---------------------------------------------------------------------------------
+
+def _decode_case(g, fp8: bool):
+    b, h, dl, dr, bs = (9, 16, 512, 64, 64) if CUDA else (3, 4, 32, 16, 4)
+    lens = [1000, 0, 1, 64, 577, 4096, 130, 2049, 63] if CUDA else [13, 0, 5]
+    blocks_per = max(-(-n // bs) for n in lens)
+    perm = torch.randperm(b * blocks_per, generator=torch.Generator().manual_seed(2))
+    tables = perm.view(b, blocks_per).to(torch.int32).to(DEV)
+    cache = randn(b * blocks_per, bs, dl + dr, g=g)
+    scale = None
+    if fp8:
+        cache, scale = quantize_per_token(cache)
+    q_lat, q_pe = randn(b, h, dl, g=g, scale=0.2), randn(b, h, dr, g=g, scale=0.2)
+    return q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV), scale
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_mla_decode_matches_reference(fp8, splits):
+    q_lat, q_pe, cache, tables, lens, scale = _decode_case(gen(2), fp8)
+    sm = 0.1
+    out = mla_decode(q_lat, q_pe, cache, tables, lens, sm, scale, num_splits=splits)
+    ref = mla_decode_reference(q_lat, q_pe, cache, tables, lens, sm, scale)
+    close(out, ref)
+    assert not out[1].any()  # seq_len 0 gives zeros
+
+
+def test_mla_decode_rejects_bad_arguments():
+    q_lat, q_pe, cache, tables, lens, _ = _decode_case(gen(3), False)
+    with pytest.raises(ValueError, match="q_pe"):
+        mla_decode(q_lat, q_pe[:, :1], cache, tables, lens, 0.1)
+    with pytest.raises(ValueError, match="block_tables"):
+        mla_decode(q_lat, q_pe, cache, tables.float(), lens, 0.1)
+    with pytest.raises(ValueError, match="FP8"):
+        mla_decode(q_lat, q_pe, cache, tables, lens, 0.1, torch.ones(cache.shape[:2], device=DEV))
+
+
+# -- fused MoE ----------------------------------------------------------------------------------
+
+def _moe_case(g, t, e, h, inter, k):
+    x = randn(t, h, g=g)
+    w13 = randn(e, 2 * inter, h, g=g, scale=h ** -0.5)
+    w2 = randn(e, h, inter, g=g, scale=inter ** -0.5)
+    ids = torch.rand(t, e, generator=g, device=DEV).topk(k, dim=-1).indices
+    weights = torch.rand(t, k, generator=g, device=DEV)
+    return x, w13, w2, weights, ids
+
+
+TINY_MOE = {"BLOCK_M": 16, "up": {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2},
+            "down": {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}}
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_moe_align_matches_torch(block_m):
+    g = gen(4)
+    t, e, k = (300, 64, 6) if CUDA else (9, 8, 3)
+    ids = torch.rand(t, e, generator=g, device=DEV).topk(k, dim=-1).indices
+    ids[0, 1] = -1  # an expert on another rank
+    got, want = moe_align(ids, e, block_m), moe_align_reference(ids, e, block_m)
+    total = int(want[2])
+    assert int(got[2]) == total
+    assert torch.equal(got[0][:total], want[0][:total])
+    assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_matches_reference(fp8):
+    g = gen(5)
+    t, e, h, inter, k = (70, 16, 512, 384, 6) if CUDA else (5, 4, 256, 160, 2)
+    x, w13, w2, weights, ids = _moe_case(g, t, e, h, inter, k)
+    ids[1, 0] = -1  # skipped: contributes nothing
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
+        scales = {"w_gate_up_scale": s13, "w_down_scale": s2}
+    cfg = None if CUDA else TINY_MOE
+    out = fused_moe(x, w13, w2, weights, ids, config=cfg, **scales)
+    close(out, fused_moe_reference(x, w13, w2, weights, ids, **scales))
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("t", [1, 64, 256])
+def test_fused_moe_v2_lite_layer(t):
+    x, w13, w2, weights, ids = _moe_case(gen(6), t, 64, 2048, 1408, 6)
+    close(fused_moe(x, w13, w2, weights, ids), fused_moe_reference(x, w13, w2, weights, ids))
+
+
+def test_fused_moe_rejects_bad_arguments():
+    x, w13, w2, weights, ids = _moe_case(gen(7), 3, 4, 64, 32, 2)
+    with pytest.raises(ValueError, match="w_down"):
+        fused_moe(x, w13, w2.transpose(1, 2).contiguous(), weights, ids)
+    with pytest.raises(ValueError, match="topk_weights"):
+        fused_moe(x, w13, w2, weights.to(BF16), ids)
+    with pytest.raises(ValueError, match="w_gate_up_scale"):
+        fused_moe(x, w13.to(_util.FP8), w2.to(_util.FP8), weights, ids)
+
+
+# -- top-k ----------------------------------------------------------------------------------------
+
+TINY_TOPK = {"CHUNK": 256, "TILE": 128, "SAMPLE": 64, "FINISH_TILE": 256}
+
+
+def _assert_topk(x, k, config=None):
+    vals, idx = topk(x, k, config=config)
+    ref_vals, ref_idx = topk_reference(x, k)
+    assert torch.equal(idx, ref_idx)
+    assert torch.equal(vals.view(torch.uint8), ref_vals.view(torch.uint8))  # bits: NaN == NaN
+    return vals, idx
+
+
+def test_topk_random_rows_match_torch():
+    g = gen(8)
+    r, n, k = (6, 20000, 700) if CUDA else (3, 1000, 50)
+    x = torch.randn(r, n, generator=g, device=DEV)
+    vals, idx = _assert_topk(x, k, None if CUDA else TINY_TOPK)
+    want = torch.topk(x, k, dim=1).indices.sort(dim=1).values
+    assert torch.equal(idx.long(), want)
+
+
+def test_topk_ties_sorted_rows_and_misleading_samples():
+    g = gen(9)
+    n, k = (30000, 2048) if CUDA else (1000, 64)
+    cfg = None if CUDA else TINY_TOPK
+    sample = cfg["SAMPLE"] if cfg else 2048
+    piece = sample // 16
+    rows = torch.randn(6, n, generator=g, device=DEV)
+    rows[0] = 0.0  # every element ties
+    rows[1, n // 3:] = 1.0  # ties straddle the k-th value
+    rows[2] = rows[2].sort().values  # ascending: the top k sits at the end
+    rows[3] = rows[3].sort(descending=True).values
+    hot = torch.arange(sample, device=DEV)
+    hot = (hot // piece) * max(n // 16, piece) + hot % piece
+    rows[4] *= 1e-3
+    rows[4, hot] = 100.0 + torch.rand(sample, generator=g, device=DEV)  # the sample is all outliers
+    rows[5, ::7] = float("nan")
+    _assert_topk(rows, k, cfg)
+
+
+def test_topk_bf16_whole_row_and_single():
+    g = gen(10)
+    cfg = None if CUDA else TINY_TOPK
+    _assert_topk(randn(2, 777, g=g), 777, cfg)
+    _assert_topk(torch.randn(1, 300, generator=g, device=DEV), 1, cfg)
+
+
+@NEEDS_CUDA
+@pytest.mark.parametrize("rows", [1, 64])
+def test_topk_indexer_shape(rows):
+    x = torch.randn(rows, 131072, generator=gen(11), device=DEV)
+    _, idx = _assert_topk(x, 2048)
+    assert torch.equal(idx.long(), torch.topk(x, 2048, dim=1).indices.sort(dim=1).values)
+
+
+def test_topk_rejects_bad_arguments():
+    x = torch.zeros(2, 10, device=DEV)
+    with pytest.raises(ValueError, match="k must be"):
+        topk(x, 11)
+    with pytest.raises(ValueError, match="x must be"):
+        topk(x.int(), 3)
+    with pytest.raises(ValueError, match="unit-stride"):
+        topk(x.t(), 1)
+
+
+# -- MLA prefill ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_prefill_matches_reference(fp8):
+    g = gen(12)
+    if CUDA:
+        h, dn, dr, dv, dl, bs, chunk, cfg = 16, 128, 64, 128, 512, 64, 1024, None
+        new, prefix = [77, 300, 1], [1500, 0, 700]
+    else:
+        h, dn, dr, dv, dl, bs, chunk = 2, 16, 16, 16, 32, 4, 8
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 16}
+        new, prefix = [5, 19], [10, 0]
+    t = sum(new)
+    cu = torch.tensor([0] + new, device=DEV).cumsum(0).to(torch.int32)
+    q = randn(t, h, dn + dr, g=g, scale=0.3)
+    k_nope, k_pe, v = randn(t, h, dn, g=g), randn(t, dr, g=g), randn(t, h, dv, g=g)
+    per = max(-(-p // bs) for p in prefix)
+    tables = torch.randperm(len(new) * per, generator=torch.Generator().manual_seed(3))
+    tables = tables.view(len(new), per).to(torch.int32).to(DEV)
+    cache = randn(len(new) * per, bs, dl + dr, g=g)
+    scale = None
+    if fp8:
+        cache, scale = quantize_per_token(cache)
+    w_kv_b = randn(h * (dn + dv), dl, g=g, scale=dl ** -0.5)
+    sm = (dn + dr) ** -0.5
+    out = mla_prefill(q, k_nope, k_pe, v, cu, max(new), prefix, cache, tables, w_kv_b, sm,
+                      scale, chunk_tokens=chunk, config=cfg)
+    close(out, mla_prefill_reference(q, k_nope, k_pe, v, cu, prefix, cache, tables, w_kv_b,
+                                     sm, scale))
