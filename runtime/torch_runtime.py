@@ -148,7 +148,8 @@ class TorchRuntime:
         e = self.model.cfg.n_routed_experts
         topo = Topology(e, e + int(spec.options.get("redundant_experts", 0)), self.world)
         layers = shard_experts(self.model, naive(topo, len(self.moe_layers)).phy2log, spec.rank, self.world,
-                               spare=topo.slots_per_rank if balancing else 0)
+                               spare=topo.slots_per_rank if balancing else 0,
+                               split=str(spec.options.get("expert_token_split", "even")))
         return ExpertPlacements(layers, self.device, int(spec.options.get("eplb_min_stage_steps", 0)))
 
     def new_placement(self, msg: NewPlacement) -> None:

@@ -173,6 +173,51 @@ async def test_dep2_rebalances_mid_generation_with_greedy_tokens_unchanged():
     _check_switch(log, gen=1)
 
 
+async def test_dep2_proportional_token_split_keeps_greedy_tokens():
+    """Each batch's replicated experts split by the GPUs' loads (an all-reduce per layer):
+    it changes which rank computes a pair, never the math."""
+    ps = E.prompts()[:3]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cfg = attrs.evolve(E.config(tokenizer=None), dep=2,
+                       eplb=EplbConfig(redundant_experts=2, window_steps=10_000, token_split="proportional"))
+    got = [None] * len(ps)
+    async with open_engine(cfg) as engine:
+        async def one(i):
+            got[i], _ = await E.collect(engine, ps[i], params)
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+    for p, g in zip(ps, got):
+        assert g == E.reference_greedy(p, params.max_tokens)
+
+
+def test_proportional_split_levels_the_gpus_holding_replicas():
+    """4 ranks of 2 slots: expert 0 on GPUs 0 and 3, expert 1 on GPUs 1 and 3; GPU 0 also
+    holds the heavy expert 2. The split moves expert 0's pairs off GPU 0."""
+    import torch
+
+    from lockstep.policy.eplb import Placement
+    from lockstep.runtime.models.expert_parallel import choose_slots, proportional_slots
+
+    phy2log = np.array([0, 2, 1, 3, 4, 5, 0, 1])
+    p = Placement.from_phy2log(phy2log[None], 6)
+    log2phy, reps = torch.tensor(p.log2phy[0]), torch.tensor(p.replicas[0])
+    rng = np.random.default_rng(0)
+    ranks = [torch.tensor(rng.choice(6, size=400, p=[.4, .1, .15, .15, .1, .1])) for _ in range(4)]
+    total = sum(torch.bincount(f, minlength=6) for f in ranks)
+    loads = {}
+    for name in ("even", "proportional"):
+        load = torch.zeros(4)
+        for r, f in enumerate(ranks):
+            s = (choose_slots(f, log2phy, reps, r) if name == "even"
+                 else proportional_slots(f, log2phy, reps, r, 4, total, 2))
+            assert (torch.tensor(phy2log)[s] == f).all()  # every pair reaches its own expert
+            load += torch.bincount(s // 2, minlength=4)
+        assert load.sum() == 1600
+        loads[name] = (load.mean() / load.max()).item()
+    assert loads["proportional"] > loads["even"] + 0.1  # 0.855 against 0.733
+
+
 def _check_switch(log: list, gen: int) -> None:
     """Steps went on while the copy ran, and the ranks switched together, at a step boundary
     after every rank had said it was ready: no step waited for the copy."""

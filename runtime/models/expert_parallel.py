@@ -61,10 +61,56 @@ def choose_slots(flat: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tens
     return log2phy[flat, (nth + rank) % replicas[flat]]
 
 
+def proportional_slots(flat: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tensor, rank: int, world: int,
+                       total: torch.Tensor, k: int) -> torch.Tensor:
+    """The physical slot of each (token, expert) pair when each replicated expert's tokens
+    split so the GPUs holding its replicas come out level (``total``: this batch's pairs per
+    logical expert summed over all ranks, so every rank computes the same split).
+
+    Against each GPU's load under the even split, less this expert's own even share, the
+    expert's pairs are poured in (water-filling: one Jacobi sweep of what
+    ``lockstep.policy.eplb_split`` evaluates); every rank then sends its own pairs of the
+    expert to the replicas in those proportions, starting at a rank-dependent offset, so the
+    ranks' pairs add up to the split."""
+    E, m = log2phy.shape
+    valid = log2phy >= 0
+    total = total.to(torch.float64)
+    even = total / replicas.clamp(min=1).to(torch.float64)
+    gpu = torch.where(valid, torch.div(log2phy, k, rounding_mode="floor"), 0)
+    load = torch.zeros(world, dtype=torch.float64, device=flat.device)
+    load.index_add_(0, gpu[valid], even[:, None].expand(E, m)[valid])
+    base = torch.where(valid, load[gpu] - even[:, None], torch.full_like(load[gpu], float("inf")))
+    srt, _ = base.sort(dim=1)
+    finite = torch.isfinite(srt)
+    lam = (total[:, None] + torch.cumsum(torch.where(finite, srt, 0.0), 1)) / torch.arange(
+        1, m + 1, device=flat.device, dtype=torch.float64)
+    wet = (finite & (lam >= srt)).sum(1).clamp(min=1) - 1
+    level = lam.gather(1, wet[:, None])
+    share = torch.where(valid, (level - base).clamp(min=0), 0.0)
+    frac = torch.where(total[:, None] > 0, share / total.clamp(min=1e-30)[:, None], valid / replicas[:, None])
+    cum = torch.cumsum(frac, 1)
+    # The n-th of this rank's c pairs of expert e sits at (n + 1/2) / c of the way, shifted
+    # by rank / world; it goes to the replica whose cumulative share covers that point.
+    order = torch.argsort(flat, stable=True)
+    count = torch.bincount(flat, minlength=E)
+    start = torch.cumsum(count, 0) - count
+    nth = torch.empty_like(flat)
+    nth[order] = torch.arange(len(flat), device=flat.device) - start[flat[order]]
+    u = torch.remainder((nth.to(torch.float64) + 0.5) / count[flat].clamp(min=1) + rank / world, 1.0)
+    j = (cum[flat] <= u[:, None]).sum(1).clamp(max=replicas[flat] - 1)
+    return log2phy[flat, j]
+
+
+SPLITS = ("even", "proportional")
+
+
 class ShardedExperts(nn.Module):
     def __init__(self, experts: nn.Module, phy2log: np.ndarray, rank: int, world: int, *,
-                 spare: int = 0, group=None):
+                 spare: int = 0, group=None, split: str = "even"):
         super().__init__()
+        if split not in SPLITS:
+            raise ValueError(f"expert token split must be one of {SPLITS}, got {split!r}")
+        self.split = split
         phy2log = np.asarray(phy2log, dtype=np.int64)
         if len(phy2log) % world:
             raise ValueError(f"{len(phy2log)} expert slots do not split evenly over {world} ranks")
@@ -133,7 +179,13 @@ class ShardedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         t = self.tables
         flat = ids.flatten()
-        slot = choose_slots(flat, t.log2phy, t.replicas, self.rank)
+        if self.split == "proportional":  # every rank, every layer, every step: one all-reduce
+            total = torch.bincount(flat, minlength=self.num_experts)
+            if self.world > 1:
+                dist.all_reduce(total, group=self.group)
+            slot = proportional_slots(flat, t.log2phy, t.replicas, self.rank, self.world, total, self.k)
+        else:
+            slot = choose_slots(flat, t.log2phy, t.replicas, self.rank)
         dest = torch.div(slot, self.k, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])[order]
@@ -165,7 +217,7 @@ class ShardedExperts(nn.Module):
 
 
 def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, *, spare: int = 0,
-                  group=None) -> list[ShardedExperts]:
+                  group=None, split: str = "even") -> list[ShardedExperts]:
     """Replace every MoE layer's experts by this rank's slots of ``phy2log`` (MoE layers,
     slots); the full weights stay only as the host-side source of later copies."""
     from .deepseek_v3 import MoE
@@ -174,5 +226,5 @@ def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, 
     if len(moe) != len(phy2log):
         raise ValueError(f"placement has {len(phy2log)} layers, the model {len(moe)} MoE layers")
     for mlp, row in zip(moe, phy2log):
-        mlp.experts = ShardedExperts(mlp.experts, row, rank, world, spare=spare, group=group)
+        mlp.experts = ShardedExperts(mlp.experts, row, rank, world, spare=spare, group=group, split=split)
     return [mlp.experts for mlp in moe]

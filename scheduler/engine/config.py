@@ -134,6 +134,7 @@ class EngineConfig:
             options["dist_init"] = dist_init
         if self.eplb is not None:
             options.setdefault("redundant_experts", self.eplb.redundant_experts)
+            options.setdefault("expert_token_split", self.eplb.token_split)
         if self.draft_model:
             options.setdefault("draft_model", self.draft_model)
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,

@@ -25,6 +25,11 @@ def _non_negative(inst, attribute, value):
         raise ConfigError(f"eplb.{attribute.name} must be an integer >= 0, got {value!r}")
 
 
+def _one_of(attribute, value, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(f"eplb.{attribute.name} must be one of {allowed}, got {value!r}")
+
+
 def _positive(inst, attribute, value):
     if not isinstance(value, int) or value < 1:
         raise ConfigError(f"eplb.{attribute.name} must be an integer >= 1, got {value!r}")
@@ -38,6 +43,9 @@ class EplbConfig:
     window_steps: int = attrs.field(default=64, validator=_positive)  # plan on this many steps' loads
     incremental: bool = True  # repair the placement in use (few moves) rather than plan afresh
     eps: float = 0.01  # incremental: how close to a fresh plan's heaviest GPU is close enough
+    # How a replicated expert's tokens split among its replicas in each batch: "even", or
+    # "proportional" (the GPUs holding them come out level; one more all-reduce per layer).
+    token_split: str = attrs.field(default="even", validator=lambda i, a, v: _one_of(a, v, ("even", "proportional")))
 
 
 class Rebalancer:
