@@ -24,6 +24,7 @@ from lockstep.engine.balancer import Balancer, BalancerStats
 from lockstep.engine.config import EngineConfig
 from lockstep.engine.disagg import DecodeSide, Disagg, PrefillSide
 from lockstep.engine.group import LocalGroup
+from lockstep.engine.node_group import NodeGroup, parse_address
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
 from lockstep.engine.output import RequestStream
 from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
@@ -214,7 +215,14 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
         if disagg is not None:
             disagg.prefill = _pool(config, "prefill", config.prefill_instances, config.prefill_dep, disagg, None)
             schedulers += disagg.prefill
-        pool = _pool(config, "decode" if disagg else "colocated", config.instances, config.dep, disagg, loads)
+        if config.nodes > 1:  # this process hosts a share of one instance spread over nodes
+            group = NodeGroup(NodeGroup.local_size(config.dep, config.nodes), config.node_rank,
+                              [parse_address(a) for a in config.node_addresses], config.dist_init)
+            await nursery.start(group.run)
+            pool = [Scheduler(config.make_core, partial(_node_client, config, group, r), group=group, rank=r)
+                    for r in range(group.size)]
+        else:
+            pool = _pool(config, "decode" if disagg else "colocated", config.instances, config.dep, disagg, loads)
         if disagg is not None:
             disagg.decode = pool
         schedulers += pool
@@ -251,6 +259,10 @@ def _pool(config: EngineConfig, role: str, instances: int, dep: int, disagg: Dis
             make_client = partial(_client, config, group, rank, dep, disagg, role)
             out.append(Scheduler(config.make_core, make_client, group=group, rank=rank, loads=loads, role=side))
     return out
+
+
+def _node_client(config: EngineConfig, group: NodeGroup, local: int):
+    return config.make_client(group.global_rank(local), group.dist_init, world_size=config.dep)
 
 
 def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int, disagg: Disagg | None, role: str):

@@ -44,6 +44,13 @@ def add_parser(sub) -> None:
     s.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
     s.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
                     help="how decode runtimes pull KV from prefill runtimes")
+    s.add_argument("--nodes", type=int, default=1,
+                   help="spread the --dep ranks over this many serve processes (hosts), dep/nodes each")
+    s.add_argument("--node-rank", type=int, default=0, help="which node this process is")
+    s.add_argument("--node-addresses", default="",
+                   help="HOST:PORT,... one per node: where the nodes' per-step all-reduce links listen")
+    s.add_argument("--dist-init", default="",
+                   help="tcp://HOST:PORT shared by every node: the runtimes' torch.distributed rendezvous")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
@@ -96,7 +103,14 @@ def engine_config(args):
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                         scheduler=sched, runtime_options=_options(args.runtime_option),
                         tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model), dep=args.dep,
-                        eplb=eplb_config(args), **pd_options(args))
+                        eplb=eplb_config(args), **pd_options(args), **node_options(args))
+
+
+def node_options(args) -> dict:
+    if args.nodes == 1:
+        return {}
+    return dict(nodes=args.nodes, node_rank=args.node_rank, dist_init=args.dist_init,
+                node_addresses=tuple(a for a in args.node_addresses.split(",") if a))
 
 
 def _timing_tokenizer(model: str) -> str | None:

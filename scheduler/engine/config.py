@@ -46,6 +46,14 @@ class EngineConfig:
     # the target's own first N layers) proposes num_spec_tokens tokens per decode step.
     draft_model: str = ""
     num_spec_tokens: int = 3
+    # A DEP instance spread over several engine processes (nodes): this process is node
+    # ``node_rank`` and hosts dep / nodes of its ranks; ``node_addresses`` (HOST:PORT, one per
+    # node) are where the nodes' per-step all-reduce links listen; ``dist_init`` is the
+    # runtimes' shared torch.distributed rendezvous (tcp://HOST:PORT on node 0's host).
+    nodes: int = 1
+    node_rank: int = 0
+    node_addresses: tuple[str, ...] = ()
+    dist_init: str = ""
 
     def __attrs_post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -81,6 +89,8 @@ class EngineConfig:
                 or (Path(self.draft_model) / "config.json").is_file()):
             raise ConfigError(f"engine.draft_model must be a preset {preset_names()}, 'layers:N' or a checkpoint "
                               f"directory holding config.json, got {self.draft_model!r}")
+        if self.nodes != 1:
+            self._check_nodes()
         runtimes = available()
         if self.runtime not in runtimes:
             raise ConfigError(f"engine.runtime must be one of the registered runtimes {sorted(runtimes)}, "
@@ -88,6 +98,29 @@ class EngineConfig:
         if self.runtime == "torch" and self.model not in preset_names() and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"engine.model must be a preset {preset_names()} or a checkpoint directory "
                               f"holding config.json, got {self.model!r}")
+
+    def _check_nodes(self) -> None:
+        from .node_group import parse_address
+
+        if not isinstance(self.nodes, int) or self.nodes < 1 or self.dep % self.nodes:
+            raise ConfigError(f"engine.nodes must be an integer >= 1 that divides engine.dep ({self.dep}), "
+                              f"got {self.nodes!r}")
+        if not 0 <= self.node_rank < self.nodes:
+            raise ConfigError(f"engine.node_rank must be in [0, {self.nodes}), got {self.node_rank!r}")
+        if len(self.node_addresses) != self.nodes:
+            raise ConfigError(f"engine.node_addresses must list one HOST:PORT per node ({self.nodes}), "
+                              f"got {list(self.node_addresses)}")
+        for a in self.node_addresses:
+            try:
+                parse_address(a)
+            except ValueError as e:
+                raise ConfigError(f"engine.node_addresses: {e}") from None
+        if not self.dist_init.startswith("tcp://"):
+            raise ConfigError(f"engine.dist_init must be tcp://HOST:PORT (the same on every node) when "
+                              f"engine.nodes > 1, got {self.dist_init!r}")
+        if self.prefill_instances or self.instances != 1 or self.eplb is not None or self.draft_model:
+            raise ConfigError("engine.nodes > 1 runs one colocated DEP instance so far (no P/D, eplb or "
+                              "draft model)")
 
     @classmethod
     def from_deployment(cls, dep, pool_index: int = 0, model: str | None = None) -> EngineConfig:
