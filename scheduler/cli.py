@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--plot", metavar="PATH", help="write latency CDFs, throughput and KV use as PNG")
     s.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows (counted)")
     s.add_argument("--no-advance", action="store_true", help="step one by one (for checking)")
+    s.add_argument("--max-kv-loads", type=int, metavar="N",
+                   help="override [scheduler] max_kv_loads_per_step: new KV loads (P/D pulls, "
+                        "host-tier loads) a rank starts per step; 0 = no cap")
     s.add_argument("--no-eplb", action="store_true",
                    help="keep the naive expert placement even if the deployment has [eplb] "
                         "(with [cost] expert_skew > 0: compare balancedness with the balancer off)")

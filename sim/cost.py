@@ -23,6 +23,11 @@ time is the slowest rank's):
     step      = max(max_r t_r, host_floor) + host_added      (see HostSpec: the scheduler and
                 dispatch hide behind the GPU step with async scheduling; the DP sync does not)
 
+Host work a step adds on some ranks (``host_extra``: P/D pulls started and completed, see
+KVTransferSpec) joins the host floor when async scheduling overlaps host and GPU, so it
+shows only when it outlasts the GPU step: max(max_r t_r, host_floor + max_r extra_r);
+without overlap each rank's extra adds to its own time.
+
 ``ctx_r`` is the KV the rank's attention reads: each scheduled request's context (s + c for
 a chunk of c tokens after s), read once per step; ``pairs_r`` the (query, key) pairs, which
 for that chunk is c*s + c*(c+1)/2.
@@ -52,6 +57,7 @@ class AnalyticCost:
                  host: HostSpec = HostSpec()):
         self.m, self.hw, self.c, self.dep = model, hw, cost, dep
         self.host_floor, self.host_added = host.step_terms(dep)
+        self.host_overlap = host.overlap
         self.balancedness = cost.expert_balancedness  # the simulator may move it window by window
         self._distinct: dict[tuple[float, float], tuple[float, float]] = {}
 
@@ -71,12 +77,17 @@ class AnalyticCost:
         return out
 
     def rank_step_time(self, tokens: list[float], ctx: list[float], pairs: list[float],
-                       loaded: list[float]) -> float:
+                       loaded: list[float], host_extra: list[float] | None = None) -> float:
         """``step_time`` of one step from per-rank Python floats: the same operations in the
         same order, so the same bits, without numpy's per-call cost on arrays of one or a
-        few ranks (most steps of a sparse trace)."""
+        few ranks (most steps of a sparse trace). ``host_extra``: host seconds per rank that
+        this step adds (see the module docstring)."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         pad = max(tokens)  # the DP sync rule: every rank runs the largest rank's token count
+        # Only P/D pulls to start (no colocated plan looks like this, so step_time, the
+        # engine's timing runtime's, needs no such case): no forward pass runs.
+        if pad == 0 and not any(loaded):
+            return self._host_only(host_extra)
         k = m.top_k
         dense_bytes, moe_gemm = self._weights_and_moe(pad * n)
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
@@ -84,15 +95,25 @@ class AnalyticCost:
         worst = -np.inf
         gemm = 2 * pad * m.dense_params + moe_gemm
         a2a = a2a_keep * (m.moe_layers * pad * k * m.hidden_size * 3 / hw.link_bandwidth)
-        for tok, cx, pr, ld in zip(tokens, ctx, pairs, loaded):
+        serial = host_extra if host_extra is not None and not self.host_overlap else None
+        for r, (tok, cx, pr, ld) in enumerate(zip(tokens, ctx, pairs, loaded)):
             bytes_r = dense_bytes + m.kv_bytes_per_token * (cx + tok)
             attn = m.attn_flops_per_pair * pr * m.num_layers
             t = max(bytes_r / hw.hbm_bandwidth, gemm / gemm_rate + attn / hw.flops)
             if n > 1:
                 t = t + a2a
             t = t + m.kv_bytes_per_token * ld / hw.host_bandwidth
+            if serial is not None:
+                t = t + serial[r]
             worst = t if t > worst else worst
-        return (worst if worst > self.host_floor else self.host_floor) + self.host_added
+        floor = self.host_floor
+        if host_extra is not None and self.host_overlap:
+            floor = floor + max(host_extra)
+        return (worst if worst > floor else floor) + self.host_added
+
+    def _host_only(self, host_extra: list[float] | None) -> float:
+        extra = max(host_extra) if host_extra is not None else 0.0
+        return (self.host_floor + extra if self.host_overlap else extra) + self.host_added
 
     def decode_run_ends(self, t: float, ns: list[float], bases: list[float], k: int,
                         until: float) -> list[float]:

@@ -31,6 +31,7 @@ class Metrics:
     def __init__(self, n_requests: int, total_blocks: int):
         self.arrival = np.full(n_requests, np.nan)
         self.first = np.full(n_requests, np.nan)
+        self.second = np.full(n_requests, np.nan)  # P/D: the first token from the decode side
         self.last = np.full(n_requests, np.nan)
         self.finish = np.full(n_requests, np.nan)
         self.ntok = np.zeros(n_requests, dtype=np.int64)
@@ -55,10 +56,13 @@ class Metrics:
         if len(rids) == 0:
             return
         ntok, last, first = self.ntok, self.last, self.first
+        second = self.second
         for r in rids.tolist():
             if ntok[r] > 0:
                 self._itl_v.append(t - last[r])
                 self._itl_w.append(1.0)
+                if ntok[r] == 1:
+                    second[r] = t
             else:
                 first[r] = t
             last[r] = t
@@ -70,6 +74,8 @@ class Metrics:
         """k tokens for each request, at step ends ``ends`` (k,)."""
         self.tokens(rids, ends[0])
         if len(ends) > 1:
+            got_one = rids[self.ntok[rids] == 1]
+            self.second[got_one] = ends[1]
             self._itl_v += [b - a for a, b in zip(ends, ends[1:])]
             self._itl_w += [float(len(rids))] * (len(ends) - 1)
             self.last[rids] = ends[-1]

@@ -44,6 +44,36 @@ def print_table(report: dict, console: Console | None = None) -> None:
         s = report[key]
         lat.add_row(name, *(_ms(s[q]) for q in ("mean", "p50", "p90", "p99")))
     console.print(lat)
+    if "pools" in report:
+        _print_pd(report, console)
+
+
+def _print_pd(report: dict, console: Console) -> None:
+    steps = Table(title="P/D steps per pool (ms)")
+    for col in ("pool", "steps", "step p50", "step p99", "step max", "jump p99", "jump max"):
+        steps.add_column(col, justify="right")
+    for name, p in report["pools"].items():
+        s, j = p["step_s"], p["step_jump_s"]
+        steps.add_row(f"{name} ({p['role']}, {p['gpus']} GPUs)", f"{p['steps']:,}", _ms(s["p50"]), _ms(s["p99"]),
+                      _ms(s["max"]), _ms(j["p99"]), _ms(j["max"]))
+    console.print(steps)
+    kv = report["kv_transfer"]
+    t = Table(title="KV transfer (prefill -> decode)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    rate = kv["tokens_per_s_per_gpu"]
+    t.add_row("pulls", f"{kv['pulls']:,} ({kv['tokens']:,} tokens, {rate:,.0f} tokens/s per decode GPU)")
+    for key, name in (("transfer_s", "pull time"), ("queue_wait_s", "wait before the pull starts"),
+                      ("second_token_gap_s", "first -> second token")):
+        v = kv[key]
+        t.add_row(f"{name} (ms)", f"p50 {_ms(v['p50'])}, p99 {_ms(v['p99'])}, max {_ms(v['max'])}")
+    desc = kv["descriptors_per_pull"]
+    t.add_row("descriptors per pull", "-" if desc is None else f"{desc:.2f}")
+    for key, name in (("queued_for_kv", "requests queued for a pull"), ("waiting_for_kv", "requests waiting for KV"),
+                      ("prefill_held_blocks", "prefill blocks held for pulls")):
+        v = kv[key]
+        t.add_row(name, f"mean {v['mean']:,.2f}, max {v['max']:,}")
+    console.print(t)
 
 
 def plot(series: dict, path: str | Path, title: str = "") -> None:

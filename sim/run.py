@@ -39,6 +39,11 @@ def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, 
 def run_sim(args) -> int:
     console = Console(stderr=True)
     deployment: Deployment = load_deployment(args.deployment) if args.deployment else default_deployment()
+    if args.max_kv_loads is not None:
+        if args.max_kv_loads < 0:
+            raise ValueError(f"--max-kv-loads must be >= 0 (0: no cap), got {args.max_kv_loads}")
+        deployment = attrs.evolve(deployment, scheduler=attrs.evolve(
+            deployment.scheduler, max_kv_loads_per_step=args.max_kv_loads))
     workload, name = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
     sim = Simulator(deployment, workload, seed=args.seed, slo_ttft=args.slo_ttft,

@@ -8,6 +8,9 @@ DEP instance's ranks step together; the step costs what its slowest rank costs.
 Runs of identical decode steps are applied at once with ``SchedulerCore.advance(k)``: the
 simulator's cost grows with events (arrivals, admissions, block boundaries, completions),
 not with steps. Plans skipped by an advance are not materialized.
+
+Pools are all colocated, or split into prefill and decode pools (``sim.disagg``: hand-offs,
+KV pulls over a link, the prefill side's held blocks).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from lockstep.policy.router import PrefixAffinityRouter
 from lockstep.policy.step import StepPlan, StepResult
 
 from .cost import AnalyticCost
+from .disagg import HANDOFF, JOIN, LINK, STEP, PDFlow, check_pd_pools, pd_report
 from .experts import ExpertLoads
+from .load import host_loaded_tokens
 from .metrics import Metrics, clean
 from .traces import TraceRequest, segment_tokens
 
@@ -41,7 +46,7 @@ class Instance:
 
     def __init__(self, name: str, pool: PoolSpec, config: SchedulerConfig, hasher: BlockHasher,
                  cost: AnalyticCost):
-        self.name, self.pool, self.cost = name, pool, cost
+        self.name, self.pool, self.cost, self.role = name, pool, cost, pool.role
         self.cores = [SchedulerCore(config, hasher) for _ in range(pool.dep)]
         self.executing: list[StepPlan] | None = None
         self.planned: list[StepPlan] | None = None
@@ -59,7 +64,7 @@ class Instance:
         return None if all(p.is_empty() for p in plans) else plans
 
 
-class Simulator:
+class Simulator(PDFlow):
     def __init__(self, deployment: Deployment, workload: Sequence[TraceRequest], *,
                  seed: int = 0, slo_ttft: float = 2.0, slo_tpot: float = 0.1,
                  use_advance: bool = True, on_plan: Callable | None = None, eplb: bool = True):
@@ -75,12 +80,10 @@ class Simulator:
         # Drifting expert loads per DEP pool ([cost] expert_skew > 0), balanced by [eplb] if on.
         self._experts: list[tuple[ExpertLoads, AnalyticCost]] = []
         self._next_window = np.inf
+        self.pd = any(pool.role != "colocated" for pool in deployment.pools)
+        if self.pd:
+            check_pd_pools(deployment)
         for pool in deployment.pools:
-            if pool.role != "colocated":
-                raise NotImplementedError(
-                    f"pool {pool.name!r} has role {pool.role!r}: the simulator runs colocated "
-                    "pools; prefill/decode pools arrive with disaggregation"
-                )
             model = deployment.model(pool.model)
             cost = AnalyticCost(model, deployment.hardware, deployment.cost, pool.dep, deployment.host)
             if deployment.cost.expert_skew > 0 and pool.dep > 1:
@@ -91,13 +94,19 @@ class Simulator:
             for i in range(pool.instances):
                 self.instances.append(Instance(f"{pool.name}/{i}", pool, cfg, self.hasher, cost))
         self.model = deployment.model(deployment.pools[0].model)
-        self._ranks = [(i, c) for i, inst in enumerate(self.instances) for c in inst.cores]
+        # Where arrivals go: every rank, or with P/D the prefill ranks.
+        self._ranks = [(i, c) for i, inst in enumerate(self.instances) if inst.role != "decode"
+                       for c in inst.cores]
         total_blocks = sum(len(i.cores) * i.cores[0].config.num_blocks for i in self.instances)
         self.metrics = Metrics(len(self.workload), total_blocks)
-        self._events: list[tuple[float, int, int]] = []  # (time, seq, instance index)
+        self._events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, argument)
         self._seq = 0
         self._prompts: dict[int, tuple] = {}  # materialized ahead of arrival: _prompt
         self._build_outputs()
+        # Output tokens a request's core skips: a decode core starts at the second token.
+        self.out_skip = np.zeros(len(self.workload), dtype=np.int64)
+        if self.pd:
+            self._init_pd()
 
     # -- workload ------------------------------------------------------------------------------
     def _build_outputs(self) -> None:
@@ -144,8 +153,11 @@ class Simulator:
             self.metrics.reject(rid, "context_length")
             return
         prompt, hashes, acc = self._prompt(rid, upcoming or (rid,))
-        req = Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=w.output_len, ignore_eos=True),
-                      arrival_time=now, block_hashes=hashes, hash_acc=acc)
+        if self.pd:
+            req = self._pd_request(rid, prompt, hashes, acc, now)
+        else:
+            req = Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+                          arrival_time=now, block_hashes=hashes, hash_acc=acc)
         # One router over every rank of every instance: prefix affinity, then least loaded.
         if len(self._ranks) > 1:
             pick = self.router.choose(hashes, [c.pool for _, c in self._ranks], [c.load() for _, c in self._ranks])
@@ -171,8 +183,16 @@ class Simulator:
             while self._next_window <= t_next:  # expert loads move at window boundaries
                 self._roll_window()
             if self._events and self._events[0][0] < t_arr:
-                t, _, idx = heapq.heappop(self._events)
-                self._step_done(idx, t, t_arr)
+                t, _, kind, arg = heapq.heappop(self._events)
+                if kind == STEP:
+                    self._step_done(arg, t, t_arr)
+                elif kind == HANDOFF:
+                    self._hand_off(arg, t)
+                elif kind == JOIN:
+                    self._pull_joins(arg, t)
+                else:
+                    assert kind == LINK
+                    self._link_event(arg, t)
             else:
                 self._admit(order[i], t_arr, order[i : i + PROMPT_BATCH])
                 i += 1
@@ -181,7 +201,13 @@ class Simulator:
         stuck = len(self.workload) - int((~np.isnan(self.metrics.finish)).sum()) - sum(self.metrics.rejected.values())
         if stuck:  # every request ends completed or rejected with a reason, never lost
             raise RuntimeError(f"simulation ended with {stuck} requests neither completed nor rejected")
+        if self.pd:
+            self._check_pd_drained()
         return self.report()
+
+    def _push(self, t: float, kind: int, arg) -> None:
+        heapq.heappush(self._events, (t, self._seq, kind, arg))
+        self._seq += 1
 
     def _dispatch(self, idx: int, now: float, plans: list[StepPlan] | None) -> None:
         inst = self.instances[idx]
@@ -192,11 +218,13 @@ class Simulator:
         if self.on_plan is not None:
             for rank, p in enumerate(plans):
                 self.on_plan(inst, rank, p)
-        t_end = now + self._step_time(inst, plans)
+        host = self._start_pulls(idx, plans, now) if inst.role == "decode" else None
+        t_end = now + self._step_time(inst, plans, host)
         inst.t_end = t_end
         self.metrics.steps += 1
-        heapq.heappush(self._events, (t_end, self._seq, idx))
-        self._seq += 1
+        if self.pd:
+            self.pd_stats.step(idx, t_end - now, any(p.num_tokens for p in plans))
+        self._push(t_end, STEP, idx)
         inst.planned = inst.plan(now)  # async: plan N+1 while N runs
 
     def _roll_window(self) -> None:
@@ -207,31 +235,43 @@ class Simulator:
 
     def _step_done(self, idx: int, t: float, next_arrival: float) -> None:
         inst = self.instances[idx]
-        for core, plan in zip(inst.cores, inst.executing):
-            if plan.num_reqs:
-                self._apply(core, plan, t)
+        for rank, (core, plan) in enumerate(zip(inst.cores, inst.executing)):
+            # Host-tier loads are charged inside the step, so they are done when it ends;
+            # a decode rank also reports the pulls that finished meanwhile.
+            done = self._loads_done(idx, rank, plan) if inst.role == "decode" else plan.kv_load_req_ids
+            if plan.num_reqs or len(done):
+                self._apply(idx, rank, core, plan, t, done)
         self.metrics.kv_sample(idx, t, sum(c.pool.num_used for c in inst.cores))
         plans = inst.planned
         if plans is None and any(c.has_work() for c in inst.cores):
             plans = inst.plan(t)
         if plans is not None and self.use_advance:
-            # An advance run must not cross a window boundary: its steps' costs would change.
-            plans, t = self._try_advance(idx, plans, t, min(next_arrival, self._next_window))
+            # An advance run must not cross a window boundary: its steps' costs would change,
+            # nor a hand-off's arrival on a decode instance.
+            until = min(next_arrival, self._next_window)
+            if inst.role == "decode":
+                until = min(until, self._next_handoff())
+            plans, t = self._try_advance(idx, plans, t, until)
         self._dispatch(idx, t, plans)
 
-    def _apply(self, core: SchedulerCore, plan: StepPlan, t: float) -> None:
+    def _apply(self, idx: int, rank: int, core: SchedulerCore, plan: StepPlan, t: float,
+               done: np.ndarray) -> None:
         slots, rids, samples = plan.slots.tolist(), plan.req_ids.tolist(), plan.samples.tolist()
         s_rid, s_nout, base, out_tokens = core.s_rid, core.s_nout, self.out_base, self.out_tokens
+        skip = self.out_skip
         live = [s_rid.item(s) == r and m for s, r, m in zip(slots, rids, samples)]
-        tokens = [out_tokens.item(base.item(r) + s_nout.item(s))
+        tokens = [out_tokens.item(base.item(r) + s_nout.item(s) + skip.item(r))
                   for s, r, ok in zip(slots, rids, live) if ok]
-        # Host-tier loads are charged inside the step, so they are done when it ends.
         result = StepResult(step_id=plan.step_id, num_sampled=np.array(live, dtype=np.int32),
-                            token_ids=np.array(tokens, dtype=np.int32), kv_loads_done=plan.kv_load_req_ids)
+                            token_ids=np.array(tokens, dtype=np.int32), kv_loads_done=done)
         out = core.update(plan, result, t)
         self.metrics.tokens(out.req_ids, t)
+        role = self.instances[idx].role
         for rid, _ in out.finished:
-            self.metrics.finish[rid] = t
+            if role == "prefill" and self.workload[rid].output_len > 1:
+                self._prefill_finished(rid, idx, rank, t)
+            else:
+                self.metrics.finish[rid] = t
 
     # -- advance ------------------------------------------------------------------------------
     def _try_advance(self, idx: int, plans: list[StepPlan], t: float, next_arrival: float):
@@ -253,13 +293,15 @@ class Simulator:
                 continue
             slots = core.active_slots()
             rids = core.s_rid[slots]
-            tok = self.out_base[rids] + core.s_nout[slots]
+            tok = self.out_base[rids] + core.s_nout[slots] + self.out_skip[rids]
             out, nxt = core.advance(k, self.out_tokens[tok[:, None] + np.arange(k)])
             self.metrics.token_run(out.req_ids, ends)
             for rid, _ in out.finished:
                 self.metrics.finish[rid] = ends[-1]
             new_plans.append(nxt)
         self.metrics.steps += k
+        if self.pd:
+            self.pd_stats.steps[idx].extend([b - a for a, b in zip([t] + ends, ends)])
         return new_plans, ends[-1]
 
     def _identical_steps(self, inst: Instance, plans: list[StepPlan]) -> int:
@@ -277,15 +319,14 @@ class Simulator:
         return 0 if k == 1 << 62 else k
 
     # -- cost inputs --------------------------------------------------------------------------
-    def _step_time(self, inst: Instance, plans: list[StepPlan]) -> float:
+    def _step_time(self, inst: Instance, plans: list[StepPlan], host: list[float] | None = None) -> float:
         """What ``plan_load`` then ``step_time`` give, in Python ints and floats: the sums are
         of integers, exact in any order, so the floats are the same."""
         bs = self.d.scheduler.block_size
         tokens, ctx, pairs, loaded = [], [], [], []
         for p in plans:
             tokens.append(float(p.num_tokens))
-            nl = p.kv_load_num_blocks
-            loaded.append(float(int(nl.sum())) * bs if len(nl) else 0.0)
+            loaded.append(host_loaded_tokens(p, bs))
             if p.num_reqs:
                 c, s = p.num_new.tolist(), p.start_pos.tolist()
                 ctx.append(float(sum(s) + sum(c)))
@@ -293,7 +334,7 @@ class Simulator:
             else:
                 ctx.append(0.0)
                 pairs.append(0.0)
-        return inst.cost.rank_step_time(tokens, ctx, pairs, loaded)
+        return inst.cost.rank_step_time(tokens, ctx, pairs, loaded, host)
 
     def _decode_ends(self, inst: Instance, k: int, t: float, until: float) -> list[float]:
         ns, bases = [], []
@@ -328,4 +369,9 @@ class Simulator:
         )
         if self._experts:
             rep["balancedness"] = self._experts[0][0].report()
+        if self.pd:
+            start = float(np.nanmin(self.metrics.arrival)) if len(self.workload) else 0.0
+            m = self.metrics
+            gaps = (m.second - m.first)[(self.out_skip == 1) & ~np.isnan(m.second)]
+            rep.update(pd_report(self.pd_stats, self.d, start, start + rep["duration_s"], gaps))
         return clean(rep)

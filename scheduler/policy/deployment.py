@@ -144,6 +144,32 @@ class EngineSpec:
     device: str = "cuda"
     dtype: str = "bfloat16"
     num_blocks: int = 0  # KV blocks per rank; 0 derives them from [hardware] (capped on CPU)
+    kv_transport: str = "nixl"  # P/D pools: how decode runtimes pull KV ("nixl" or "shm")
+    kv_hold_timeout_s: float = 120.0  # P/D: a prefill frees KV no decode rank claimed by then
+
+
+def _at_least_zero(inst, attribute, value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
+        raise ConfigError(f"kv_transfer.{attribute.name} must be a number >= 0, got {value!r}")
+
+
+@attrs.frozen
+class KVTransferSpec:
+    """The link a decode rank pulls prefill KV over (P/D pools) and the host work a pull
+    costs, for the simulator (the engine's transport measures these instead). A pull takes
+    ``setup_s + descriptors * per_descriptor_s + bytes / bandwidth``; pulls in flight on one
+    decode GPU share its bandwidth. Descriptors are posted by the runtime's host thread, so
+    ``start_s + descriptors * per_descriptor_s`` per pull started is host time in the step
+    that starts it, and ``done_s`` per pulled request in the step it first runs in."""
+
+    # bytes/s per decode GPU; 0: [hardware] link_bandwidth (the pools share one NVLink domain)
+    bandwidth: float = attrs.field(default=0.0, validator=_at_least_zero)
+    setup_s: float = attrs.field(default=20e-6, validator=_at_least_zero)  # per pull, before bytes move
+    per_descriptor_s: float = attrs.field(default=3.4e-6, validator=_at_least_zero)  # NIXL over UCX, measured here
+    merged: bool = True  # one descriptor per run of blocks contiguous on both sides; false: one per block
+    start_s: float = attrs.field(default=50e-6, validator=_at_least_zero)  # host work per pull started
+    done_s: float = attrs.field(default=20e-6, validator=_at_least_zero)  # host work per pulled request joining
+    handoff_s: float = attrs.field(default=50e-6, validator=_at_least_zero)  # prefill end -> decode queue
 
 
 @attrs.frozen
@@ -157,6 +183,7 @@ class Deployment:
     host: HostSpec = HostSpec()
     engine: EngineSpec = EngineSpec()
     eplb: EplbConfig | None = None  # expert load balancing for the engine's DEP pools
+    kv_transfer: KVTransferSpec = KVTransferSpec()  # P/D: the prefill -> decode KV link
     hash_secret: str = "lockstep"
     seed: int = 0
     source: str = "<built-in>"
@@ -234,6 +261,12 @@ MODEL_PRESETS: dict[str, dict] = {
         kv_bytes_per_token=_mla_kv_bytes(4, 32, 16, 4), context_length=4096, vocab_size=512,
         bytes_per_param=4.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(4, 32, 24), eos_token_id=1,
     ),
+    "tiny-draft": dict(
+        num_layers=2, num_dense_layers=1, hidden_size=32, num_routed_experts=4,
+        num_shared_experts=1, top_k=2, moe_intermediate_size=16, dense_params=0.05e6,
+        kv_bytes_per_token=_mla_kv_bytes(2, 16, 8, 4), context_length=4096, vocab_size=512,
+        bytes_per_param=4.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(2, 16, 8), eos_token_id=1,
+    ),
 }
 
 HARDWARE_PRESETS: dict[str, dict] = {
@@ -259,7 +292,8 @@ def load_deployment(path: str | Path) -> Deployment:
 
 
 def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
-    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "host", "engine", "eplb"}
+    known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "host", "engine",
+             "eplb", "kv_transfer"}
     _no_unknown(data, known, source, "top level")
     models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
     if not models:
@@ -270,12 +304,14 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     engine = _build(EngineSpec, data.get("engine", {}), source, "[engine]")
     host = _build(HostSpec, data.get("host", {}), source, "[host]")
     eplb = _build(EplbConfig, data["eplb"], source, "[eplb]") if "eplb" in data else None
+    kv_transfer = _build(KVTransferSpec, data.get("kv_transfer", {}), source, "[kv_transfer]")
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
     dep = Deployment(
         name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
-        pools=pools, scheduler=sched, cost=cost, host=host, engine=engine, eplb=eplb, hash_secret=str(data.get("hash_secret", "lockstep")),
+        pools=pools, scheduler=sched, cost=cost, host=host, engine=engine, eplb=eplb, kv_transfer=kv_transfer,
+        hash_secret=str(data.get("hash_secret", "lockstep")),
         seed=int(data.get("seed", 0)), source=source,
     )
     for pool in pools:
