@@ -9,9 +9,11 @@ import time
 import numpy as np
 import pytest
 
+from lockstep.runtime.models.config import preset
 from lockstep.transports.kv import KVTransferError, PeerInfo, block_runs, recv_peer_info
 from lockstep.transports.kv import nixl_transport, prefill_worker
-from lockstep.transports.kv.prefill_worker import make_transport, pattern
+from lockstep.transports.kv.base import kv_bytes_per_token, run_array, runs_in_range
+from lockstep.transports.kv.prefill_worker import fill, make_transport, pattern
 from leaks import open_fds
 
 NUM_BLOCKS, BLOCK_BYTES = 64, 1024
@@ -79,6 +81,69 @@ def test_block_runs_merge_only_what_is_contiguous_on_both_sides():
         block_runs([1, 2], [1])
 
 
+def reference_runs(remote, local):
+    """The plain loop block_runs replaced."""
+    runs = []
+    for r, l in zip(remote, local):
+        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == l:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((int(r), int(l), 1))
+    return runs
+
+
+def test_block_runs_match_a_plain_loop_on_random_tables():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 40))
+        # mostly ascending with gaps and repeats, sometimes shuffled, like real block tables
+        remote = np.cumsum(rng.integers(0, 3, n)) + int(rng.integers(0, 5))
+        local = np.cumsum(rng.integers(0, 3, n))
+        if rng.random() < 0.3:
+            local = rng.permutation(local)
+        want = reference_runs(remote.tolist(), local.tolist())
+        for dtype in (np.int32, np.int64):
+            assert block_runs(remote.astype(dtype), local.astype(dtype)) == want
+        assert run_array(remote.tolist(), local.tolist()).tolist() == [list(r) for r in want]
+    assert run_array(np.arange(5, 9, dtype=np.int32), np.arange(2, 6)).tolist() == [[5, 2, 4]]
+    with pytest.raises(TypeError, match="remote block ids must be a flat sequence of integers"):
+        block_runs([1.0, 2.0], [1, 2])
+    with pytest.raises(TypeError, match="local block ids"):
+        block_runs([1], [[1]])
+
+
+def test_runs_in_range_bounds_every_run():
+    assert runs_in_range(run_array([0, 1, 2], [5, 6, 7]), 3, 8)
+    assert not runs_in_range(run_array([0, 1, 2], [5, 6, 7]), 2, 8)
+    assert not runs_in_range(run_array([0, 1, 2], [5, 6, 7]), 3, 7)
+    assert runs_in_range(run_array([4, 0, 9], [1, 0, 3]), 10, 4)
+    assert not runs_in_range(run_array([4, 0, 10], [1, 0, 3]), 10, 4)
+    assert not runs_in_range(run_array([4, -1, 9], [1, 0, 3]), 10, 4)
+    assert runs_in_range(run_array([], []), 0, 0)
+
+
+def test_kv_bytes_per_token_of_the_compact_mla_layout():
+    tiny, lite = preset("tiny"), preset("v2-lite")
+    assert kv_bytes_per_token(tiny) == 4 * (32 + 16) * 2 == 384
+    assert kv_bytes_per_token(lite) == 27 * (512 + 64) * 2 == 31_104
+    assert kv_bytes_per_token(lite, "float32") == kv_bytes_per_token(lite, np.dtype(np.float32)) == 62_208
+    assert kv_bytes_per_token(lite, "float8_e4m3fn", scale_bytes=4) == 27 * (576 + 4)
+    assert kv_bytes_per_token(tiny, 2) == 384
+    with pytest.raises(ValueError, match="unknown KV dtype 'int3'"):
+        kv_bytes_per_token(tiny, "int3")
+
+
+def test_pattern_is_the_documented_formula_and_fill_writes_it():
+    for n, bb, first in [(7, 1000, 0), (3, 251, 5), (5, 17, 300), (2, 600, 250)]:
+        b = np.arange(first, first + n, dtype=np.uint64)[:, None]
+        i = np.arange(bb, dtype=np.uint64)[None, :]
+        want = ((b * 131 + i * 7 + (b * i) % 251) & 0xFF).astype(np.uint8)
+        np.testing.assert_array_equal(pattern(n, bb, first), want)
+    pool = np.zeros((37, 300), np.uint8)
+    fill(pool, chunk_bytes=2000)  # several chunks, the last one short
+    np.testing.assert_array_equal(pool, pattern(37, 300))
+
+
 def test_pull_moves_every_byte_of_merged_and_scattered_runs(kind):
     pre = Prefill(kind)
     dec, pool = make_transport(kind, "decode", NUM_BLOCKS, BLOCK_BYTES)
@@ -89,6 +154,9 @@ def test_pull_moves_every_byte_of_merged_and_scattered_runs(kind):
             1: ([3, 4, 5, 10, 11, 20], [0, 1, 2, 7, 8, 30]),  # three runs
             2: ([0, 1], [40, 41]),
             3: ([63, 62, 61], [50, 51, 52]),  # reversed: nothing merges
+            4: (np.arange(12, 20, dtype=np.int32), np.arange(54, 62, dtype=np.int32)),  # a plan's int32 table
+            5: (np.array([30, 31, 33]), np.array([20, 21, 22])),  # int64, two runs
+            6: ([], []),  # nothing to move, still reported
         }
         for req_id, (remote, local) in pulls.items():
             dec.pull(req_id, peer, remote, local)
@@ -103,6 +171,10 @@ def test_pull_moves_every_byte_of_merged_and_scattered_runs(kind):
         assert dec.poll() == ([], [])
         with pytest.raises(ValueError, match="out of range"):
             dec.pull(9, peer, [NUM_BLOCKS], [0])
+        with pytest.raises(ValueError, match="out of range"):
+            dec.pull(9, peer, [0], [-1])
+        with pytest.raises(ValueError, match="2 remote and 1 local"):
+            dec.pull(9, peer, [1, 2], [3])
         with pytest.raises(KVTransferError, match="not connected"):
             dec.pull(9, "nobody", [0], [0])
     finally:

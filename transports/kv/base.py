@@ -3,12 +3,15 @@
 A transport owns one KV pool: one contiguous region of ``num_blocks`` blocks of a fixed
 ``block_bytes`` (all layers of a block side by side, so one block is one span of bytes). The
 prefill side registers its pool and exports a ``PeerInfo``; the decode side connects to it and
-starts pulls. Pulls never block: the caller (the runtime loop) calls ``poll`` for completions,
-and keeps calling it while anything is pending, on both sides, because some transports only
-make progress inside ``poll`` (there is no progress thread).
+starts pulls. Pulls never wait for the peer: the caller (the runtime loop) calls ``poll`` for
+completions, and keeps calling it while anything is pending, on both sides, because some
+transports only make progress inside ``poll`` (there is no progress thread). On CPU both
+transports copy inside ``pull`` (about 5 GB/s on the development VM), so a pull returns when
+its bytes are in place and is reported by the next ``poll``.
 
-P/D allocates runs of contiguous blocks on both sides, so ``block_runs`` merges them: one
-descriptor per run instead of one per block (per-descriptor cost dominates small blocks).
+P/D allocates runs of contiguous blocks on both sides, so ``block_runs`` (``run_array``, its
+numpy form) merges them: one descriptor per run instead of one per block (per-descriptor cost
+dominates small blocks). ``kv_bytes_per_token`` gives the compact layout's size of a token.
 """
 
 from __future__ import annotations
@@ -77,22 +80,52 @@ class KVTransport(Protocol):
 def block_runs(remote: Sequence[int], local: Sequence[int]) -> list[tuple[int, int, int]]:
     """Pair blocks into runs (remote_start, local_start, count) that are contiguous on both
     sides, so each run is one descriptor."""
-    if len(remote) != len(local):
-        raise ValueError(f"pull pairs remote and local blocks: got {len(remote)} remote and {len(local)} local")
-    runs: list[tuple[int, int, int]] = []
-    for r, l in zip(remote, local):
-        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == l:
-            r0, l0, n = runs[-1]
-            runs[-1] = (r0, l0, n + 1)
-        else:
-            runs.append((int(r), int(l), 1))
-    return runs
+    return [(r, l, n) for r, l, n in run_array(remote, local).tolist()]
 
 
-def check_blocks(blocks: Sequence[int], num_blocks: int, side: str) -> None:
-    bad = [b for b in blocks if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"{side} block ids {bad[:8]} out of range for a pool of {num_blocks} blocks")
+def run_array(remote: Sequence[int] | np.ndarray, local: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``block_runs`` as a (runs, 3) int64 array, computed with numpy: a request's table is
+    hundreds of block ids (often an int32 array straight from a StepPlan), and a Python loop
+    over numpy scalars costs more than moving a small request's bytes."""
+    r, l = as_block_ids(remote, "remote"), as_block_ids(local, "local")
+    n = len(r)
+    if n != len(l):
+        raise ValueError(f"pull pairs remote and local blocks: got {n} remote and {len(l)} local")
+    if n <= 1:
+        return np.array([[r[0], l[0], 1]], np.int64) if n else np.zeros((0, 3), np.int64)
+    breaks = ((r[1:] - r[:-1] != 1) | (l[1:] - l[:-1] != 1)).nonzero()[0]
+    if len(breaks) == 0:  # the common case: P/D allocated the request one run on each side
+        return np.array([[r[0], l[0], n]], np.int64)
+    starts = np.concatenate(([0], breaks + 1))
+    ends = np.concatenate((starts[1:], [n]))
+    return np.stack((r[starts], l[starts], ends - starts), axis=1)
+
+
+def as_block_ids(blocks: Sequence[int] | np.ndarray, side: str) -> np.ndarray:
+    """Block ids as a flat int64 array (a view when they already are one)."""
+    a = blocks if isinstance(blocks, np.ndarray) else np.asarray(blocks)
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise TypeError(f"{side} block ids must be a flat sequence of integers, got {a.dtype} of shape {a.shape}")
+    return a.astype(np.int64, copy=False)
+
+
+def check_blocks(blocks: Sequence[int] | np.ndarray, num_blocks: int, side: str) -> None:
+    a = as_block_ids(blocks, side)
+    if a.size and (a.min() < 0 or a.max() >= num_blocks):
+        bad = a[(a < 0) | (a >= num_blocks)]
+        raise ValueError(f"{side} block ids {bad[:8].tolist()} out of range for a pool of {num_blocks} blocks")
+
+
+def runs_in_range(runs: np.ndarray, num_remote: int, num_local: int) -> bool:
+    """Whether every run of ``run_array`` lies inside pools of these sizes (a run ascends, so
+    its first and last block bound it)."""
+    if len(runs) == 1:
+        r0, l0, n = runs[0].tolist()
+        return r0 >= 0 and l0 >= 0 and r0 + n <= num_remote and l0 + n <= num_local
+    if len(runs) == 0:
+        return True
+    return bool(runs[:, :2].min() >= 0 and (runs[:, 0] + runs[:, 2]).max() <= num_remote
+                and (runs[:, 1] + runs[:, 2]).max() <= num_local)
 
 
 def pool_region(pool: Any) -> Region:
@@ -111,6 +144,28 @@ def pool_region(pool: Any) -> Region:
     if not ok or len(shape) < 2 or shape[0] == 0 or nbytes == 0:
         raise ValueError(f"a KV pool must be C-contiguous with shape (num_blocks, ...), got shape {shape}")
     return Region(addr, shape[0], nbytes // shape[0])
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1}
+
+
+def kv_bytes_per_token(cfg: Any, dtype: Any = "bfloat16", *, scale_bytes: int = 0) -> int:
+    """Bytes one token's KV takes in the compact MLA layout (one tensor
+    [num_blocks, num_layers, block_size, kv_lora_rank + qk_rope_head_dim]): every layer's
+    latent plus rope key, and ``scale_bytes`` per token and layer for FP8 with per-token
+    scales. ``cfg`` is a ``ModelConfig`` (anything with ``num_hidden_layers``,
+    ``kv_lora_rank`` and ``qk_rope_head_dim``); ``dtype`` a name, a numpy or torch dtype, or
+    a size in bytes. A block of ``block_size`` tokens is one contiguous span of
+    ``block_size * kv_bytes_per_token(...)`` bytes."""
+    if isinstance(dtype, int):
+        itemsize = dtype
+    elif isinstance(dtype, str):
+        if dtype not in _ITEMSIZE:
+            raise ValueError(f"unknown KV dtype {dtype!r}; use one of {sorted(_ITEMSIZE)} or a size in bytes")
+        itemsize = _ITEMSIZE[dtype]
+    else:
+        itemsize = dtype.itemsize  # numpy and torch dtypes both have it
+    return cfg.num_hidden_layers * ((cfg.kv_lora_rank + cfg.qk_rope_head_dim) * itemsize + scale_bytes)
 
 
 _FDS_HDR = struct.Struct("<II")  # metadata length, fd count

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lockstep.transports.kv.base import KVTransferError, PeerInfo, block_runs, check_blocks, pool_region
+from lockstep.transports.kv.base import KVTransferError, PeerInfo, check_blocks, pool_region, run_array, runs_in_range
 
 _META = struct.Struct("<QQ")  # num_blocks, block_bytes; the owner's name follows
 
@@ -100,13 +100,14 @@ class ShmKVTransport:
             raise ValueError(f"pull {req_id}: a pull with this req_id is still unreported")
         if p.blocks.shape[1] != self._pool.shape[1]:
             raise KVTransferError(f"block sizes differ: peer {p.blocks.shape[1]} B, ours {self._pool.shape[1]} B")
-        runs = block_runs(remote_blocks, local_blocks)
-        check_blocks(remote_blocks, p.blocks.shape[0], "remote")
-        check_blocks(local_blocks, self._pool.shape[0], "local")
+        runs = run_array(remote_blocks, local_blocks)
+        if not runs_in_range(runs, p.blocks.shape[0], self._pool.shape[0]):
+            check_blocks(remote_blocks, p.blocks.shape[0], "remote")
+            check_blocks(local_blocks, self._pool.shape[0], "local")
         if not p.alive():
             self._failed.append(req_id)
             return
-        for r0, l0, n in runs:
+        for r0, l0, n in runs.tolist():
             self._pool[l0 : l0 + n] = p.blocks[r0 : r0 + n]
         # The owner may have died (and reused the blocks) while we copied.
         (self._done if p.alive() else self._failed).append(req_id)
