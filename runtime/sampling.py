@@ -4,6 +4,13 @@ seeds.
 A seeded request draws each token from a generator seeded by (seed, position), so its
 output does not depend on what else shares its batch or on preemptions. Unseeded requests
 share the runtime's generator.
+
+``sample`` is the reference path (CPU, and CUDA without the fast path); ``sample_on_device``
+is the fast path's: the same choices for greedy rows, the same distributions for sampled
+ones, and nothing but the chosen ids ever leaves the device. It draws by an exponential
+race (argmax of p_i / E_i with E_i ~ Exp(1) picks i with probability p_i), one noise row
+per request, so a seeded row's noise comes from a device generator seeded by (seed,
+position) alone: reproducible, but another stream than the reference's CPU draws.
 """
 
 from __future__ import annotations
@@ -32,6 +39,27 @@ def sample(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top
             picks[j] = torch.multinomial(probs[j].cpu(), 1, generator=g).item()
         out[rand] = picks
     return out.to(torch.int32).cpu().numpy()
+
+
+def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
+                     seeds: np.ndarray, positions: np.ndarray, gen: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits`` (S, V), as an int64 tensor on logits' device."""
+    out = logits.argmax(dim=-1)
+    rand = np.flatnonzero(temperature > 0)
+    if not len(rand):
+        return out
+    probs = _probs(logits[rand], temperature[rand], top_p[rand], top_k[rand])
+    noise = torch.empty_like(probs)
+    seeded = np.flatnonzero(seeds[rand] >= 0)
+    if len(seeded) < len(rand):
+        # Drawn for every row then overwritten for the seeded ones: one launch, not one per row.
+        noise.exponential_(generator=gen)
+    for j in seeded.tolist():
+        g = torch.Generator(device=logits.device).manual_seed(_row_seed(int(seeds[rand[j]]), int(positions[rand[j]])))
+        noise[j].exponential_(generator=g)
+    picks = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    out[torch.from_numpy(rand).to(logits.device)] = picks
+    return out
 
 
 def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> torch.Tensor:

@@ -134,7 +134,7 @@ class Speculator:
             n_rows += len(toks)
         if not feed:
             return []
-        logits = self._forward(rt.model, rt.kv, feed, rows)
+        logits = self._forward(rt.forward_model, rt.kv, feed, rows)
         out: list[int] = []
         for i, slot, pos0, r0, m, params in spans:
             drafts = proposals.get(i, [])

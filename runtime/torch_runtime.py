@@ -5,6 +5,16 @@ block table and its last sampled token, so turning a StepPlan into a forward bat
 vectorized numpy operations, with no per-request Python work on the decode path. PLACEHOLDER
 tokens (async scheduling: "what you sampled last step") are filled from the last-token array.
 Sampling settings arrive once per request (``NewRequests``) and are dropped on ``forget``.
+
+Two paths run a step. The reference one (the model's own forward, host-side sampling) is
+what the CPU tests compare against float64 references. The fast one (default on CUDA for
+bfloat16/float16 models; runtime option ``fast``) runs ``models.fast`` through the Triton
+kernels via a ``FastRunner`` (device block tables, CUDA graphs for decode-only steps) and
+samples on the device; only the sampled ids and expert counts cross to the host. Options:
+``fast`` (bool), ``cuda_graphs`` (on/off/padded), ``cuda_graph_sizes`` (list),
+``capture_len`` (context bound captured at load; 0: none, each graph when first used),
+``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
+block-scaled expert weights for fused MoE).
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
 from .base import KVConnect, KVPull, NewPlacement, NewRequests, Ready, RuntimeSpec
 from .models import load_model
-from .models.batch import ForwardBatch
-from .sampling import sample
+from .models.batch import ForwardBatch, HostBatch
+from .sampling import sample, sample_on_device
 
 def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
     """Log-probabilities under the model's own distribution (before temperature and
@@ -49,7 +59,8 @@ class TorchRuntime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed,
-                                overrides=spec.options.get("preset_overrides"))
+                                overrides=spec.options.get("preset_overrides"),
+                                draw_on_device=bool(spec.options.get("init_on_device", False)))
         self.world = spec.world_size
         if self.world > 1:
             self._join_group(spec)
@@ -66,11 +77,40 @@ class TorchRuntime:
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
+        # The fast path's sampling settings by slot, refreshed when a slot's request changes.
+        self.slot_req = np.full(spec.max_num_seqs, -1, np.int64)
+        self.slot_float = np.zeros((spec.max_num_seqs, 2), np.float64)  # temperature, top_p
+        self.slot_int = np.zeros((spec.max_num_seqs, 3), np.int64)  # top_k, seed (63 bits), logprobs
+        self.runner = self._fast_runner(spec)
+        self.forward_model = self.model if self.runner is None else self.runner.fast
         self.spec = self._speculator(spec)
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                      num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid(),
                      moe_layers=self.moe_layers, kv_peer=b"" if self.endpoint is None else self.endpoint.export(),
                      kv_bytes_per_token=self.kv_pool[0].numel() * self.kv_pool.element_size() // self.bs)
+
+    def _fast_runner(self, spec: RuntimeSpec):
+        """The fast path: on by default on CUDA for bfloat16/float16 models."""
+        opts = spec.options
+        want = opts.get("fast", self.device.type == "cuda" and self.model.dtype in (torch.bfloat16, torch.float16))
+        if not want:
+            return None
+        from .fast_runner import GRAPH_SIZES, FastRunner
+        from .models.fast import FastDeepseek
+
+        cuda = self.device.type == "cuda"
+        fast = FastDeepseek(self.model, fused_moe=bool(opts.get("fused_moe", self.placements is None)),
+                            compile=bool(opts.get("compile", cuda)), moe_fp8=bool(opts.get("moe_fp8", False)))
+        # Expert parallelism syncs the host inside every MoE layer: no graphs there.
+        graphs = opts.get("cuda_graphs", "on" if cuda and self.placements is None else "off")
+        graphs = {True: "on", False: "off"}.get(graphs, graphs)
+        runner = FastRunner(fast, self.kv, max_num_seqs=spec.max_num_seqs, max_blocks=self.tables.shape[1],
+                            max_model_len=spec.max_model_len, device=self.device, graphs=graphs,
+                            sizes=tuple(opts.get("cuda_graph_sizes", GRAPH_SIZES)))
+        capture_len = int(opts.get("capture_len", min(spec.max_model_len, 4096)))
+        if capture_len > 0:  # 0: capture each graph when a step first needs it
+            runner.capture(capture_len)
+        return runner
 
     def _speculator(self, spec: RuntimeSpec):
         """Speculative decoding with the draft named by runtime option ``draft_model``."""
@@ -190,6 +230,8 @@ class TorchRuntime:
             done, failed = self._kv_loads(plan)
             return attrs.evolve(self.spec.execute(plan), kv_loads_done=done, kv_loads_failed=failed,
                                 host_s=0.0)
+        if self.runner is not None:
+            return self._execute_fast(plan, t0)
         batch, positions = self._batch(plan)
         t1 = time.perf_counter()
         logits, counts = self.model(batch, self.kv)
@@ -204,6 +246,24 @@ class TorchRuntime:
                           kv_loads_done=done, kv_loads_failed=failed, expert_counts=counts.cpu().numpy(),
                           logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1)
 
+    def _execute_fast(self, plan: StepPlan, t0: float) -> StepResult:
+        hb = self._host_batch(plan)
+        t1 = time.perf_counter()
+        logits, counts = self.runner.forward(hb)
+        temp, top_p, top_k, seed, want = self._slot_params(plan)
+        tokens = sample_on_device(logits, temp, top_p, top_k, seed, hb.positions[hb.sample_index], self.gen)
+        # One transfer (and the step's one sync) for the sampled ids and the expert counts.
+        host = torch.cat([tokens.to(torch.int32), counts.flatten()]).cpu().numpy()
+        s = len(tokens)
+        tokens, counts = host[:s], host[s:].reshape(counts.shape)
+        self.last[plan.slots[plan.samples]] = tokens
+        lp = _logprobs(logits, tokens, int(want.max())) if len(want) and want.max() >= 0 else (None, None, None)
+        t2 = time.perf_counter()
+        done, failed = self._kv_loads(plan)
+        return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32), token_ids=tokens,
+                          kv_loads_done=done, kv_loads_failed=failed, expert_counts=counts,
+                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1)
+
     def _update_tables(self, plan: StepPlan) -> None:
         """New block ids go into each slot's table at block_start onwards."""
         if len(plan.block_ids):
@@ -211,8 +271,14 @@ class TorchRuntime:
             rows = np.repeat(plan.slots.astype(np.int64), nb)
             cols = np.repeat(plan.block_start.astype(np.int64) - plan.block_offsets[:-1], nb) + np.arange(len(plan.block_ids))
             self.tables[rows, cols] = plan.block_ids
+            if self.runner is not None:
+                self.runner.update_tables(rows, cols, plan.block_ids)
 
     def _batch(self, plan: StepPlan) -> tuple[ForwardBatch, np.ndarray]:
+        hb = self._host_batch(plan)
+        return hb.forward_batch(self.tables, self.device), hb.positions[hb.sample_index]
+
+    def _host_batch(self, plan: StepPlan) -> HostBatch:
         n, bs = plan.num_reqs, self.bs
         slots = plan.slots.astype(np.int64)
         num_new = plan.num_new.astype(np.int64)
@@ -224,22 +290,15 @@ class TorchRuntime:
         pos = plan.start_pos.astype(np.int64)[entry] + np.arange(len(ids)) - plan.token_offsets[entry]
         seq_lens = plan.start_pos.astype(np.int64) + num_new
         width = int(-(-seq_lens.max() // bs))
-        table = self.tables[slots, :width]
-        slot_mapping = table[entry, pos // bs].astype(np.int64) * bs + pos % bs
+        slot_mapping = self.tables[slots[entry], pos // bs].astype(np.int64) * bs + pos % bs
         sample_rows = plan.token_offsets[1:][plan.samples] - 1
         query_start = np.array(plan.token_offsets, dtype=np.int64)
         if not num_new.all():  # entries that only carry a block table (KV being pulled in)
             keep = np.flatnonzero(num_new)
             query_start = np.concatenate([query_start[:1], query_start[1:][keep]])
-            seq_lens, table = seq_lens[keep], table[keep]
-        d = self.device
-        batch = ForwardBatch(
-            input_ids=torch.from_numpy(ids).to(d), positions=torch.from_numpy(pos).to(d),
-            query_start=torch.from_numpy(query_start).to(d),
-            seq_lens=torch.from_numpy(seq_lens).to(d), block_tables=torch.from_numpy(np.ascontiguousarray(table)).to(d),
-            slot_mapping=torch.from_numpy(slot_mapping).to(d), sample_index=torch.from_numpy(sample_rows).to(d),
-        )
-        return batch, pos[sample_rows]
+            seq_lens, slots = seq_lens[keep], slots[keep]
+        return HostBatch(input_ids=ids, positions=pos, query_start=query_start, seq_lens=seq_lens, rows=slots,
+                         width=width, slot_mapping=slot_mapping, sample_index=sample_rows)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(sampled tokens, top-k logprobs each row asked for: -1 for none)."""
@@ -249,6 +308,18 @@ class TorchRuntime:
         tokens = sample(logits, np.asarray(temp, np.float64), np.asarray(top_p, np.float64),
                         np.asarray(top_k, np.int64), np.asarray(seed, np.int64), positions, self.gen)
         return tokens, np.asarray(want, np.int64)
+
+    def _slot_params(self, plan: StepPlan) -> tuple[np.ndarray, ...]:
+        """(temperature, top_p, top_k, seed, logprobs) of each sampling entry, as ``_sample``
+        reads them, from a per-slot cache: only slots whose request changed cost Python work."""
+        slots, rids = plan.slots[plan.samples].astype(np.int64), plan.req_ids[plan.samples]
+        for j in np.flatnonzero(self.slot_req[slots] != rids).tolist():
+            got = self.params.get(int(rids[j]))
+            temp, top_p, top_k, seed, want = got if got is not None else (1.0, 1.0, -1, -1, -1)
+            self.slot_float[slots[j]], self.slot_int[slots[j]] = (temp, top_p), (top_k, seed, want)
+            self.slot_req[slots[j]] = rids[j] if got is not None else -1  # settings may still come
+        f, i = self.slot_float[slots], self.slot_int[slots]
+        return f[:, 0], f[:, 1], i[:, 0], i[:, 1], i[:, 2]
 
     def _empty_batch(self) -> ForwardBatch:
         d, e = self.device, torch.zeros(0, dtype=torch.int64)

@@ -41,14 +41,15 @@ def __getattr__(name: str) -> Any:
 
 
 def load_model(model: str | Path, *, dtype: torch.dtype, device: torch.device | str,
-               seed: int = 0, overrides: dict | None = None) -> DeepseekV3:
+               seed: int = 0, overrides: dict | None = None, draw_on_device: bool = False) -> DeepseekV3:
     """A preset name gives random weights (seeded; ``overrides`` change its config fields,
-    e.g. fewer layers for a timing run); anything else is a checkpoint directory."""
+    e.g. fewer layers for a timing run; ``draw_on_device``: see ``DeepseekV3.random_init``);
+    anything else is a checkpoint directory."""
     from lockstep.runtime.models.deepseek_v3 import DeepseekV3
 
     if str(model) in preset_names():
         cfg = preset(str(model), **(overrides or {}))
-        return DeepseekV3.random_init(cfg, seed=seed, dtype=dtype, device=device)
+        return DeepseekV3.random_init(cfg, seed=seed, dtype=dtype, device=device, draw_on_device=draw_on_device)
     if not Path(model).is_dir():
         raise ModelConfigError(f"model {str(model)!r} is neither a preset {preset_names()} "
                                "nor a checkpoint directory")

@@ -61,6 +61,11 @@ class ForwardBatch:
                    t(np.asarray(num_cached) + lens, torch.int64), t(table, torch.int32),
                    t(slots, torch.int64), t(qs[1:] - 1, torch.int64))
 
+    def host_meta(self) -> tuple[np.ndarray, np.ndarray]:
+        """(query_start, seq_lens) on the host: what a forward needs to plan its launches
+        (one sync; the runtime's own steps get them from HostBatch without one)."""
+        return self.query_start.cpu().numpy(), self.seq_lens.cpu().numpy()
+
     def check_integrity(self, block_size: int, num_blocks: int) -> None:
         """Raise ValueError if the fields disagree (called in tests, not per step)."""
         qs, lens = self.query_start.tolist(), self.seq_lens.tolist()
@@ -91,3 +96,38 @@ class ForwardBatch:
         need(torch.unique(self.slot_mapping).numel() == n_tok, "two tokens write the same slot")
         s = self.sample_index
         need(bool(((s >= 0) & (s < n_tok)).all()), "sample_index must index the batch's tokens")
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """A forward batch while it is still numpy on the host, built from a StepPlan: the
+    reference path copies it into a ForwardBatch, the CUDA fast path into its persistent
+    buffers. Only sequences with new tokens appear; ``rows`` are their block-table rows
+    (batch slots) in the runtime's table."""
+
+    input_ids: np.ndarray  # (T,) int64
+    positions: np.ndarray  # (T,) int64
+    query_start: np.ndarray  # (B+1,) int64
+    seq_lens: np.ndarray  # (B,) int64
+    rows: np.ndarray  # (B,) int64
+    width: int  # block-table columns the batch reads
+    slot_mapping: np.ndarray  # (T,) int64
+    sample_index: np.ndarray  # (S,) int64
+
+    @property
+    def num_new(self) -> np.ndarray:
+        return np.diff(self.query_start)
+
+    def is_decode(self) -> bool:
+        """One new token per sequence."""
+        return len(self.input_ids) == len(self.seq_lens)
+
+    def forward_batch(self, tables: np.ndarray, device: torch.device | str) -> ForwardBatch:
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        table = np.ascontiguousarray(tables[self.rows, :self.width])
+        return ForwardBatch(input_ids=t(self.input_ids), positions=t(self.positions),
+                            query_start=t(self.query_start), seq_lens=t(self.seq_lens),
+                            block_tables=t(table), slot_mapping=t(self.slot_mapping),
+                            sample_index=t(self.sample_index))

@@ -8,7 +8,8 @@ Attention uses MLA's *expanded* form: each layer caches only the normalized KV l
 the rotated k_pe (``kv_lora_rank + qk_rope_head_dim`` values per token, in a paged cache),
 and at attention time kv_b_proj decompresses the cached latents into per-head k_nope and v.
 The absorbed form (folding kv_b_proj into the query and output) computes the same thing
-with less work for decode and is left to the kernels.
+with less work for decode: ``models/fast.py`` runs it through the Triton kernels on CUDA,
+on these same weights.
 
 Parameter names are Hugging Face's without the ``model.`` prefix, so loading is a lookup;
 routed experts are stacked per layer — gate_up (E, 2*I, H) and down (E, H, I) — so an
@@ -61,11 +62,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 (at least), cast back, then scale: transformers' order,
-        # which matters for bit-level agreement in bf16.
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalize in float32 (at least), cast back, then scale: transformers' order,
+    # which matters for bit-level agreement in bf16.
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -175,21 +180,29 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (T, k) float32, expert ids (T, k) int64)."""
         cfg = self.cfg
-        scores = F.linear(x.float(), self.weight).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if cfg.topk_group < cfg.n_group:
-            # Group-limited routing: keep the groups with the best top-2 sums, so a token's
-            # experts span at most topk_group groups (nodes, in DeepSeek's deployment).
-            grouped = choice.view(x.shape[0], cfg.n_group, cfg.n_routed_experts // cfg.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
-            keep = group_scores.topk(cfg.topk_group, dim=-1).indices
-            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(1)
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        return route(x, self.weight, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group,
+                     cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+          topk_group: int, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router as a pure function of its weights (the fast path compiles it once for
+    every layer)."""
+    scores = F.linear(x.float(), weight).sigmoid()
+    choice = scores + bias
+    if topk_group < n_group:
+        # Group-limited routing: keep the groups with the best top-2 sums, so a token's
+        # experts span at most topk_group groups (nodes, in DeepSeek's deployment).
+        grouped = choice.view(x.shape[0], n_group, weight.shape[0] // n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~mask[..., None], float("-inf")).flatten(1)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
 
 
 class Experts(nn.Module):
@@ -265,16 +278,20 @@ class DeepseekV3(nn.Module):
 
     @classmethod
     def random_init(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: torch.device | str = "cpu") -> DeepseekV3:
+                    device: torch.device | str = "cpu", *, draw_on_device: bool = False) -> DeepseekV3:
         """Weights ~ N(0, initializer_range), norms 1, routing bias 0; same seed, same weights
-        on any device (drawn on the CPU)."""
+        on any device (drawn on the CPU). ``draw_on_device``: drawn where they live instead,
+        in seconds rather than minutes for a 16B-parameter GPU model (other weights, same
+        distribution)."""
         model = cls(cfg, dtype, device)
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=device if draw_on_device else "cpu").manual_seed(seed)
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("e_score_correction_bias"):
                 p.zero_()
+            elif draw_on_device:
+                p.normal_(0.0, cfg.initializer_range, generator=gen)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * cfg.initializer_range)
         return model

@@ -69,10 +69,16 @@ class Rope:
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x (T, ..., rope_dim); cos/sin (T, rope_dim/2) broadcast over middle dims."""
-        while cos.dim() < x.dim():
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return apply_rope(x, cos, sin, self.interleaved)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rope as a pure function; the result has x's dtype (cos/sin may be wider: the fast
+    path rotates bf16 inputs in float32)."""
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)

@@ -1,0 +1,165 @@
+"""Runs the torch runtime's forwards through the fast model path: decode-only steps replay a
+CUDA graph, anything else (prefill chunks, mixed steps, batches larger than the largest graph)
+runs eagerly.
+
+State that lives on the device between steps: the block tables (one row per batch slot,
+updated with each plan's new block ids, never re-sent whole), and the graphs' input buffers
+(token ids, positions, KV slots, table rows), written by one host-to-device copy per step from
+a pinned staging array. A graph is captured per (padded batch size, context bound): the decode
+kernel's split count depends on the bound, and each graph bakes in its launches. A batch pads
+to the next captured size with tokens whose KV slot is -1: they store nothing, attend to
+nothing, choose no expert and are not counted.
+
+``graphs``: "on" (CUDA), "off", or "padded" (the graph path's buffers and padding without
+capturing: how the CPU tests run that code).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from .models.batch import HostBatch
+from .models.fast import AttnPlan, FastDeepseek, FastInputs, len_bucket
+
+log = logging.getLogger(__name__)
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_PAD = (0, 0, -1, 0)  # token id, position, KV slot, table row of a padding token
+
+
+class FastRunner:
+    def __init__(self, fast: FastDeepseek, kv: list[torch.Tensor], *, max_num_seqs: int, max_blocks: int,
+                 max_model_len: int, device: torch.device, graphs: str = "on",
+                 sizes: tuple[int, ...] = GRAPH_SIZES):
+        if graphs not in ("on", "off", "padded"):
+            raise ValueError(f"cuda_graphs must be on, off or padded, got {graphs!r}")
+        if graphs == "on" and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this runtime's is {device}")
+        self.fast, self.kv, self.device, self.mode = fast, kv, device, graphs
+        self.len_cap = len_bucket(max_model_len, 1 << 30)
+        fast.len_cap = self.len_cap
+        self.tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+        want = sorted({int(s) for s in sizes if s >= 1})
+        self.sizes = [s for s in want if s < max_num_seqs] + [min([s for s in want if s >= max_num_seqs],
+                                                                  default=max_num_seqs)]
+        n = self.sizes[-1]
+        pin = device.type == "cuda"
+        self._staging = torch.zeros(4, n, dtype=torch.int64, pin_memory=pin)
+        self._staged = self._staging.numpy()
+        self._static = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._pool = None
+        self.graph_errors: dict[tuple[int, int], str] = {}
+        self.replays = self.eager_steps = 0  # replays: graph steps (padded ones without a graph)
+
+    # -- block tables -------------------------------------------------------------------------
+    def update_tables(self, rows: np.ndarray, cols: np.ndarray, block_ids: np.ndarray) -> None:
+        """Apply one plan's new block ids (the same deltas as the host table's)."""
+        if not len(rows):
+            return
+        packed = torch.from_numpy(np.stack([rows, cols, block_ids.astype(np.int64)])).to(self.device)
+        self.tables[packed[0], packed[1]] = packed[2].to(torch.int32)
+
+    # -- a step -----------------------------------------------------------------------------------
+    def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of hb.sample_index's rows, expert counts)."""
+        b = len(hb.seq_lens)
+        if self.mode != "off" and hb.is_decode() and b <= self.sizes[-1]:
+            size = next(s for s in self.sizes if s >= b)
+            key = (size, len_bucket(int(hb.seq_lens.max()), self.len_cap))
+            if key not in self.graph_errors:
+                return self._replay(hb, key)
+        self.eager_steps += 1
+        return self._eager(hb)
+
+    def _eager(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        tok_rows = np.repeat(hb.rows, hb.num_new)
+        t, s = len(hb.input_ids), len(hb.sample_index)
+        flat = torch.from_numpy(np.concatenate([hb.input_ids, hb.positions, hb.slot_mapping, tok_rows,
+                                                hb.sample_index])).to(self.device)
+        plan = AttnPlan.build(hb.num_new, hb.seq_lens, hb.rows, self.len_cap, self.device)
+        inp = FastInputs(flat[:t], flat[t:2 * t], flat[2 * t:3 * t], self.tables, flat[3 * t:4 * t], plan,
+                         sample_index=flat[4 * t:4 * t + s])
+        return self.fast.forward(inp, self.kv)
+
+    def _replay(self, hb: HostBatch, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        size, b = key[0], len(hb.seq_lens)
+        got = None
+        if self.mode == "on":
+            got = self._graphs.get(key) or self._capture(key)  # before staging: capture clobbers the inputs
+            if got is None:
+                self.eager_steps += 1
+                return self._eager(hb)
+        st = self._staged
+        st[0, :b], st[1, :b], st[2, :b], st[3, :b] = hb.input_ids, hb.positions, hb.slot_mapping, hb.rows
+        st[:, b:size] = np.array(_PAD, dtype=np.int64)[:, None]
+        self._static.copy_(self._staging, non_blocking=True)  # whole rows: one contiguous copy
+        if got is None:
+            logits, counts = self.fast.forward(self._static_inputs(*key), self.kv)
+        else:
+            graph, logits, counts = got
+            graph.replay()
+        self.replays += 1
+        logits = logits[:b]
+        if len(hb.sample_index) != b or (hb.sample_index != np.arange(b)).any():
+            logits = logits[torch.from_numpy(hb.sample_index).to(self.device)]
+        return logits, counts
+
+    # -- graphs -----------------------------------------------------------------------------------
+    def _static_inputs(self, size: int, bound: int) -> FastInputs:
+        s = self._static[:, :size]
+        # Batches pad only between captured sizes: one right after the last never pads.
+        prev = max([p for p in self.sizes if p < size], default=0)
+        return FastInputs(s[0], s[1], s[2], self.tables, s[3], AttnPlan.decode_only(size, bound),
+                          padded=size > prev + 1)
+
+    def capture(self, max_len: int) -> None:
+        """Capture every size for contexts up to ``max_len`` (largest first, so the shared
+        memory pool is sized by the first)."""
+        if self.mode != "on":
+            return
+        bound = len_bucket(max_len, self.len_cap)
+        for size in reversed(self.sizes):
+            if (size, bound) not in self._graphs:
+                self._capture((size, bound))
+
+    def _capture(self, key: tuple[int, int]):
+        """Warm up (compiles happen here, outside the capture), then capture on padding-only
+        inputs: a captured forward's launches do not depend on the data."""
+        inp = self._static_inputs(*key)
+        self._static[:, :key[0]] = torch.tensor(_PAD, device=self.device)[:, None]
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.fast.forward(inp, self.kv)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits, counts = self.fast.forward(inp, self.kv)
+        except Exception as e:  # noqa: BLE001 - recorded; this size then runs eagerly
+            self.graph_errors[key] = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graph capture for batch %d, context bound %d failed: %s", *key, self.graph_errors[key])
+            return None
+        self._graphs[key] = (graph, logits, counts)
+        return self._graphs[key]
+
+    def graph_for(self, batch: int, max_len: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph a decode step of ``batch`` sequences up to ``max_len`` tokens
+        replays, if any (benchmarks time bare replays with it)."""
+        size = next((s for s in self.sizes if s >= batch), None)
+        got = None if size is None else self._graphs.get((size, len_bucket(max_len, self.len_cap)))
+        return None if got is None else got[0]
+
+    def statistics(self) -> dict:
+        """Plain values (JSON-ready): graphs as "batch x context bound"."""
+        name = "{}x{}".format
+        return {"graphs": [name(*k) for k in sorted(self._graphs)],
+                "graph_errors": {name(*k): v for k, v in self.graph_errors.items()},
+                "replays": self.replays, "eager_steps": self.eager_steps, "compile_errors": self.fast.ops.errors()}

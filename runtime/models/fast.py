@@ -1,0 +1,399 @@
+"""The DeepSeek-V3 model's fast path (CUDA; the CPU interpreter runs it in tests): the same
+weights as ``DeepseekV3``, run through the Triton kernels with host work kept out of the
+forward, so a decode forward can be captured as a CUDA graph.
+
+- MLA, absorbed for tokens that decode: q_nope is folded through kv_b_proj's K part into
+  latent space, ``kernels.mla_decode`` attends over the paged latent cache, and the latent
+  output goes through kv_b_proj's V part, then o_proj. Every token attends as a query of
+  its own (seq_len = its position + 1), so a sequence feeding a few tokens (speculative
+  verification, a short chunk) decodes them too.
+- Sequences feeding more than ``DECODE_MAX_NEW`` tokens (prefill chunks) go through
+  ``kernels.mla_prefill``: causal over their new tokens, then their cached prefix in chunks.
+- New latents reach the cache through ``kernels.kv_store``, before attention (a sequence's
+  new tokens attend to themselves through the cache, as in the reference model).
+- Routed experts through ``kernels.fused_moe`` when this rank holds them all; expert
+  parallelism keeps the model's own ``experts`` module (its all-to-alls sync the host).
+  ``moe_fp8``: the experts also as e4m3 with 128x128 block scales (DeepSeek's layout), which
+  the kernel reads instead (half the bytes; the bf16 copy stays for the reference path).
+- The small elementwise steps between GEMMs (norms, rope, SiLU·mul, the router) are pure
+  functions shared with the reference model, optionally ``torch.compile``d (once for every
+  layer: weights are arguments) so a step launches a few hundred kernels, not thousands.
+
+Weights are not copied: projections that read the same input (q and kv_a; gate and up) are
+concatenated once and the model's own parameters re-pointed at views of the result, so the
+reference forward and this one share every byte.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .batch import ForwardBatch
+from .deepseek_v3 import MoE, DeepseekV3, rms_norm, route
+from .rope import apply_rope
+
+log = logging.getLogger(__name__)
+
+DECODE_MAX_NEW = 16  # a sequence feeding at most this many tokens attends per token
+MIN_LEN_BUCKET = 1024  # shortest context bound decode launches are shaped for
+
+
+def len_bucket(max_len: int, cap: int) -> int:
+    """The context bound a decode launch is shaped for (its split count): a power of two, so
+    a CUDA graph serves a range of lengths."""
+    b = MIN_LEN_BUCKET
+    while b < max_len:
+        b *= 2
+    return max(min(b, cap), max_len)
+
+
+# -- the small fused steps ------------------------------------------------------------------
+
+def _add_norm(x, y, w, eps: float):
+    s = x + y
+    return s, rms_norm(s, w, eps)
+
+
+def _add2_norm(x, y, z, w, eps: float):
+    s = x + (y + z)  # the reference's order: routed + shared, then the residual
+    return s, rms_norm(s, w, eps)
+
+
+def _mla_prep(q_pe, tail, cos, sin, kv_w, eps: float, dl: int, interleaved: bool):
+    """(rotated q_pe (T, H, dr), normed latent (T, dl), rotated k_pe (T, dr)). k_pe rotates
+    as one more head of q_pe (one launch for both); both come back as views with unit last
+    stride, which is all the kernels ask."""
+    latent = rms_norm(tail[:, :dl], kv_w, eps)
+    pe = apply_rope(torch.cat([q_pe, tail[:, None, dl:]], dim=1), cos[:, None], sin[:, None], interleaved)
+    return pe[:, :-1], latent, pe[:, -1]
+
+
+def _silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class _Op:
+    """A pure step, compiled when asked. A compile failure is logged and the step runs eagerly
+    from then on; inside a CUDA-graph capture it propagates (the capture must not go on)."""
+
+    def __init__(self, fn, compile: bool):
+        self.fn, self.name = fn, fn.__name__
+        self.compiled = torch.compile(fn, fullgraph=True) if compile else None
+        self.error: str | None = None
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: run eagerly instead
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("torch.compile of %s failed, running it eagerly: %s", self.name, self.error)
+                self.compiled = None
+        return self.fn(*args)
+
+
+class FastOps:
+    def __init__(self, compile: bool):
+        if compile:
+            import torch._dynamo
+
+            # Every op meets a few shapes per model (static, dynamic tokens, one token) and a
+            # process may hold two models (a draft): stay above that.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.norm = _Op(rms_norm, compile)
+        self.add_norm = _Op(_add_norm, compile)
+        self.add2_norm = _Op(_add2_norm, compile)
+        self.mla_prep = _Op(_mla_prep, compile)
+        self.silu_mul = _Op(_silu_mul, compile)
+        self.route = _Op(route, compile)
+
+    def errors(self) -> dict[str, str]:
+        return {op.name: op.error for op in vars(self).values() if isinstance(op, _Op) and op.error}
+
+
+# -- weights ----------------------------------------------------------------------------------
+
+def _fuse_rows(linears: list[nn.Module]) -> torch.Tensor:
+    """One weight for projections of the same input; each module keeps a view of its rows."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(w[start:start + n], requires_grad=False)
+        start += n
+    return w
+
+
+class LayerWeights:
+    """One decoder layer's weights as the fast path reads them (views of the model's)."""
+
+    def __init__(self, layer: nn.Module, cfg):
+        a = layer.self_attn
+        h, dn, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.in_norm, self.post_norm = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        if cfg.q_lora_rank is None:
+            self.w_in, self.q_a_norm, self.q_b = _fuse_rows([a.q_proj, a.kv_a_proj_with_mqa]), None, None
+        else:
+            self.w_in = _fuse_rows([a.q_a_proj, a.kv_a_proj_with_mqa])
+            self.q_a_norm, self.q_b = a.q_a_layernorm.weight, a.q_b_proj.weight
+        self.kv_norm = a.kv_a_layernorm.weight
+        self.kv_b = a.kv_b_proj.weight  # (H * (dn + dv), dl)
+        per_head = self.kv_b.view(h, dn + dv, cfg.kv_lora_rank)
+        self.w_uk = per_head[:, :dn]  # (H, dn, dl): q_nope @ w_uk is q in latent space
+        self.w_uv = per_head[:, dn:].transpose(1, 2)  # (H, dl, dv): latent output to values
+        self.o_proj = a.o_proj.weight
+        mlp = layer.mlp
+        self.moe = mlp if isinstance(mlp, MoE) else None
+        shared = mlp.shared_experts if self.moe is not None else mlp
+        self.gate_up = self.down = None
+        self.fp8 = None  # (gate_up, its scales, down, its scales) with moe_fp8
+        if shared is not None:
+            self.gate_up, self.down = _fuse_rows([shared.gate_proj, shared.up_proj]), shared.down_proj.weight
+
+
+def layer_weights(layer: nn.Module, cfg) -> LayerWeights:
+    """Prepared once per layer module, so a draft that shares the target's layers shares these."""
+    lw = getattr(layer, "_fast_weights", None)
+    if lw is None:
+        lw = layer._fast_weights = LayerWeights(layer, cfg)
+    return lw
+
+
+# -- one forward's inputs ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttnPlan:
+    """How this forward's tokens attend, decided on the host before any launch."""
+
+    n_dec: int  # tokens that attend per token (absorbed decode)
+    dec: torch.Tensor | None  # their indices; None when every token does
+    dec_len_bound: int  # a bound on their context lengths (shapes the decode split)
+    n_pf: int  # tokens of prefilling sequences
+    pf: torch.Tensor | None  # their indices; None when every token prefills
+    pf_rows: torch.Tensor | None  # (P,) table rows of the prefilling sequences
+    pf_cu: torch.Tensor | None  # (P+1,) int32 offsets of their new tokens (in pf order)
+    pf_max_new: int
+    pf_prefix: list[int]  # cached tokens before each one's new tokens
+
+    @classmethod
+    def decode_only(cls, n: int, len_bound: int) -> AttnPlan:
+        return cls(n, None, len_bound, 0, None, None, None, 0, [])
+
+    @classmethod
+    def build(cls, num_new: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, len_cap: int,
+              device) -> AttnPlan:
+        dec_seq = num_new <= DECODE_MAX_NEW
+        t = int(num_new.sum())
+        bound = len_bucket(int(seq_lens[dec_seq].max()), len_cap) if dec_seq.any() else 0
+        if dec_seq.all():
+            return cls.decode_only(t, bound)
+        pf_seq = ~dec_seq
+        tok_dec = np.repeat(dec_seq, num_new)
+        mixed = bool(dec_seq.any())
+
+        def idx(mask: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.flatnonzero(mask)).to(device)
+
+        new = num_new[pf_seq]
+        cu = np.zeros(len(new) + 1, np.int32)
+        np.cumsum(new, out=cu[1:])
+        return cls(int(tok_dec.sum()), idx(tok_dec) if mixed else None, bound,
+                   int((~tok_dec).sum()), idx(~tok_dec) if mixed else None,
+                   torch.from_numpy(rows[pf_seq].astype(np.int64)).to(device), torch.from_numpy(cu).to(device),
+                   int(new.max()), (seq_lens[pf_seq] - new).tolist())
+
+
+@dataclass(frozen=True)
+class FastInputs:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    slot_mapping: torch.Tensor  # (T,) int64; -1 marks a padding token (nothing stored)
+    tables: torch.Tensor  # (R, W) int32 block tables
+    tok_rows: torch.Tensor  # (T,) int64: the table row of each token's sequence
+    plan: AttnPlan
+    sample_index: torch.Tensor | None = None  # rows whose logits are returned; None: all
+    padded: bool = False  # some tokens are padding (a CUDA-graph batch)
+
+
+class _Step:
+    """Per-forward tensors every layer reads."""
+
+    def __init__(self, inp: FastInputs, model: FastDeepseek, kv: list[torch.Tensor]):
+        plan = inp.plan
+        self.valid = inp.slot_mapping >= 0 if inp.padded else None
+        self.cos, self.sin = model.rope.cos_sin(inp.positions, torch.float32)
+        self.dec_tables = self.dec_lens = self.pf_tables = None
+        if plan.n_dec:
+            rows, pos = inp.tok_rows, inp.positions
+            if plan.dec is not None:
+                rows, pos = rows[plan.dec], pos[plan.dec]
+            self.dec_tables = inp.tables.index_select(0, rows)
+            lens = (pos + 1).to(torch.int32)
+            if self.valid is not None:
+                lens = torch.where(self.valid, lens, 0)
+            self.dec_lens = lens
+        if plan.n_pf:
+            # mla_prefill reads the cache as one contiguous (blocks, block_size, dim) tensor:
+            # the block-major pool, seen as blocks * layers such blocks, holds layer i's
+            # block b at b * layers + i.
+            self.flat, self.num_layers = _flat_pool(kv)
+            self.pf_tables = inp.tables.index_select(0, plan.pf_rows).long() * self.num_layers
+
+
+def _flat_pool(kv: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    c0 = kv[0]
+    nb, bs, d = c0.shape
+    layers = c0.stride(0) // (bs * d)
+    ok = (c0.stride(0) == layers * bs * d and c0.stride(1) == d and len(kv) == layers
+          and all(c.storage_offset() - c0.storage_offset() == i * bs * d for i, c in enumerate(kv)))
+    if not ok:
+        raise ValueError("the fast path's prefill reads the block-major KV pool of make_kv_pool "
+                         f"(per-layer views of (blocks, layers, block_size, dim)); got strides {c0.stride()}")
+    return torch.as_strided(c0, (nb * layers, bs, d), (bs * d, d, 1), c0.storage_offset()), layers
+
+
+# -- the model ------------------------------------------------------------------------------------
+
+class FastDeepseek:
+    def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False):
+        from lockstep.kernels.fused_moe import fused_moe
+        from lockstep.kernels.kv_store import kv_store
+        from lockstep.kernels.mla_decode import mla_decode
+        from lockstep.kernels.mla_prefill import mla_prefill
+
+        self._kv_store, self._mla_decode = kv_store, mla_decode
+        self._mla_prefill, self._fused_moe = mla_prefill, fused_moe
+        if model.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"the fast path runs bfloat16 or float16 models (the kernels' dtypes), not {model.dtype}")
+        self.model, self.cfg, self.rope = model, model.cfg, model.rope
+        self.use_fused_moe, self.moe_fp8 = fused_moe, moe_fp8 and fused_moe
+        self.ops = FastOps(compile)
+        with torch.no_grad():
+            self.layers = [layer_weights(layer, self.cfg) for layer in model.layers]
+            if self.moe_fp8:
+                from lockstep.kernels.fused_moe import quantize_fp8_blockwise
+
+                for lw in self.layers:
+                    if lw.moe is not None and lw.fp8 is None:
+                        ex = lw.moe.experts
+                        lw.fp8 = (*quantize_fp8_blockwise(ex.gate_up_proj), *quantize_fp8_blockwise(ex.down_proj))
+        self.first_moe = self.cfg.first_k_dense_replace
+        self.len_cap = 1 << 30
+
+    # -- the reference model's interface, for callers holding a ForwardBatch ----------------
+    def __call__(self, batch: ForwardBatch, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        qs, lens = batch.host_meta()
+        num_new = np.diff(qs)
+        rows = np.arange(len(lens))
+        dev = batch.input_ids.device
+        plan = AttnPlan.build(num_new, lens, rows, self.len_cap, dev)
+        tok_rows = torch.from_numpy(np.repeat(rows, num_new)).to(dev)
+        return self.forward(FastInputs(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                                       tok_rows, plan, batch.sample_index), kv)
+
+    @torch.inference_mode()
+    def forward(self, inp: FastInputs, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits (S, vocab) float32, expert token counts (layers, experts) int32), as
+        DeepseekV3.forward returns them; padding tokens are not counted."""
+        ops, eps = self.ops, self.cfg.rms_norm_eps
+        step = _Step(inp, self, kv)
+        x = self.model.embed_tokens(inp.input_ids)
+        h = ops.norm(x, self.layers[0].in_norm, eps)
+        chosen: list[torch.Tensor] = []
+        for i, lw in enumerate(self.layers):
+            x, h = ops.add_norm(x, self._attention(h, lw, i, kv, inp, step), lw.post_norm, eps)
+            nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.model.norm.weight
+            if lw.moe is None:
+                down = F.linear(ops.silu_mul(F.linear(h, lw.gate_up)), lw.down)
+                x, h = ops.add_norm(x, down, nxt, eps)
+                continue
+            routed = self._routed(h, lw, step, chosen)
+            if lw.gate_up is None:
+                x, h = ops.add_norm(x, routed, nxt, eps)
+            else:
+                shared = F.linear(ops.silu_mul(F.linear(h, lw.gate_up)), lw.down)
+                x, h = ops.add2_norm(x, routed, shared, nxt, eps)
+        if inp.sample_index is not None:
+            h = h[inp.sample_index]
+        logits = F.linear(h, self.model.lm_head.weight).float()
+        return logits, self._counts(chosen, len(inp.input_ids), x.device)
+
+    # -- attention ------------------------------------------------------------------------------
+    def _attention(self, h, lw: LayerWeights, i: int, kv, inp: FastInputs, step: _Step) -> torch.Tensor:
+        cfg, plan = self.cfg, inp.plan
+        t, heads = h.shape[0], cfg.num_attention_heads
+        dn, dr, dl, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        f = F.linear(h, lw.w_in)
+        if lw.q_b is None:
+            split = heads * (dn + dr)
+            q = f[:, :split].view(t, heads, dn + dr)
+        else:
+            split = cfg.q_lora_rank
+            q = F.linear(self.ops.norm(f[:, :split], lw.q_a_norm, 1e-6), lw.q_b).view(t, heads, dn + dr)
+        q_pe, latent, k_pe = self.ops.mla_prep(q[..., dn:], f[:, split:], step.cos, step.sin, lw.kv_norm, 1e-6,
+                                               dl, cfg.rope_interleave)
+        self._kv_store(kv[i], latent, k_pe, inp.slot_mapping)
+        if not plan.n_pf:
+            return F.linear(self._decode(q[..., :dn], q_pe, lw, kv[i], plan, step).view(t, heads * dv), lw.o_proj)
+        if not plan.n_dec:
+            return F.linear(self._prefill(q[..., :dn], q_pe, latent, k_pe, lw, i, plan, step).reshape(t, -1),
+                            lw.o_proj)
+        out = h.new_empty(t, heads, dv)
+        d, p = plan.dec, plan.pf
+        out.index_copy_(0, d, self._decode(q[d, :, :dn], q_pe[d], lw, kv[i], plan, step))
+        out.index_copy_(0, p, self._prefill(q[p, :, :dn], q_pe[p], latent[p], k_pe[p], lw, i, plan, step))
+        return F.linear(out.view(t, -1), lw.o_proj)
+
+    def _decode(self, q_nope, q_pe, lw: LayerWeights, cache, plan: AttnPlan, step: _Step) -> torch.Tensor:
+        """Absorbed MLA: (T, H, dv) values for tokens attending per token."""
+        q_latent = torch.bmm(q_nope.transpose(0, 1), lw.w_uk).transpose(0, 1)  # (T, H, dl)
+        o = self._mla_decode(q_latent, q_pe, cache, step.dec_tables, step.dec_lens, self.cfg.softmax_scale,
+                             max_seq_len=plan.dec_len_bound)
+        out = o.new_empty(o.shape[0], o.shape[1], lw.w_uv.shape[2])
+        torch.bmm(o.transpose(0, 1), lw.w_uv, out=out.transpose(0, 1))  # cuBLAS writes (T, H, dv) in place
+        return out
+
+    def _prefill(self, q_nope, q_pe, latent, k_pe, lw: LayerWeights, i: int, plan: AttnPlan,
+                 step: _Step) -> torch.Tensor:
+        cfg = self.cfg
+        heads, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        kv_new = F.linear(latent, lw.kv_b).view(latent.shape[0], heads, -1)
+        return self._mla_prefill(torch.cat([q_nope, q_pe], dim=-1), kv_new[..., :dn], k_pe, kv_new[..., dn:],
+                                 plan.pf_cu, plan.pf_max_new, plan.pf_prefix, step.flat, step.pf_tables + i,
+                                 lw.kv_b, cfg.softmax_scale)
+
+    # -- experts ---------------------------------------------------------------------------------
+    def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor]) -> torch.Tensor:
+        cfg, moe = self.cfg, lw.moe
+        weights, ids = self.ops.route(h, moe.gate.weight, moe.gate.e_score_correction_bias, cfg.num_experts_per_tok,
+                                      cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        if step.valid is not None:  # padding tokens choose no expert: they cost no weight reads
+            ids = torch.where(step.valid[:, None], ids, cfg.n_routed_experts)
+        chosen.append(ids)
+        if not self.use_fused_moe:
+            return moe.experts(h, weights, ids)
+        if self.moe_fp8:
+            w13, s13, w2, s2 = lw.fp8
+            return self._fused_moe(h, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)
+        return self._fused_moe(h, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids)
+
+    def _counts(self, chosen: list[torch.Tensor], t: int, device) -> torch.Tensor:
+        """Tokens per (layer, expert), in a few launches for all layers at once."""
+        cfg = self.cfg
+        e = cfg.n_routed_experts
+        counts = torch.zeros(cfg.num_hidden_layers, e + 1, dtype=torch.int32, device=device)
+        if chosen and t:
+            ids = torch.stack(chosen)  # (MoE layers, T, k); id e marks padding
+            ids = ids + (torch.arange(len(chosen), device=device) * (e + 1))[:, None, None]
+            counts[self.first_moe:].view(-1).scatter_add_(
+                0, ids.view(-1), torch.ones(ids.numel(), dtype=torch.int32, device=device))
+        return counts[:, :e]
