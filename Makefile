@@ -29,6 +29,7 @@ bench: $(BIN)/lockstep
 	$(BIN)/python benchmarks/bench_allreduce.py
 	$(BIN)/python benchmarks/bench_eplb.py
 	$(BIN)/python benchmarks/bench_dep_host.py
+	$(BIN)/python benchmarks/bench_kv_transfer.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,6 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-kv-loads", type=int, metavar="N",
                    help="override [scheduler] max_kv_loads_per_step: new KV loads (P/D pulls, "
                         "host-tier loads) a rank starts per step; 0 = no cap")
+    s.add_argument("--num-spec-tokens", type=int, metavar="K",
+                   help="override [speculative] num_spec_tokens: drafts per decode step; 0 = no "
+                        "speculation (the same deployment without its draft model), to ask whether "
+                        "speculation pays at this load")
     s.add_argument("--no-eplb", action="store_true",
                    help="keep the naive expert placement even if the deployment has [eplb] "
                         "(with [cost] expert_skew > 0: compare balancedness with the balancer off)")

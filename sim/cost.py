@@ -23,6 +23,10 @@ time is the slowest rank's):
     step      = max(max_r t_r, host_floor) + host_added      (see HostSpec: the scheduler and
                 dispatch hide behind the GPU step with async scheduling; the DP sync does not)
 
+With speculative decoding a step also runs the draft model's passes before the target's
+(``draft_s``: the draft's layers priced by a second AnalyticCost over its shape, its head
+apart, see lockstep.sim.spec): step = max(max_r t_r + draft_s, host_floor) + host_added.
+
 Host work a step adds on some ranks (``host_extra``: P/D pulls started and completed, see
 KVTransferSpec) joins the host floor when async scheduling overlaps host and GPU, so it
 shows only when it outlasts the GPU step: max(max_r t_r, host_floor + max_r extra_r);
@@ -77,11 +81,13 @@ class AnalyticCost:
         return out
 
     def rank_step_time(self, tokens: list[float], ctx: list[float], pairs: list[float],
-                       loaded: list[float], host_extra: list[float] | None = None) -> float:
+                       loaded: list[float], host_extra: list[float] | None = None, draft_s: float = 0.0) -> float:
         """``step_time`` of one step from per-rank Python floats: the same operations in the
         same order, so the same bits, without numpy's per-call cost on arrays of one or a
         few ranks (most steps of a sparse trace). ``host_extra``: host seconds per rank that
-        this step adds (see the module docstring)."""
+        this step adds (see the module docstring). ``draft_s``: GPU seconds of a draft model's
+        passes in the same step (speculative decoding, see lockstep.sim.spec), which run
+        before the target's and, like it, in lockstep on every rank."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         pad = max(tokens)  # the DP sync rule: every rank runs the largest rank's token count
         # Only P/D pulls to start (no colocated plan looks like this, so step_time, the
@@ -106,6 +112,8 @@ class AnalyticCost:
             if serial is not None:
                 t = t + serial[r]
             worst = t if t > worst else worst
+        if draft_s:
+            worst = worst + draft_s
         floor = self.host_floor
         if host_extra is not None and self.host_overlap:
             floor = floor + max(host_extra)

@@ -82,6 +82,8 @@ class PDFlow:
         self.kvt = d.kv_transfer
         m = d.model(d.pools[0].model)
         self._block_bytes = m.kv_bytes_per_token * d.scheduler.block_size
+        if d.speculative is not None:  # the draft's cache of the prompt comes along
+            self._block_bytes += d.speculative.draft.kv_bytes_per_token * d.scheduler.block_size
         bw = self.kvt.bandwidth or d.hardware.link_bandwidth
         self._decode = [(i, r) for i, inst in enumerate(self.instances) if inst.role == "decode"
                         for r in range(len(inst.cores))]

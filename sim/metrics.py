@@ -70,6 +70,26 @@ class Metrics:
         self._tok_t.append(t)
         self._tok_n.append(len(rids))
 
+    def token_counts(self, rids: np.ndarray, counts: np.ndarray, t: float) -> None:
+        """counts[i] tokens for request rids[i], delivered together at time t (speculative
+        decoding): one inter-token latency per delivery, so ITL is the time between a
+        request's deliveries while TPOT still divides by every token."""
+        if len(rids) == 0:
+            return
+        ntok, last, first, second = self.ntok, self.last, self.first, self.second
+        for r, n in zip(rids.tolist(), counts.tolist()):
+            if ntok[r] > 0:
+                self._itl_v.append(t - last[r])
+                self._itl_w.append(1.0)
+                if ntok[r] == 1:
+                    second[r] = t
+            else:
+                first[r] = t
+            last[r] = t
+            ntok[r] += n
+        self._tok_t.append(t)
+        self._tok_n.append(int(counts.sum()))
+
     def token_run(self, rids: np.ndarray, ends: list[float]) -> None:
         """k tokens for each request, at step ends ``ends`` (k,)."""
         self.tokens(rids, ends[0])

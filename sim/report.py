@@ -46,6 +46,26 @@ def print_table(report: dict, console: Console | None = None) -> None:
     console.print(lat)
     if "pools" in report:
         _print_pd(report, console)
+    if "spec_decode" in report:
+        _print_spec(report["spec_decode"], console)
+
+
+def _print_spec(sd: dict, console: Console) -> None:
+    t = Table(title=f"speculative decoding: {sd['num_spec_tokens']} drafts of {sd['draft_model']} per decode"
+                    f"{' (adaptive)' if sd['adaptive'] else ''}, acceptance {sd['acceptance']}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("drafts", f"{sd['num_drafts']:,} ({sd['num_draft_tokens']:,} draft tokens)")
+    rate = sd["draft_acceptance_rate"]
+    of = "" if rate is None else f" ({rate:.1%} of drafts)"
+    t.add_row("accepted tokens", f"{sd['num_accepted_tokens']:,}{of}")
+    mal = sd["mean_acceptance_length"]
+    t.add_row("mean acceptance length", "-" if mal is None else f"{mal:.2f} tokens per decode")
+    per = sd["acceptance_rate_per_pos"]
+    t.add_row("acceptance per position", "-" if per is None else ", ".join(f"{p:.1%}" for p in per))
+    frac = sd["draft_time_fraction"]
+    t.add_row("draft model's share of step time", "-" if frac is None else f"{frac:.1%}")
+    console.print(t)
 
 
 def _print_pd(report: dict, console: Console) -> None:

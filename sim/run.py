@@ -9,6 +9,7 @@ import attrs
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from lockstep.policy.config import ConfigError
 from lockstep.policy.deployment import Deployment, default_deployment, load_deployment
 
 from .report import plot, print_table, write_json
@@ -36,6 +37,22 @@ def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, 
     return reqs, name
 
 
+def with_spec_tokens(deployment: Deployment, k: int) -> Deployment:
+    """The deployment with k drafts per decode (``--num-spec-tokens``); 0 drops the draft."""
+    spec = deployment.speculative
+    if k < 0:
+        raise ConfigError(f"--num-spec-tokens must be >= 0 (0: no speculation), got {k}")
+    if k == 0:
+        return attrs.evolve(deployment, speculative=None)
+    if spec is None:
+        raise ConfigError(f"--num-spec-tokens {k}: {deployment.source} has no [speculative] table naming "
+                          "a draft model (see examples/h200-v2lite-spec.toml)")
+    try:
+        return attrs.evolve(deployment, speculative=attrs.evolve(spec, num_spec_tokens=k))
+    except ConfigError as e:
+        raise ConfigError(f"--num-spec-tokens {k}: {deployment.source}: [speculative]: {e}") from None
+
+
 def run_sim(args) -> int:
     console = Console(stderr=True)
     deployment: Deployment = load_deployment(args.deployment) if args.deployment else default_deployment()
@@ -44,6 +61,8 @@ def run_sim(args) -> int:
             raise ValueError(f"--max-kv-loads must be >= 0 (0: no cap), got {args.max_kv_loads}")
         deployment = attrs.evolve(deployment, scheduler=attrs.evolve(
             deployment.scheduler, max_kv_loads_per_step=args.max_kv_loads))
+    if args.num_spec_tokens is not None:
+        deployment = with_spec_tokens(deployment, args.num_spec_tokens)
     workload, name = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
     sim = Simulator(deployment, workload, seed=args.seed, slo_ttft=args.slo_ttft,

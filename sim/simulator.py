@@ -11,6 +11,10 @@ not with steps. Plans skipped by an advance are not materialized.
 
 Pools are all colocated, or split into prefill and decode pools (``sim.disagg``: hand-offs,
 KV pulls over a link, the prefill side's held blocks).
+
+With a [speculative] table each instance also plays the runtime's side of speculative
+decoding (``sim.spec``: draws of accepted drafts, the draft model's passes in the step
+time); those steps run one by one (no advance: each accepts its own number of drafts).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .disagg import HANDOFF, JOIN, LINK, STEP, PDFlow, check_pd_pools, pd_report
 from .experts import ExpertLoads
 from .load import host_loaded_tokens
 from .metrics import Metrics, clean
+from .spec import DraftCost, Speculation, SpecRuntime
 from .traces import TraceRequest, segment_tokens
 
 OUTPUT_SEG_BASE = 1 << 42  # output content ids for trace requests (disjoint from prompts)
@@ -51,6 +56,7 @@ class Instance:
         self.executing: list[StepPlan] | None = None
         self.planned: list[StepPlan] | None = None
         self.t_end = 0.0
+        self.spec: SpecRuntime | None = None  # with [speculative]: the runtime's side of it
 
     @property
     def busy(self) -> bool:
@@ -83,6 +89,7 @@ class Simulator(PDFlow):
         self.pd = any(pool.role != "colocated" for pool in deployment.pools)
         if self.pd:
             check_pd_pools(deployment)
+        self.spec = Speculation(deployment.speculative, seed) if deployment.speculative else None
         for pool in deployment.pools:
             model = deployment.model(pool.model)
             cost = AnalyticCost(model, deployment.hardware, deployment.cost, pool.dep, deployment.host)
@@ -91,8 +98,12 @@ class Simulator(PDFlow):
                 self._experts.append((loads, cost))
                 self._next_window = 0.0
             cfg = deployment.scheduler_for(pool)
+            if self.spec is not None:
+                draft = DraftCost(deployment.speculative.draft, deployment.hardware, deployment.cost, pool.dep)
             for i in range(pool.instances):
                 self.instances.append(Instance(f"{pool.name}/{i}", pool, cfg, self.hasher, cost))
+                if self.spec is not None:
+                    self.instances[-1].spec = SpecRuntime(self.spec, cost, draft, pool.dep, cfg.block_size)
         self.model = deployment.model(deployment.pools[0].model)
         # Where arrivals go: every rank, or with P/D the prefill ranks.
         self._ranks = [(i, c) for i, inst in enumerate(self.instances) if inst.role != "decode"
@@ -219,7 +230,10 @@ class Simulator(PDFlow):
             for rank, p in enumerate(plans):
                 self.on_plan(inst, rank, p)
         host = self._start_pulls(idx, plans, now) if inst.role == "decode" else None
-        t_end = now + self._step_time(inst, plans, host)
+        if inst.spec is not None:  # runs the step as the runtime would: draws, draft passes
+            t_end = now + inst.spec.step(plans, host)
+        else:
+            t_end = now + self._step_time(inst, plans, host)
         inst.t_end = t_end
         self.metrics.steps += 1
         if self.pd:
@@ -256,6 +270,14 @@ class Simulator(PDFlow):
 
     def _apply(self, idx: int, rank: int, core: SchedulerCore, plan: StepPlan, t: float,
                done: np.ndarray) -> None:
+        spec = self.instances[idx].spec
+        if spec is not None:
+            result = spec.result(rank, plan, core.s_rid, core.s_nout, self.out_tokens, self.out_base,
+                                 self.out_skip, done)
+            out = core.update(plan, result, t)
+            self.metrics.token_counts(out.req_ids, out.num_tokens, t)
+            self._finished(idx, rank, out, t)
+            return
         slots, rids, samples = plan.slots.tolist(), plan.req_ids.tolist(), plan.samples.tolist()
         s_rid, s_nout, base, out_tokens = core.s_rid, core.s_nout, self.out_base, self.out_tokens
         skip = self.out_skip
@@ -266,6 +288,9 @@ class Simulator(PDFlow):
                             token_ids=np.array(tokens, dtype=np.int32), kv_loads_done=done)
         out = core.update(plan, result, t)
         self.metrics.tokens(out.req_ids, t)
+        self._finished(idx, rank, out, t)
+
+    def _finished(self, idx: int, rank: int, out, t: float) -> None:
         role = self.instances[idx].role
         for rid, _ in out.finished:
             if role == "prefill" and self.workload[rid].output_len > 1:
@@ -369,6 +394,8 @@ class Simulator(PDFlow):
         )
         if self._experts:
             rep["balancedness"] = self._experts[0][0].report()
+        if self.spec is not None:
+            rep["spec_decode"] = self.spec.report()
         if self.pd:
             start = float(np.nanmin(self.metrics.arrival)) if len(self.workload) else 0.0
             m = self.metrics

@@ -175,6 +175,12 @@ def test_engine_config_from_a_deployment_file():
         EngineConfig.from_deployment(two)
     with pytest.raises(ConfigError, match="no pool serves model 'big'"):
         EngineConfig.from_deployment(two, model="big")
+    spec = deployment_from_dict({"models": [{"preset": "tiny"}, {"preset": "tiny-draft"}],
+                                 "pools": [{"role": "colocated", "model": "tiny"}], "engine": {"device": "cpu"},
+                                 "speculative": {"draft_model": "tiny-draft", "num_spec_tokens": 2,
+                                                 "acceptance": "fixed", "rate": 0.5}})
+    cfg = EngineConfig.from_deployment(spec, model="tiny")  # the draft the simulator prices, run for real
+    assert (cfg.draft_model, cfg.num_spec_tokens, cfg.scheduler.num_spec_tokens) == ("tiny-draft", 2, 2)
     mixed = deployment_from_dict({"models": [{"preset": "tiny"}], "engine": {"device": "cpu"},
                                   "pools": [{"role": "colocated"}, {"role": "decode"}]})
     with pytest.raises(ConfigError, match="roles"):

@@ -155,9 +155,14 @@ class EngineConfig:
             sched = attrs.evolve(sched, num_blocks=eng.num_blocks)
         elif eng.device == "cpu":
             sched = attrs.evolve(sched, num_blocks=min(sched.num_blocks, 4096))
+        spec = {}
+        if dep.speculative is not None:  # the same draft the simulator prices, run for real
+            d = dep.speculative.draft
+            spec = dict(draft_model=(d.checkpoint and str((Path(dep.source).parent / d.checkpoint).resolve()))
+                        or d.name, num_spec_tokens=dep.speculative.num_spec_tokens)
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
                    scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb,
-                   instances=pool.instances, **pd)
+                   instances=pool.instances, **pd, **spec)
 
     def runtime_spec(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
                      options: dict | None = None) -> RuntimeSpec:

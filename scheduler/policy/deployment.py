@@ -1,8 +1,9 @@
 """The one Deployment schema (TOML) that the simulator, the engine and the server all read.
 
 A deployment names models (shape, context length), hardware, pools (colocated, prefill,
-decode) with their instance count and DEP size, and scheduler limits. Presets fill in
-known shapes; any field can be overridden. Errors name the file, the table and the field.
+decode) with their instance count and DEP size, scheduler limits, and optionally a draft
+model for speculative decoding. Presets fill in known shapes; any field can be overridden.
+Errors name the file, the table and the field.
 """
 
 from __future__ import annotations
@@ -172,6 +173,58 @@ class KVTransferSpec:
     handoff_s: float = attrs.field(default=50e-6, validator=_at_least_zero)  # prefill end -> decode queue
 
 
+ACCEPTANCE_MODELS = ("fixed", "per_position", "replay")
+MAX_SPEC_TOKENS = 16
+
+
+@attrs.frozen
+class SpeculativeSpec:
+    """[speculative]: a draft model proposes ``num_spec_tokens`` tokens per decode and the
+    target verifies them in one step. The draft sits on every GPU of the pools next to the
+    target (its weights and its KV cache take memory there). Prefill pools run it over
+    prompts only; colocated and decode pools speculate.
+
+    How many drafts the target accepts is a fact of the models and the traffic, which the
+    simulator takes from ``acceptance``: ``fixed`` (each draft with probability ``rate``,
+    independently), ``per_position`` (draft j with probability ``rates[j - 1]`` given drafts
+    1..j-1 were), or ``replay`` (``file``: drafts accepted per speculative decode, one integer
+    per line, used in turn and cycled; loaded into ``replay``). ``adaptive``: the runtime
+    proposes fewer drafts when acceptance drops (lockstep.sim.spec has the rule)."""
+
+    draft_model: str
+    draft: ModelSpec
+    num_spec_tokens: int
+    acceptance: str = "fixed"
+    rate: float = 0.0
+    rates: tuple[float, ...] = ()
+    file: str = ""
+    replay: tuple[int, ...] = ()
+    adaptive: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        k = self.num_spec_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPEC_TOKENS:
+            raise ConfigError(f"num_spec_tokens must be an integer in [1, {MAX_SPEC_TOKENS}], got {k!r} "
+                              "(to turn speculation off, drop the [speculative] table)")
+        if self.acceptance not in ACCEPTANCE_MODELS:
+            raise ConfigError(f"acceptance must be one of {ACCEPTANCE_MODELS}, got {self.acceptance!r}")
+        if self.acceptance == "fixed" and not 0 <= self.rate <= 1:
+            raise ConfigError(f"rate must be a probability in [0, 1], got {self.rate!r}")
+        if self.acceptance == "per_position":
+            if len(self.rates) < k:
+                raise ConfigError(f"rates gives {len(self.rates)} positions but num_spec_tokens is {k}: "
+                                  "give one rate per draft position")
+            if not all(0 <= r <= 1 for r in self.rates):
+                raise ConfigError(f"rates must be probabilities in [0, 1], got {list(self.rates)}")
+        if self.acceptance == "replay" and not self.replay:
+            raise ConfigError(f"file {self.file!r} holds no accepted-draft counts")
+
+    def position_rates(self) -> tuple[float, ...]:
+        """Acceptance probability of each draft position given the ones before it."""
+        k = self.num_spec_tokens
+        return (self.rate,) * k if self.acceptance == "fixed" else tuple(self.rates[:k])
+
+
 @attrs.frozen
 class Deployment:
     name: str
@@ -184,6 +237,7 @@ class Deployment:
     engine: EngineSpec = EngineSpec()
     eplb: EplbConfig | None = None  # expert load balancing for the engine's DEP pools
     kv_transfer: KVTransferSpec = KVTransferSpec()  # P/D: the prefill -> decode KV link
+    speculative: SpeculativeSpec | None = None  # a draft model next to the target
     hash_secret: str = "lockstep"
     seed: int = 0
     source: str = "<built-in>"
@@ -202,25 +256,42 @@ class Deployment:
         """KV blocks one rank holds: memory left after its share of the weights."""
         m, hw = self.model(pool.model), self.hardware
         weights = m.dense_bytes + m.routed_bytes / pool.dep
+        name = m.name
+        if self.speculative is not None:  # the draft's weights sit next to the target's
+            dr = self.speculative.draft
+            weights += dr.dense_bytes + dr.routed_bytes / pool.dep
+            name = f"{m.name} with draft {dr.name}"
         free = hw.hbm_bytes * hw.gpu_memory_utilization - weights
-        per_block = m.kv_bytes_per_token * self.scheduler.block_size
+        per_block = self.kv_bytes_per_token(pool) * self.scheduler.block_size
         blocks = int(free // per_block)
         if blocks < 16:
             raise ConfigError(
-                f"{self.source}: pool {pool.name!r}: {m.name} needs {weights / 1e9:.1f} GB of "
+                f"{self.source}: pool {pool.name!r}: {name} needs {weights / 1e9:.1f} GB of "
                 f"weights per GPU at DEP{pool.dep}, leaving room for only {max(blocks, 0)} KV "
                 f"blocks on {hw.name}; raise dep or pick bigger hardware"
             )
         return blocks
 
+    def kv_bytes_per_token(self, pool: PoolSpec) -> int:
+        """KV bytes a token takes on a rank of the pool: the target's, plus the draft's
+        own cache when there is one (a block holds both)."""
+        per_token = self.model(pool.model).kv_bytes_per_token
+        if self.speculative is not None:
+            per_token += self.speculative.draft.kv_bytes_per_token
+        return per_token
+
     def scheduler_for(self, pool: PoolSpec) -> SchedulerConfig:
         m = self.model(pool.model)
-        per_block = m.kv_bytes_per_token * self.scheduler.block_size
+        per_block = self.kv_bytes_per_token(pool) * self.scheduler.block_size
+        spec = {}
+        if self.speculative is not None and pool.role != "prefill":  # prefill pools never decode
+            spec = {"num_spec_tokens": self.speculative.num_spec_tokens}
         return attrs.evolve(
             self.scheduler,
             num_blocks=self.kv_blocks_per_rank(pool),
             host_cache_blocks=int(self.hardware.host_kv_bytes // per_block),
             max_model_len=min(self.scheduler.max_model_len, m.context_length),
+            **spec,
         )
 
 
@@ -246,6 +317,15 @@ MODEL_PRESETS: dict[str, dict] = {
         num_layers=27, num_dense_layers=1, hidden_size=2048, num_routed_experts=64,
         num_shared_experts=2, top_k=6, moe_intermediate_size=1408, dense_params=1.6e9,
         kv_bytes_per_token=_mla_kv_bytes(27), context_length=32768, vocab_size=102400,
+        bytes_per_param=2.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(16), eos_token_id=100001,
+    ),
+    # A draft for v2-lite: its shape cut to two layers (one dense, one MoE), with its own head
+    # over the same vocabulary; embeddings are looked up, not read, so they are not counted.
+    # Parameters: attention 2 x 14M, the dense MLP 67M, shared experts 17M, the head 210M.
+    "v2-lite-draft": dict(
+        num_layers=2, num_dense_layers=1, hidden_size=2048, num_routed_experts=64,
+        num_shared_experts=2, top_k=6, moe_intermediate_size=1408, dense_params=0.32e9,
+        kv_bytes_per_token=_mla_kv_bytes(2), context_length=32768, vocab_size=102400,
         bytes_per_param=2.0, attn_flops_per_pair=_MHA_PAIR_FLOPS(16), eos_token_id=100001,
     ),
     # A DeepSeek-V3-sized model with a compact KV layout: cross-layer sharing + FP4.
@@ -293,12 +373,15 @@ def load_deployment(path: str | Path) -> Deployment:
 
 def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     known = {"name", "seed", "hash_secret", "models", "hardware", "pools", "scheduler", "cost", "host", "engine",
-             "eplb", "kv_transfer"}
+             "eplb", "kv_transfer", "speculative"}
     _no_unknown(data, known, source, "top level")
     models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
     if not models:
         raise ConfigError(f"{source}: [[models]] must list at least one model")
     hardware = _hardware(data.get("hardware", {"preset": "h200"}), source)
+    if "num_spec_tokens" in data.get("scheduler", {}):
+        raise ConfigError(f"{source}: [scheduler]: num_spec_tokens belongs in [speculative], next to "
+                          "the draft model that proposes the tokens")
     sched = _build(SchedulerConfig, data.get("scheduler", {}), source, "[scheduler]")
     cost = _build(CostSpec, data.get("cost", {}), source, "[cost]")
     engine = _build(EngineSpec, data.get("engine", {}), source, "[engine]")
@@ -308,9 +391,11 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
+    spec = _speculative(data["speculative"], source, models, pools) if "speculative" in data else None
     dep = Deployment(
         name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
         pools=pools, scheduler=sched, cost=cost, host=host, engine=engine, eplb=eplb, kv_transfer=kv_transfer,
+        speculative=spec,
         hash_secret=str(data.get("hash_secret", "lockstep")),
         seed=int(data.get("seed", 0)), source=source,
     )
@@ -399,6 +484,95 @@ def _pool(table: dict, source: str, i: int, models: tuple[ModelSpec, ...]) -> Po
     if pool.model not in {m.name for m in models}:
         raise ConfigError(f"{source}: {where}: model {pool.model!r} is not in [[models]]")
     return pool
+
+
+_SPEC_FIELDS = {  # [speculative] field -> (type name, the acceptance model it belongs to, or None)
+    "draft_model": ("str", None), "num_spec_tokens": ("int", None), "acceptance": ("str", None),
+    "rate": ("float", "fixed"), "rates": ("list", "per_position"), "file": ("str", "replay"),
+    "adaptive": ("bool", None),
+}
+
+
+def _speculative(table: dict, source: str, models: tuple[ModelSpec, ...],
+                 pools: tuple[PoolSpec, ...]) -> SpeculativeSpec:
+    where = "[speculative]"
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: speculative must be a table ([speculative])")
+    _no_unknown(table, set(_SPEC_FIELDS), source, where)
+    for name, (kind, _) in _SPEC_FIELDS.items():
+        if name not in table:
+            continue
+        value = table[name]
+        ok = isinstance(value, list) if kind == "list" else (
+            isinstance(value, _TYPES[kind]) and (kind == "bool" or not isinstance(value, bool)))
+        if not ok:
+            what = "an array of numbers" if kind == "list" else _TYPE_NAMES[kind]
+            raise ConfigError(f"{source}: {where}: field {name!r} must be {what}, got {value!r}")
+    for name in ("draft_model", "num_spec_tokens"):
+        if name not in table:
+            raise ConfigError(f"{source}: {where}: missing field {name!r}")
+    acceptance = table.get("acceptance", "fixed")
+    if acceptance not in ACCEPTANCE_MODELS:
+        raise ConfigError(f"{source}: {where}: acceptance must be one of {ACCEPTANCE_MODELS}, got {acceptance!r}")
+    needs = {"fixed": "rate", "per_position": "rates", "replay": "file"}[acceptance]
+    if needs not in table:
+        raise ConfigError(f"{source}: {where}: acceptance = {acceptance!r} needs the field {needs!r}")
+    for name, (_, model) in _SPEC_FIELDS.items():
+        if model is not None and model != acceptance and name in table:
+            raise ConfigError(f"{source}: {where}: field {name!r} belongs to acceptance = {model!r}, "
+                              f"not {acceptance!r}")
+    rates = table.get("rates", [])
+    if any(isinstance(r, bool) or not isinstance(r, (int, float)) for r in rates):
+        raise ConfigError(f"{source}: {where}: field 'rates' must be an array of numbers, got {rates!r}")
+    draft = _draft_model(str(table["draft_model"]), source, models, pools)
+    path, replay = str(table.get("file", "")), ()
+    if acceptance == "replay":
+        path = str(Path(source).parent / path)
+        replay = _replay_counts(path, source)
+    try:
+        return SpeculativeSpec(
+            draft_model=draft.name, draft=draft, num_spec_tokens=table["num_spec_tokens"],
+            acceptance=acceptance, rate=float(table.get("rate", 0.0)), rates=tuple(float(r) for r in rates),
+            file=path, replay=replay, adaptive=bool(table.get("adaptive", False)),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {where}: {e}") from None
+
+
+def _draft_model(name: str, source: str, models: tuple[ModelSpec, ...], pools: tuple[PoolSpec, ...]) -> ModelSpec:
+    """A model of [[models]] by name, else a preset; it must share the targets' vocabulary."""
+    draft = next((m for m in models if m.name == name), None)
+    if draft is None and name in MODEL_PRESETS:
+        draft = ModelSpec(name=name, **MODEL_PRESETS[name])
+    if draft is None:
+        raise ConfigError(f"{source}: [speculative]: draft_model must name a model of [[models]] "
+                          f"{[m.name for m in models]} or a preset {sorted(MODEL_PRESETS)}, got {name!r}")
+    for target in {p.model for p in pools}:
+        vocab = next(m.vocab_size for m in models if m.name == target)
+        if vocab != draft.vocab_size:
+            raise ConfigError(f"{source}: [speculative]: draft_model {name!r} has a vocabulary of "
+                              f"{draft.vocab_size} tokens, the target {target!r} {vocab}: a draft must "
+                              "share the target's tokenizer")
+    return draft
+
+
+def _replay_counts(path: str, source: str) -> tuple[int, ...]:
+    """Drafts accepted per speculative decode: one integer >= 0 per line; blank lines and
+    lines starting with # are skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"{source}: [speculative]: file {path}: {e.strerror or e}") from None
+    counts = []
+    for n, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if not (line.isascii() and line.isdigit()):
+            raise ConfigError(f"{source}: [speculative]: file {path}, line {n}: expected the number of "
+                              f"drafts accepted (an integer >= 0), got {line!r}")
+        counts.append(int(line))
+    return tuple(counts)
 
 
 DEFAULT_DEPLOYMENT_TOML = """\
