@@ -11,32 +11,37 @@ import trio
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="stream one completion from a model")
     g.add_argument("prompt", help="prompt text")
-    g.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
-    g.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32")
+    add_engine_flags(g)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
-    g.add_argument("--redundant-experts", type=int, default=0,
-                    help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
-    g.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
-    g.add_argument("--instances", type=int, default=1,
-                    help="instances of --dep ranks (with --prefill-instances: the decode pool's)")
-    g.add_argument("--prefill-instances", type=int, default=0,
-                    help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
-    g.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
-    g.add_argument("--draft-model", default="",
-                    help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
-                         "(the target's first N layers)")
-    g.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
-    g.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
-                    help="how decode runtimes pull KV from prefill runtimes")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def add_engine_flags(p) -> None:
+    """What model to run and how: the flags `generate` and `serve` share."""
+    p.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
+    p.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
+    p.add_argument("--redundant-experts", type=int, default=0,
+                   help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
+    p.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
+    p.add_argument("--instances", type=int, default=1,
+                   help="instances of --dep ranks (with --prefill-instances: the decode pool's)")
+    p.add_argument("--prefill-instances", type=int, default=0,
+                   help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
+    p.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
+    p.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
+                   help="how decode runtimes pull KV from prefill runtimes")
+    p.add_argument("--draft-model", default="",
+                   help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
+                        "(the target's first N layers)")
+    p.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
 
 
 def eplb_config(args):

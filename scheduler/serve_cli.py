@@ -20,30 +20,14 @@ log = structlog.get_logger("lockstep.serve")
 
 
 def add_parser(sub) -> None:
+    from lockstep.generate_cli import add_engine_flags
+
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    s.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
-    s.add_argument("--deployment", help="deployment TOML (the simulator's schema, with an [engine] table); "
-                   "its first pool is served and --model, --runtime, --device, --dtype and the scheduler "
-                   "flags are ignored")
+    s.add_argument("--deployment", help="deployment TOML (the simulator's schema, with an [engine] table): "
+                   "its pools are served, an engine per model; --model, --runtime, --device, --dtype and the "
+                   "scheduler flags are ignored")
     s.add_argument("--served-model-name", help="the model id clients use (default: --model)")
-    s.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--dtype", default="float32")
-    s.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
-    s.add_argument("--redundant-experts", type=int, default=0,
-                    help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
-    s.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
-    s.add_argument("--instances", type=int, default=1,
-                    help="instances of --dep ranks (with --prefill-instances: the decode pool's)")
-    s.add_argument("--prefill-instances", type=int, default=0,
-                    help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
-    s.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
-    s.add_argument("--draft-model", default="",
-                    help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
-                         "(the target's first N layers)")
-    s.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
-    s.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
-                    help="how decode runtimes pull KV from prefill runtimes")
+    add_engine_flags(s)
     s.add_argument("--nodes", type=int, default=1,
                    help="spread the --dep ranks over this many serve processes (hosts), dep/nodes each")
     s.add_argument("--node-rank", type=int, default=0, help="which node this process is")

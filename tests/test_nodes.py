@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from servers import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,17 +41,8 @@ def two_nodes():
              for i, port in enumerate((http0, http1))]
     urls = [f"http://127.0.0.1:{p}" for p in (http0, http1)]
     try:
-        deadline = time.monotonic() + 120
         for proc, url in zip(procs, urls):
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert proc.poll() is None, proc.stdout.read().decode()
-                assert time.monotonic() < deadline, "node did not come up"
-                time.sleep(0.2)
+            wait_healthy(proc, url, timeout=120)
         yield procs, urls
     finally:
         for proc in procs:

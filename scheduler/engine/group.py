@@ -69,8 +69,8 @@ class LocalGroup:
         self._next[rank] += 1
         entry = self._rounds.setdefault(r, [[None] * self.size, None, trio.Event()])
         entry[0][rank] = values
-        if all(v is not None for v in entry[0]):
-            entry[1] = np.max(np.stack(entry[0]), axis=0)
+        if all(v is not None for v in entry[0]):  # the last rank to arrive reduces for all
+            entry[1] = await self._reduce(np.max(np.stack(entry[0]), axis=0))
             entry[2].set()
         else:
             await entry[2].wait()
@@ -78,6 +78,10 @@ class LocalGroup:
         if all(n > r for n in self._next):
             self._rounds.pop(r, None)
         return reduced
+
+    async def _reduce(self, local: np.ndarray) -> np.ndarray:
+        """The group's result from this process's ranks' (all of them, here)."""
+        return local
 
     def wake(self) -> None:
         self.wake_gen += 1

@@ -88,25 +88,13 @@ class NodeGroup(LocalGroup):
                 nursery.start_soon(one, r.stream.socket)
 
     # -- the LocalGroup interface, across nodes -------------------------------------------------
-    async def allreduce(self, rank: int, values: np.ndarray) -> np.ndarray:
-        r = self._next[rank]
-        self._next[rank] += 1
-        entry = self._rounds.setdefault(r, [[None] * self.size, None, trio.Event()])
-        entry[0][rank] = values
-        if all(v is not None for v in entry[0]):
-            local = np.max(np.stack(entry[0]), axis=0)
-            try:
-                entry[1] = await self.link.allreduce_async(local, "max")
-            except RankFailed as e:
-                self.fail(InstanceLost(f"DEP node {self.node}: node(s) [{e.rank}] gone ({e})"))
-                await trio.sleep_forever()  # cancel_on_failure takes every local rank down
-            entry[2].set()
-        else:
-            await entry[2].wait()
-        reduced = entry[1]
-        if all(n > r for n in self._next):
-            self._rounds.pop(r, None)
-        return reduced
+    async def _reduce(self, local: np.ndarray) -> np.ndarray:
+        """This node's ranks' maximum, all-reduced with the other nodes' over TCP."""
+        try:
+            return await self.link.allreduce_async(local, "max")
+        except RankFailed as e:
+            self.fail(InstanceLost(f"DEP node {self.node}: node(s) [{e.rank}] gone ({e})"))
+            await trio.sleep_forever()  # cancel_on_failure takes every local rank down
 
     def wake(self) -> None:
         if self._watch is not None:
