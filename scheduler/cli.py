@@ -1,6 +1,6 @@
 """The `lockstep` command: `sim` (replay a trace in virtual time), `generate` (stream one
-answer from a model), `serve` (the OpenAI-compatible server) and `bench serve` (load any
-OpenAI-compatible endpoint)."""
+answer from a model), `serve` (the OpenAI-compatible server), `bench serve` (load any
+OpenAI-compatible endpoint) and `profile` (measure step times for the simulator)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-eplb", action="store_true",
                    help="keep the naive expert placement even if the deployment has [eplb] "
                         "(with [cost] expert_skew > 0: compare balancedness with the balancer off)")
-    from lockstep import bench_serve, generate_cli, serve_cli
+    s.add_argument("--profile", metavar="FILE",
+                   help="override [cost] profile: price steps from this measured profile (lockstep "
+                        "profile) instead of the analytic model")
+    from lockstep import bench_serve, generate_cli, profile_cli, serve_cli
 
     generate_cli.add_parser(sub)
     serve_cli.add_parser(sub)
     bench_serve.add_parser(sub)
+    profile_cli.add_parser(sub)
     return p
 
 
@@ -65,6 +69,7 @@ _COMMANDS = {  # command -> (module, function, name in error messages)
     "generate": ("lockstep.generate_cli", "run_generate", "generate"),
     "serve": ("lockstep.serve_cli", "run_serve", "serve"),
     "bench": ("lockstep.bench_serve", "run_bench", "bench serve"),
+    "profile": ("lockstep.profile_cli", "run_profile", "profile"),
 }
 
 

@@ -57,6 +57,8 @@ class StepLoad:
 
 
 class AnalyticCost:
+    needs_mix = False  # a measured model (sim.profile) wants each rank's decode/prefill split
+
     def __init__(self, model: ModelSpec, hw: HardwareSpec, cost: CostSpec, dep: int,
                  host: HostSpec = HostSpec()):
         self.m, self.hw, self.c, self.dep = model, hw, cost, dep
@@ -81,13 +83,15 @@ class AnalyticCost:
         return out
 
     def rank_step_time(self, tokens: list[float], ctx: list[float], pairs: list[float],
-                       loaded: list[float], host_extra: list[float] | None = None, draft_s: float = 0.0) -> float:
+                       loaded: list[float], host_extra: list[float] | None = None, draft_s: float = 0.0,
+                       mix: list | None = None) -> float:
         """``step_time`` of one step from per-rank Python floats: the same operations in the
         same order, so the same bits, without numpy's per-call cost on arrays of one or a
         few ranks (most steps of a sparse trace). ``host_extra``: host seconds per rank that
         this step adds (see the module docstring). ``draft_s``: GPU seconds of a draft model's
         passes in the same step (speculative decoding, see lockstep.sim.spec), which run
-        before the target's and, like it, in lockstep on every rank."""
+        before the target's and, like it, in lockstep on every rank. ``mix`` (the plans'
+        decode/prefill split, see lockstep.sim.profile) is for measured models: ignored here."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         pad = max(tokens)  # the DP sync rule: every rank runs the largest rank's token count
         # Only P/D pulls to start (no colocated plan looks like this, so step_time, the

@@ -63,6 +63,10 @@ def run_sim(args) -> int:
             deployment.scheduler, max_kv_loads_per_step=args.max_kv_loads))
     if args.num_spec_tokens is not None:
         deployment = with_spec_tokens(deployment, args.num_spec_tokens)
+    if args.profile:
+        if not Path(args.profile).is_file():
+            raise ConfigError(f"--profile {args.profile}: no such file (write it with `lockstep profile`)")
+        deployment = attrs.evolve(deployment, cost=attrs.evolve(deployment.cost, profile=args.profile))
     workload, name = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
     sim = Simulator(deployment, workload, seed=args.seed, slo_ttft=args.slo_ttft,

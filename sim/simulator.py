@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from lockstep.policy.config import SchedulerConfig
+from lockstep.policy.config import ConfigError, SchedulerConfig
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.deployment import Deployment, PoolSpec
 from lockstep.policy.hashing import BlockHasher
@@ -38,6 +38,7 @@ from .disagg import HANDOFF, JOIN, LINK, STEP, PDFlow, check_pd_pools, pd_report
 from .experts import ExpertLoads
 from .load import host_loaded_tokens
 from .metrics import Metrics, clean
+from .profile import ProfiledCost, load_profile, step_mix
 from .spec import DraftCost, Speculation, SpecRuntime
 from .traces import TraceRequest, segment_tokens
 
@@ -90,9 +91,11 @@ class Simulator(PDFlow):
         if self.pd:
             check_pd_pools(deployment)
         self.spec = Speculation(deployment.speculative, seed) if deployment.speculative else None
+        profile = load_profile(deployment.cost.profile, f"{deployment.source}: [cost] profile") \
+            if deployment.cost.profile else None
         for pool in deployment.pools:
             model = deployment.model(pool.model)
-            cost = AnalyticCost(model, deployment.hardware, deployment.cost, pool.dep, deployment.host)
+            cost = self._cost(pool, model, profile)
             if deployment.cost.expert_skew > 0 and pool.dep > 1:
                 loads = ExpertLoads(model, pool.dep, deployment.cost, deployment.eplb, seed, balance=eplb)
                 self._experts.append((loads, cost))
@@ -118,6 +121,15 @@ class Simulator(PDFlow):
         self.out_skip = np.zeros(len(self.workload), dtype=np.int64)
         if self.pd:
             self._init_pd()
+
+    def _cost(self, pool: PoolSpec, model, profile) -> AnalyticCost:
+        d = self.d
+        if profile is None:
+            return AnalyticCost(model, d.hardware, d.cost, pool.dep, d.host)
+        try:
+            return ProfiledCost(model, d.hardware, d.cost, pool.dep, d.host, profile, pool.name)
+        except ConfigError as e:
+            raise ConfigError(f"{d.source}: [cost] profile: {e}") from None
 
     # -- workload ------------------------------------------------------------------------------
     def _build_outputs(self) -> None:
@@ -349,6 +361,7 @@ class Simulator(PDFlow):
         of integers, exact in any order, so the floats are the same."""
         bs = self.d.scheduler.block_size
         tokens, ctx, pairs, loaded = [], [], [], []
+        mix = [step_mix(p.num_new.tolist(), p.start_pos.tolist()) for p in plans] if inst.cost.needs_mix else None
         for p in plans:
             tokens.append(float(p.num_tokens))
             loaded.append(host_loaded_tokens(p, bs))
@@ -359,7 +372,7 @@ class Simulator(PDFlow):
             else:
                 ctx.append(0.0)
                 pairs.append(0.0)
-        return inst.cost.rank_step_time(tokens, ctx, pairs, loaded, host)
+        return inst.cost.rank_step_time(tokens, ctx, pairs, loaded, host, mix=mix)
 
     def _decode_ends(self, inst: Instance, k: int, t: float, until: float) -> list[float]:
         ns, bases = [], []
@@ -396,6 +409,10 @@ class Simulator(PDFlow):
             rep["balancedness"] = self._experts[0][0].report()
         if self.spec is not None:
             rep["spec_decode"] = self.spec.report()
+        measured = [i.cost.statistics() for i in self.instances if isinstance(i.cost, ProfiledCost)]
+        if measured:  # lookups summed over the instances (they share one profile)
+            rep["cost_profile"] = {**measured[0], "lookups": sum(m["lookups"] for m in measured),
+                                   "lookups_outside_grid": sum(m["lookups_outside_grid"] for m in measured)}
         if self.pd:
             start = float(np.nanmin(self.metrics.arrival)) if len(self.workload) else 0.0
             m = self.metrics

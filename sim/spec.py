@@ -44,6 +44,7 @@ from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
 from .cost import AnalyticCost
 from .load import host_loaded_tokens
+from .profile import step_mix
 
 SPEC_STREAM = 0x5BEC  # keeps the acceptance draws apart from the seed's other uses
 ADAPT_WEIGHT = 1 / 16
@@ -149,20 +150,24 @@ class SpecRuntime:
         n = len(plans)
         tokens, ctx, pairs = [0.0] * n, [0.0] * n, [0.0] * n
         passes: list[list[list[int]]] = []  # pass -> rank -> [tokens, context, pairs, logit rows]
+        fed: list[tuple[list[int], list[int]]] = [([], []) for _ in range(n)]  # per rank: (tokens, start) per entry
         for rank, plan in enumerate(plans):
-            tokens[rank], ctx[rank], pairs[rank] = self._execute(rank, plan, passes, n)
+            tokens[rank], ctx[rank], pairs[rank] = self._execute(rank, plan, passes, n, fed[rank])
         draft_s = 0.0
         for per_rank in passes:
             draft_s += self.draft.pass_time(per_rank)
         loaded = [host_loaded_tokens(p, self.bs) for p in plans]
-        t = self.target.rank_step_time(tokens, ctx, pairs, loaded, host, draft_s)
+        mix = [step_mix(*f) for f in fed] if self.target.needs_mix else None
+        t = self.target.rank_step_time(tokens, ctx, pairs, loaded, host, draft_s, mix=mix)
         self.sp.draft_s += draft_s
         self.sp.step_s += t
         return t
 
-    def _execute(self, rank: int, plan: StepPlan, passes: list, n_ranks: int) -> tuple[float, float, float]:
-        """One rank's plan: its answers go to ``got``, its draft passes' loads to ``passes``;
-        returns the target's (tokens, context read, pairs)."""
+    def _execute(self, rank: int, plan: StepPlan, passes: list, n_ranks: int,
+                 fed: tuple[list[int], list[int]]) -> tuple[float, float, float]:
+        """One rank's plan: its answers go to ``got``, its draft passes' loads to ``passes``,
+        each entry's (tokens, first position) for the target to ``fed``; returns the target's
+        (tokens, context read, pairs)."""
         pos = self.pos[rank]
         for rid in plan.finished_req_ids.tolist():  # the core dropped them: forget them
             pos.pop(rid, None)
@@ -200,6 +205,8 @@ class SpecRuntime:
 
         for i, s, c in chunks:
             tok, cx, pr = tok + c, cx + s + c, pr + c * s + c * (c + 1) // 2
+            fed[0].append(c)
+            fed[1].append(s)
             feed(0, c, s, False)
             if samples[i]:
                 ns[i] = 1
@@ -207,6 +214,8 @@ class SpecRuntime:
         for (i, s, _), e, a in zip(decodes, eff, acc):
             c = 1 + e
             tok, cx, pr = tok + c, cx + s + c, pr + c * s + c * (c + 1) // 2
+            fed[0].append(c)
+            fed[1].append(s)
             pend = pos[rids[i]][1] if rids[i] in pos else 1
             feed(0, pend, s - pend + 1, e > 0)
             for j in range(1, e):  # pass j + 1 feeds draft j, at position s + j

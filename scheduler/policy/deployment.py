@@ -93,6 +93,9 @@ class CostSpec:
     expert_drift: float = 0.1
     expert_window_s: float = 60.0
     a2a_overlap: float = 0.5  # share of all-to-all time hidden behind compute
+    # A measured profile (`lockstep profile`, JSON; relative to the deployment file): the
+    # simulator prices its model's pools from it instead (lockstep.sim.profile).
+    profile: str = ""
 
 
 SYNC_LINKS = ("allreduce", "gloo")
@@ -383,7 +386,7 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
         raise ConfigError(f"{source}: [scheduler]: num_spec_tokens belongs in [speculative], next to "
                           "the draft model that proposes the tokens")
     sched = _build(SchedulerConfig, data.get("scheduler", {}), source, "[scheduler]")
-    cost = _build(CostSpec, data.get("cost", {}), source, "[cost]")
+    cost = _cost(data.get("cost", {}), source)
     engine = _build(EngineSpec, data.get("engine", {}), source, "[engine]")
     host = _build(HostSpec, data.get("host", {}), source, "[host]")
     eplb = _build(EplbConfig, data["eplb"], source, "[eplb]") if "eplb" in data else None
@@ -442,6 +445,17 @@ def _build(cls, table: dict, source: str, where: str):
         raise ConfigError(f"{source}: {where}: {e}") from None
     except TypeError as e:
         raise ConfigError(f"{source}: {where}: {e}") from None
+
+
+def _cost(table: dict, source: str) -> CostSpec:
+    cost = _build(CostSpec, table, source, "[cost]")
+    if not cost.profile:
+        return cost
+    path = Path(source).parent / cost.profile
+    if not path.is_file():
+        raise ConfigError(f"{source}: [cost]: field 'profile': file {path} does not exist "
+                          "(write it with `lockstep profile`, or remove the field for the analytic model)")
+    return attrs.evolve(cost, profile=str(path))
 
 
 def _model(table: dict, source: str, i: int) -> ModelSpec:
