@@ -4,7 +4,8 @@
   or FP8 block-scaled weights.
 - `mla_decode`: absorbed-form MLA decode over the paged latent cache, split-K, bf16 or FP8.
 - `mla_prefill`: new tokens over a long cached prefix, chunked, expanded form.
-- `topk`: exact top-k over long rows (sparse-attention indexer).
+- `topk`: exact top-k over long rows (sparse-attention indexer), two launches;
+  `topk_threshold`: the earlier four-launch design, its fallback for large k.
 - `kv_store`: new latents into the paged cache, bf16 or FP8 with per-token scales.
 
 Importing this package imports nothing; each module needs triton. Tuned launch configs live in

@@ -4,7 +4,7 @@ the one switch the CPU interpreter needs.
 Under `TRITON_INTERPRET=1` a kernel's tensors are numpy arrays and bfloat16 is held as raw
 uint16, so a bf16 `tl.dot` (or bf16 arithmetic) would compute on bit patterns. Kernels therefore
 load bf16, cast dot operands to `DOT` (float32 in the interpreter, bfloat16 on the GPU, where the
-cast is free) and do all elementwise math in float32.
+cast is free; `DOT16` likewise for float16) and do all elementwise math in float32.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ import triton.language as tl
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 DOT = tl.constexpr(tl.float32 if INTERPRET else tl.bfloat16)
+# FP8 (e4m3) operands widen to float16 in one instruction per pair on the GPU (bfloat16 takes
+# about four): kernels that multiply FP8 values use float16 operands.
+DOT16 = tl.constexpr(tl.float32 if INTERPRET else tl.float16)
 _SOFT_FP8 = tl.constexpr(INTERPRET)
 
 
@@ -37,8 +40,50 @@ def _interpreter_numpy_fix() -> None:
     interpreter._patch_lang_tensor = fixed
 
 
+def _interpreter_patch_once() -> None:
+    """Triton 3.6's interpreter re-patches triton.language (inspect.getmembers over four
+    modules, ~4 ms) on every call of a @triton.jit helper from a kernel, though the kernel's
+    patching is still in place; helpers called per loop step then dominate a test's time.
+    Patch a language module once per kernel run (the kernel's scope restores them on exit)."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang
+    if getattr(patch, "lockstep_fixed", False):
+        return
+    done: set[int] = set()  # ids of the modules patched for the running kernel
+    depth = []
+
+    def langs(fn):
+        return {id(v) for v in fn.__globals__.values()
+                if inspect.ismodule(v) and v in (tl, tl.core)}
+
+    def once(fn):
+        if depth and langs(fn) <= done:  # a helper of a running kernel: already patched
+            return interpreter._LangPatchScope()
+        scope = patch(fn)
+        done.update(langs(fn))
+        if depth:
+            return scope  # a helper's scope is never restored (as in the interpreter)
+        restore = scope.restore
+        depth.append(scope)
+
+        def restore_and_leave():
+            depth.clear()
+            done.clear()
+            restore()
+
+        scope.restore = restore_and_leave
+        return scope
+
+    once.lockstep_fixed = True
+    interpreter._patch_lang = once
+
+
 if INTERPRET:
     _interpreter_numpy_fix()
+    _interpreter_patch_once()
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value

@@ -13,8 +13,11 @@ routing weight, and the sum over each token's top-k.
 At decode sizes the expert weights dominate the bytes: every block streams its expert's
 weights once, so the grid puts blocks of one expert side by side (they share tiles in L2).
 FP8 weights (e4m3fn with one float32 scale per 128x128 block, DeepSeek's layout) are
-converted to bf16 in registers and the activations stay bf16 (W8A16): the bytes halve and
-nothing is lost on the activation side. Expert ids outside [0, E) (experts held by another
+widened in registers and the activations keep 16 bits (W8A16): the bytes halve and nothing is
+lost on the activation side. In the gate/up GEMM both operands are float16: e4m3 widens to
+float16 in one instruction per pair (to bfloat16 in about four, which left that loop
+issue-bound at half the bandwidth), and its input, the normed hidden state, is far inside
+float16's range. The down GEMM keeps bfloat16: SiLU(gate)*up can reach beyond 65504. Expert ids outside [0, E) (experts held by another
 rank) contribute nothing.
 """
 
@@ -25,14 +28,28 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._util import DOT, FP8, FP8_MAX, check, check_shape, next_pow2
+from ._util import DOT, DOT16, FP8, FP8_MAX, check, check_shape, next_pow2
 
 QBLOCK = 128  # FP8 weight scale block (rows and columns)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
-# Tuned on an H200 by benchmarks/gpu/bench_kernels.py:
+# Tuned on an H200 by benchmarks/gpu/bench_kernels.py (2026-11-29 run; v2-lite's layer):
 # (E, H, I, "bf16" | "fp8", token bucket) -> {"BLOCK_M": .., "up": {..}, "down": {..}}.
-MOE_CONFIGS: dict[tuple, dict] = {}
+def _tiles(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
+    t = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+    return {"BLOCK_M": bm, "up": t, "down": dict(t)}
+
+
+MOE_CONFIGS: dict[tuple, dict] = {
+    (64, 2048, 1408, "bf16", 1): _tiles(16, 128, 128, 4, 3),  # 52.8 us (graph)
+    (64, 2048, 1408, "fp8", 1): _tiles(16, 32, 128, 4, 5),  # 42.0 us
+    (64, 2048, 1408, "bf16", 8): _tiles(16, 64, 64, 4, 5),  # 166 us
+    (64, 2048, 1408, "fp8", 8): _tiles(16, 32, 128, 4, 5),  # 129 us
+    (64, 2048, 1408, "bf16", 64): _tiles(16, 32, 128, 4, 5),  # 290 us, 0.90 of copy bandwidth
+    (64, 2048, 1408, "fp8", 64): _tiles(16, 32, 128, 4, 5),  # 225 us
+    (64, 2048, 1408, "bf16", 256): _tiles(32, 64, 128, 4, 4),  # 335 us (BLOCK_M 64 untried)
+    (64, 2048, 1408, "fp8", 256): _tiles(32, 64, 128, 4, 4),  # 315 us
+}
 
 
 def default_moe_config(tokens: int, top_k: int, experts: int) -> dict:
@@ -176,14 +193,18 @@ def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, to
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(DOT)
-            wg = tl.load(g_ptrs, mask=nm[:, None], other=0.0).to(DOT)
-            wu = tl.load(u_ptrs, mask=nm[:, None], other=0.0).to(DOT)
+            a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
+            wg = tl.load(g_ptrs, mask=nm[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=nm[:, None], other=0.0)
         else:
             km = (k0 + offs_k) < hidden
-            a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0).to(DOT)
-            wg = tl.load(g_ptrs, mask=nm[:, None] & km[None, :], other=0.0).to(DOT)
-            wu = tl.load(u_ptrs, mask=nm[:, None] & km[None, :], other=0.0).to(DOT)
+            a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=nm[:, None] & km[None, :], other=0.0)
+            wu = tl.load(u_ptrs, mask=nm[:, None] & km[None, :], other=0.0)
+        if QUANT:  # float16 operands: see the module notes
+            a, wg, wu = a.to(DOT16), wg.to(DOT16), wu.to(DOT16)
+        else:
+            a, wg, wu = a.to(DOT), wg.to(DOT), wu.to(DOT)
         if QUANT:  # BLOCK_K divides 128: one scale column per tile, one scale row per 128 rows
             sp = ws_ptr + e * s_se + (k0 // 128) * s_sk
             sg = tl.load(sp + (offs_n // 128) * s_sn, mask=nm, other=0.0)

@@ -7,8 +7,16 @@ The sequence is split over programs (flash-decoding): each split writes its norm
 partial output and log-sum-exp, and a second kernel merges the splits. The output stays in
 latent space [B, H, kv_lora_rank]; W_UV is applied by the caller.
 
+Tiles of BLOCK_N tokens lie within one page of the cache when BLOCK_N divides the block size;
+a split then loads the block ids of up to 32 pages at once, so a tile's address needs no load
+and the compiler keeps the next tiles' copies in flight (num_stages >= 3) while this one is
+computed. (Looking up a block id per tile serialises table load, tile load and math: the
+2026-11-29 H200 run read the cache at 1.6 TB/s that way.)
+
 An FP8 cache stores e4m3 entries with one float32 scale per token (see kv_store.py). The
 scale factors out of both products: scores are q.k_fp8 * s, and the value sum uses p * s.
+The FP8 entries widen to float16 (one instruction per pair; bfloat16 takes four), so q and
+the probabilities enter the products as float16 too.
 """
 
 from __future__ import annotations
@@ -19,15 +27,30 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import DOT, FP8, check, check_shape, next_pow2
+from ._util import DOT, DOT16, FP8, check, check_shape, next_pow2
 
 LOG2E = 1.4426950408889634
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (cache dtype, batch bucket) -> config.
 # BLOCK_N tokens per tile; MIN_SPLIT: fewest tokens a split may get (more splits fill the GPU at
-# small batch but add partial-output traffic).
-DECODE_CONFIGS: dict[tuple[str, int], dict] = {}
-DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "MIN_SPLIT": 256}
+# small batch but add partial-output traffic). Tiles and splits from the 2026-11-29 run, which
+# timed a kernel whose tile loop could not prefetch; num_stages is 3 here because with 2 the
+# compiler issues the next tile's copy after this tile's math and waits for it at once.
+DECODE_CONFIGS: dict[tuple[str, int], dict] = {
+    ("bf16", 1): {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 64},
+    ("fp8", 1): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 64},
+    ("bf16", 8): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 128},
+    ("fp8", 8): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
+    ("bf16", 32): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 512},
+    ("fp8", 32): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 512},
+    ("bf16", 64): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64},
+    ("fp8", 64): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
+    ("bf16", 128): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256},
+    ("fp8", 128): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
+    ("bf16", 256): {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 512},
+    ("fp8", 256): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
+}
+DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256}
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
 
 
@@ -35,6 +58,14 @@ def decode_config(kv_dtype: torch.dtype, batch: int) -> dict:
     name = "fp8" if kv_dtype == FP8 else "bf16"
     bucket = max([b for b in BATCH_BUCKETS if b <= batch], default=BATCH_BUCKETS[0])
     return {**DEFAULT_CONFIG, **DECODE_CONFIGS.get((name, bucket), {})}
+
+
+def page_group(cfg: dict, block_size: int) -> int:
+    """Pages whose block ids a split loads at once (0: tiles span pages, look up per token).
+    32: a vector one warp searches per tile, and one compile for every split length."""
+    if not cfg.get("PAGED", True) or block_size % cfg["BLOCK_N"]:
+        return 0
+    return cfg.get("MAX_GROUP", 32)
 
 
 def num_splits_for(batch: int, head_groups: int, max_seq_len: int, min_split: int,
@@ -45,13 +76,48 @@ def num_splits_for(batch: int, head_groups: int, max_seq_len: int, min_split: in
     return max(1, min(want, most, 128))
 
 
+@triton.jit
+def _attend(q, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc, sm_scale_log2,
+            DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+            QUANT: tl.constexpr):
+    """Fold one tile of cache entries (at row offsets `rows`, live where pm) into a head
+    group's running max m, denominator den and output acc."""
+    ol, orr = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
+    kv = tl.load(cache_ptr + rows[:, None] + ol[None, :], mask=pm[:, None] & (ol < DL)[None, :],
+                 other=0.0)
+    kp = tl.load(cache_ptr + rows[:, None] + DL + orr[None, :],
+                 mask=pm[:, None] & (orr < DR)[None, :], other=0.0)
+    if QUANT:
+        kv, kp = kv.to(DOT16), kp.to(DOT16)
+    else:
+        kv, kp = kv.to(DOT), kp.to(DOT)
+    s = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
+    if QUANT:
+        ts = tl.load(scale_ptr + srows, mask=pm, other=0.0)
+        s = s * ts[None, :]
+    s = tl.where(pm[None, :], s * sm_scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    den = den * alpha + tl.sum(p, 1)
+    if QUANT:
+        # The value sum weighs token t by p * scale_t. float16 holds p * scale_t / max(scale)
+        # in [0, 1] precisely (p * scale_t itself underflows for a cache of small values).
+        tmax = tl.maximum(tl.max(ts, 0), 1e-30)
+        pv = tl.dot((p * (ts / tmax)[None, :]).to(DOT16), kv) * tmax
+    else:
+        pv = tl.dot(p.to(DOT), kv)
+    return m_new, den, acc * alpha[:, None] + pv
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
 def _mla_decode_split_kernel(
         ql_ptr, qpe_ptr, cache_ptr, scale_ptr, bt_ptr, len_ptr, op_ptr, lse_ptr, sm_scale_log2,
         s_qlb, s_qlh, s_qpb, s_qph, s_cblk, s_ctok, s_sblk, s_stok, s_btb,
         s_ob, s_oh, s_os, s_lb, s_lh, num_heads, block_size, num_splits,
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+        GROUP: tl.constexpr):
     b, sp, hg = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(len_ptr + b)
     per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -60,42 +126,49 @@ def _mla_decode_split_kernel(
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < num_heads
     ol, orr = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
-    lm, rm = ol < DL, orr < DR
     q = tl.load(ql_ptr + b * s_qlb + heads[:, None] * s_qlh + ol[None, :],
-                mask=hm[:, None] & lm[None, :], other=0.0).to(DOT)
+                mask=hm[:, None] & (ol < DL)[None, :], other=0.0)
     qp = tl.load(qpe_ptr + b * s_qpb + heads[:, None] * s_qph + orr[None, :],
-                 mask=hm[:, None] & rm[None, :], other=0.0).to(DOT)
+                 mask=hm[:, None] & (orr < DR)[None, :], other=0.0)
+    if QUANT:
+        q, qp = q.to(DOT16), qp.to(DOT16)
+    else:
+        q, qp = q.to(DOT), qp.to(DOT)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pm = pos < end
-        blk = tl.load(bt_ptr + b * s_btb + pos // block_size, mask=pm, other=0).to(tl.int64)
-        row = blk * s_cblk + (pos % block_size) * s_ctok
-        kv = tl.load(cache_ptr + row[:, None] + ol[None, :], mask=pm[:, None] & lm[None, :],
-                     other=0.0).to(DOT)
-        kp = tl.load(cache_ptr + row[:, None] + DL + orr[None, :],
-                     mask=pm[:, None] & rm[None, :], other=0.0).to(DOT)
-        s = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
-        if QUANT:
-            ts = tl.load(scale_ptr + blk * s_sblk + (pos % block_size) * s_stok, mask=pm,
-                         other=0.0)
-            s = s * ts[None, :]
-        s = tl.where(pm[None, :], s * sm_scale_log2, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        den = den * alpha + tl.sum(p, 1)
-        if QUANT:
-            p = p * ts[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), kv)
-        m = m_new
+    toks = tl.arange(0, BLOCK_N)
+    if GROUP > 0:
+        # BLOCK_N divides block_size: a tile lies in one page. The block ids of GROUP pages
+        # are loaded together, so a tile's address needs no load of its own and the compiler
+        # prefetches the next tiles while this one is computed (a per-tile block-table load
+        # would serialise: table load, then tile load, then compute).
+        g = tl.arange(0, GROUP)
+        last_page = tl.cdiv(end, block_size)
+        for p0 in range(start // block_size, last_page, GROUP):
+            pages = tl.load(bt_ptr + b * s_btb + p0 + g, mask=p0 + g < last_page, other=0)
+            lo = tl.maximum(start, p0 * block_size)
+            hi = tl.minimum(end, (p0 + GROUP) * block_size)
+            for n0 in range(lo, hi, BLOCK_N):
+                blk = tl.sum(tl.where(g == n0 // block_size - p0, pages, 0), 0).to(tl.int64)
+                slot = n0 % block_size + toks
+                m, den, acc = _attend(q, qp, cache_ptr, blk * s_cblk + slot * s_ctok,
+                                      n0 + toks < end, scale_ptr, blk * s_sblk + slot * s_stok,
+                                      m, den, acc, sm_scale_log2, DL, DR, BLOCK_L, BLOCK_R, QUANT)
+    else:  # tiles span pages: a block-table entry per token
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + toks
+            pm = pos < end
+            blk = tl.load(bt_ptr + b * s_btb + pos // block_size, mask=pm, other=0).to(tl.int64)
+            slot = pos % block_size
+            m, den, acc = _attend(q, qp, cache_ptr, blk * s_cblk + slot * s_ctok, pm, scale_ptr,
+                                  blk * s_sblk + slot * s_stok, m, den, acc, sm_scale_log2,
+                                  DL, DR, BLOCK_L, BLOCK_R, QUANT)
     some = den > 0.0  # false for an empty split (seq_len shorter than this split's start)
     lse = tl.where(some, m + tl.log2(tl.where(some, den, 1.0)), float("-inf"))
     out = acc / tl.where(some, den, 1.0)[:, None]
     tl.store(op_ptr + b * s_ob + heads[:, None] * s_oh + sp * s_os + ol[None, :], out,
-             mask=hm[:, None] & lm[None, :])
+             mask=hm[:, None] & (ol < DL)[None, :])
     tl.store(lse_ptr + b * s_lb + heads * s_lh + sp, lse, mask=hm)
 
 
@@ -170,8 +243,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         h, cache.shape[1], num_splits,
         DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
-        BLOCK_N=cfg["BLOCK_N"], QUANT=quant, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        BLOCK_N=cfg["BLOCK_N"], QUANT=quant, GROUP=page_group(cfg, cache.shape[1]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     block_d = min(128, next_pow2(dl))
     _mla_decode_merge_kernel[(b, h, triton.cdiv(dl, block_d))](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),

@@ -1,28 +1,32 @@
 """Exact top-k over long rows (k up to a few thousand of 32K-128K candidates), as a
-sparse-attention indexer needs.
+sparse-attention indexer needs: two launches (and a memset of the histograms), each row read
+from HBM once, by many programs.
 
-Floats map to uint32 keys whose unsigned order is the float order. Four launches:
-1. sample (one program per row): sort a 2K-element sample of the row and read NT candidate
-   thresholds off it, each expected to keep a bit more of the row than the one before
-   (about 1.4x k, 1.8x k, ... with the last threshold keeping everything);
-2. count (programs over chunks of the row): exact count per chunk of the elements at or above
-   every threshold, and each chunk's elements at or above the SAFE threshold copied, in index
-   order, to a per-chunk region of a scratch buffer;
-3. gather: the tightest threshold that keeps >= k elements in the row is now known exactly;
-   each chunk copies its survivors to its offset in one per-row list, in index order, from
-   its region (or, if even the SAFE threshold kept fewer than k, from the row itself);
-4. finish (one program per row): radix select (8-bit digits, 4 levels) over the few thousand
-   survivors for the exact k-th largest key T, then writes every survivor above T and the
-   lowest-index ties at T.
-The row is read from HBM once (plus the gather's re-read from L2). The sample only decides how
-much work the finish does, never the result: a poor sample (a sorted row, heavy ties) costs
-time, not exactness.
+Floats map to uint32 keys whose unsigned order is the float order (`_key`).
+1. scan (programs over chunks of every row, none waiting on another): each derives the same
+   floor T from the same sample of its row: the (e + Z sqrt(e) + 1)-th largest of SAMPLE
+   sampled keys, e = k * SAMPLE / n being how many are expected above the k-th largest key,
+   its low 17 bits cleared. T keeps a few thousand elements, and fewer than k only if the
+   sample is off by Z standard deviations. Each program copies its chunk's keys >= T, with
+   their indices, in index order, to the chunk's region of a scratch buffer, writes how many,
+   and counts them (relaxed atomics, ~4% of the elements) into a histogram of BINS bins of
+   equal key width spanning [T, the sample's largest key].
+2. select (one program per row): the histogram names the bin holding the k-th largest key,
+   with c keys above it. The candidates are read into registers in index order (as one
+   [chunks, CAND / chunks] tile, or, when one chunk holds most of them, by a binary search of
+   each position in the chunk counts); the k-th key is found among the bin's few keys (walking
+   its distinct keys down, or bisecting its span when it holds many: ties, a cluster); then
+   every key above it and the lowest-index ties at it are written in index order.
+   With more than CAND candidates (heavy ties, -inf padding) or fewer than k (a misleading
+   sample), the program does the same over tiles of the candidates or of the row, re-read per
+   pass: slower, never wrong.
+The earlier four-launch design (topk_threshold.py) stays as a fallback: for k > CAND / 2, or
+when a config says {"ALGO": "threshold"}.
 
 Result: values and int32 indices in ascending index order (not sorted by value). Ties at the
 threshold go to the lowest indices. Keys are bit patterns, so -0.0 ranks below +0.0, and a
 NaN ranks above +inf (or below -inf, with its sign bit set), as in torch.topk for NaN.
 """
-
 from __future__ import annotations
 
 import torch
@@ -30,17 +34,22 @@ import triton
 import triton.language as tl
 
 from ._util import check, next_pow2
-
-NT = 8  # candidate thresholds per row
-SAFE = 4  # the count pass copies survivors of this threshold (about 4x k)
-RADIX_BITS = 8
+from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, topk_threshold
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: row bucket -> config.
-# CHUNK: elements per count/gather program; TILE: elements per loop step.
+# CHUNK: elements per scan program (None: PROGRAMS_PER_SM programs per SM over all rows);
+# TILE: elements per scan step; SAMPLE: sampled keys per row (in PIECES runs); Z: the floor's
+# margin in standard deviations; BINS: histogram bins per row (4096: ~2.5 candidates a bin
+# at the k-th key of a Gaussian row of 128K); CAND: the select program's register tile (a
+# floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round.
 TOPK_CONFIGS: dict[int, dict] = {}
-DEFAULT_CONFIG = {"CHUNK": None, "TILE": 4096, "num_warps": 8, "SAMPLE": 2048,
-                  "FINISH_TILE": 4096, "finish_warps": 8, "PROGRAMS_PER_SM": 4}
+DEFAULT_CONFIG = {"ALGO": "select", "CHUNK": None, "PROGRAMS_PER_SM": 4, "TILE": 2048,
+                  "num_warps": 4, "SAMPLE": 1024, "PIECES": 64, "Z": 6.0, "BINS": 4096,
+                  "CAND": 8192, "WAYS": 4, "select_warps": 16}
 ROW_BUCKETS = (1, 8, 64, 256)
+MAX_CHUNKS = 1024  # the select program's chunk-count vector
+WALK = 16  # a bin of at most this many keys is resolved by walking its distinct keys
+SMALL = 128  # over tiles: a bin of at most this many keys is stashed and ranked pairwise
 
 
 def topk_config(rows: int) -> dict:
@@ -49,183 +58,306 @@ def topk_config(rows: int) -> dict:
 
 
 @triton.jit
-def _key(x):
-    """float -> uint32 whose unsigned order is the float order."""
-    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
-    return bits ^ tl.where((bits >> 31) != 0, 0xFFFFFFFF, 0x80000000).to(tl.uint32)
-
-
-@triton.jit
-def _unkey(key):
-    bits = key ^ tl.where((key >> 31) != 0, 0x80000000, 0xFFFFFFFF).to(tl.uint32)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit(do_not_specialize=["k"])
-def _topk_sample_kernel(x_ptr, thr_ptr, s_xr, n, k,
-                        SAMPLE: tl.constexpr, PIECES: tl.constexpr, NT: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _sample_floor(x_ptr, row, s_xr, n, k, SAMPLE: tl.constexpr, PIECES: tl.constexpr,
+                  Z: tl.constexpr, LOG_NB: tl.constexpr):
+    """(floor, shift): the top 15 bits of the key with e + Z sqrt(e) + 1 of the SAMPLE sampled
+    keys at or above it (the k-th largest when the sample is the whole row), by radix select
+    over the sample, 5 bits a round; and the fewest bits to drop from (key - floor) so that
+    the keys up to the sample's largest fall into 2**LOG_NB bins (larger keys go to the last).
+    The sample: PIECES runs of contiguous elements, evenly spaced."""
     piece_len: tl.constexpr = SAMPLE // PIECES
     stride = tl.maximum(n // PIECES, piece_len)  # a short row is sampled whole
     j = tl.arange(0, SAMPLE)
     offs = (j // piece_len) * stride + j % piece_len
     m = offs < n
     keys = tl.where(m, _key(tl.load(x_ptr + row * s_xr + offs, mask=m, other=0.0)), 0)
-    ordered = tl.sort(keys, descending=True)  # masked entries (key 0) sort last
     n_s = tl.sum(m.to(tl.int32), 0)
-    expect = (k * 1.0) * n_s.to(tl.float32) / (n * 1.0)  # `* 1.0`: k or n may be a constexpr 1
-    i = tl.arange(0, NT)
-    rank = expect * tl.exp2(i.to(tl.float32) * 0.5) + 2.0 * tl.sqrt(expect) + 1.0
-    rank = tl.minimum(rank.to(tl.int32), n_s - 1)
-    thr = tl.sum(tl.where(j[None, :] == rank[:, None], ordered[None, :], 0), 1)
-    thr = tl.where(i == NT - 1, 0, thr)  # the last keeps every element: some threshold works
-    tl.store(thr_ptr + row * NT + i, thr.to(tl.int32, bitcast=True))
+    e = (k * 1.0) * n_s.to(tl.float32) / (n * 1.0)  # `* 1.0`: k or n may be a constexpr 1
+    want = tl.minimum((e + Z * tl.sqrt(e) + 1.0).to(tl.int32), n_s)
+    want = tl.where(n_s >= n, k, want)  # the whole row: its k-th largest is exact
+    d = tl.arange(0, 32)
+    floor = tl.full([], 0, tl.uint32)
+    above = 0  # sampled keys whose leading bits exceed the floor's
+    for r in tl.static_range(3):  # digits at bits 27.., 22.., 17..
+        match = m
+        if r > 0:
+            match = m & ((keys >> (32 - 5 * r)) == (floor >> (32 - 5 * r)))
+        hist = tl.histogram(((keys >> (27 - 5 * r)) & 31).to(tl.int32), 32, mask=match)
+        at_least = above + tl.cumsum(hist, 0, reverse=True)
+        best = tl.max(tl.where(at_least >= want, d, 0), 0)
+        above += tl.sum(tl.where(d > best, hist, 0), 0)
+        floor = floor | (best.to(tl.uint32) << (27 - 5 * r))
+    # bit length of the span, through the float exponent (rounding up only widens the bins)
+    span = (tl.max(keys, 0) - floor).to(tl.float32)
+    bits = ((span.to(tl.int32, bitcast=True) >> 23) & 255) - 126
+    return floor, tl.maximum(bits - LOG_NB, 0).to(tl.uint32)
 
 
-@triton.jit(do_not_specialize=["n_chunks"])
-def _topk_count_kernel(x_ptr, thr_ptr, cnt_ptr, rkey_ptr, ridx_ptr, s_xr, n, chunk, n_chunks,
-                       NT: tl.constexpr, SAFE: tl.constexpr, TILE: tl.constexpr):
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    i = tl.arange(0, NT)
-    thr = tl.load(thr_ptr + row * NT + i).to(tl.uint32, bitcast=True)
-    safe = tl.sum(tl.where(i == SAFE, thr, 0), 0)
+@triton.jit
+def _prefix(flags, N: tl.constexpr):
+    """Inclusive prefix sums of int32 flags [N], as a scan within runs of 16 plus a scan over
+    the runs' totals. A flat cumsum feeding scattered stores is laid out one element per
+    thread and costs a warp-wide shuffle scan per element; this costs about a third."""
+    runs = tl.reshape(flags, [N // 16, 16])
+    per_run = tl.sum(runs, 1)
+    return tl.reshape((tl.cumsum(per_run, 0) - per_run)[:, None] + tl.cumsum(runs, 1), [N])
+
+
+@triton.jit
+def _compact(x, offs, m, floor, shift, ckey_ptr, cidx_ptr, hist_ptr, region, kept,
+             LOG_NB: tl.constexpr, TILE: tl.constexpr):
+    """Append the keys >= floor of one tile (and their indices) to the chunk's region, in
+    index order, and count them into the row's histogram; returns the new count."""
+    key = _key(x)
+    keep = (key >= floor) & m
+    pos = kept + _prefix(keep.to(tl.int32), TILE) - 1
+    tl.store(ckey_ptr + region + pos, key.to(tl.int32, bitcast=True), mask=keep)
+    tl.store(cidx_ptr + region + pos, offs, mask=keep)
+    b = tl.minimum((key - floor) >> shift, (1 << LOG_NB) - 1)
+    tl.atomic_add(hist_ptr + b, 1, mask=keep, sem="relaxed")
+    return kept + tl.sum(keep.to(tl.int32), 0)
+
+
+@triton.jit(do_not_specialize=["k", "n_chunks"])
+def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_xr, n, k, chunk,
+                      n_chunks, SAMPLE: tl.constexpr, PIECES: tl.constexpr, Z: tl.constexpr,
+                      TILE: tl.constexpr, LOG_NB: tl.constexpr):
+    c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, n)
-    counts = tl.zeros([NT], tl.int32)
-    kept = 0
-    base = row * n + lo  # this chunk's region: chunk-length slots
-    for t0 in range(lo, hi, TILE):
+    region = row * n + lo  # this chunk's region: chunk-length slots
+    hist = hist_ptr + row * (1 << LOG_NB)
+    # The first tile's load is issued before the sample's arithmetic, which hides its latency.
+    # A chunk is whole tiles, so only the row's end needs a mask (`< n`, which the compiler
+    # can see is vector-aligned when n is: `< hi` would cost 4-byte loads).
+    offs = lo + tl.arange(0, TILE)
+    x = tl.load(x_ptr + row * s_xr + offs, mask=offs < n, other=0.0)
+    floor, shift = _sample_floor(x_ptr, row, s_xr, n, k, SAMPLE, PIECES, Z, LOG_NB)
+    kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region, 0, LOG_NB,
+                    TILE)
+    for t0 in range(lo + TILE, hi, TILE):
         offs = t0 + tl.arange(0, TILE)
-        m = offs < hi
-        key = _key(tl.load(x_ptr + row * s_xr + offs, mask=m, other=0.0))
-        # One scalar threshold at a time: a [TILE, NT] comparison would hold NT registers per
-        # element and leave too few threads per SM to keep the loads in flight.
-        for j in tl.static_range(NT - 1):  # the last threshold (0) keeps every element
-            tj = tl.load(thr_ptr + row * NT + j).to(tl.uint32, bitcast=True)
-            counts += tl.where(i == j, tl.sum(((key >= tj) & m).to(tl.int32), 0), 0)
-        counts += tl.where(i == NT - 1, tl.sum(m.to(tl.int32), 0), 0)
-        keep = (key >= safe) & m
-        pos = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(rkey_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=keep)
-        tl.store(ridx_ptr + base + pos, offs, mask=keep)
-        kept += tl.sum(keep.to(tl.int32), 0)
-    tl.store(cnt_ptr + (row * n_chunks + c) * NT + i, counts)
+        x = tl.load(x_ptr + row * s_xr + offs, mask=offs < n, other=0.0)
+        kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region, kept,
+                        LOG_NB, TILE)
+    tl.store(cnt_ptr + row * n_chunks + c, kept)
+    if c == 0:
+        tl.store(info_ptr + row * 2, floor.to(tl.int32, bitcast=True))
+        tl.store(info_ptr + row * 2 + 1, shift.to(tl.int32))
 
 
 @triton.jit
-def _pick_threshold(thr_ptr, cnt_ptr, row, k, n_chunks, c, NT: tl.constexpr, CB: tl.constexpr):
-    """(index of the tightest threshold keeping >= k of the row, that threshold, how many it
-    keeps in chunks before c). Loops over the chunk counts CB at a time, so the chunk count
-    is not a compile-time constant."""
-    i = tl.arange(0, NT)
-    totals = tl.zeros([NT], tl.int32)
-    for c0 in range(0, n_chunks, CB):
-        cs = c0 + tl.arange(0, CB)
-        cnt = tl.load(cnt_ptr + (row * n_chunks + cs[:, None]) * NT + i[None, :],
-                      mask=(cs < n_chunks)[:, None], other=0)
-        totals += tl.sum(cnt, 0)
-    best = tl.min(tl.where(totals >= k, i, NT - 1), 0)
-    thr = tl.load(thr_ptr + row * NT + best).to(tl.uint32, bitcast=True)
-    before = 0
-    for c0 in range(0, c, CB):
-        cs = c0 + tl.arange(0, CB)
-        before += tl.sum(tl.load(cnt_ptr + (row * n_chunks + cs) * NT + best, mask=cs < c, other=0), 0)
-    return best, thr, before
-
-
-@triton.jit(do_not_specialize=["k", "n_chunks"])
-def _topk_gather_kernel(x_ptr, thr_ptr, cnt_ptr, rkey_ptr, ridx_ptr, skey_ptr, sidx_ptr,
-                        s_xr, n, k, chunk, n_chunks,
-                        NT: tl.constexpr, SAFE: tl.constexpr, CB: tl.constexpr,
-                        TILE: tl.constexpr):
-    row, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    best, t, before = _pick_threshold(thr_ptr, cnt_ptr, row, k, n_chunks, c, NT, CB)
-    out = row * n + before
-    lo = c * chunk
-    done = 0
-    if best <= SAFE:  # this chunk's survivors are all in its region
-        in_region = tl.load(cnt_ptr + (row * n_chunks + c) * NT + SAFE)
-        for t0 in range(0, in_region, TILE):
-            offs = t0 + tl.arange(0, TILE)
-            m = offs < in_region
-            key = tl.load(rkey_ptr + row * n + lo + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
-            idx = tl.load(ridx_ptr + row * n + lo + offs, mask=m, other=0)
-            keep = (key >= t) & m
-            pos = done + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(skey_ptr + out + pos, key.to(tl.int32, bitcast=True), mask=keep)
-            tl.store(sidx_ptr + out + pos, idx, mask=keep)
-            done += tl.sum(keep.to(tl.int32), 0)
-    else:  # the sample misled the SAFE threshold: read the row again
-        hi = tl.minimum(lo + chunk, n)
-        for t0 in range(lo, hi, TILE):
-            offs = t0 + tl.arange(0, TILE)
-            m = offs < hi
-            key = _key(tl.load(x_ptr + row * s_xr + offs, mask=m, other=0.0))
-            keep = (key >= t) & m
-            pos = done + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(skey_ptr + out + pos, key.to(tl.int32, bitcast=True), mask=keep)
-            tl.store(sidx_ptr + out + pos, offs, mask=keep)
-            done += tl.sum(keep.to(tl.int32), 0)
+def _region_tile(ckey_ptr, cidx_ptr, cnt, row, n, chunk, n_chunks, LOG_C: tl.constexpr,
+                 CAND: tl.constexpr):
+    """(key, index, live) [CAND] of every chunk's region read as a [chunks, CAND / chunks]
+    tile, flattened in index order; valid when no chunk kept more than CAND / chunks. Reads
+    past a region's count (the buffers are padded by CAND) and masks afterwards, so the loads
+    are whole vectors."""
+    c = tl.arange(0, 1 << LOG_C)
+    j = tl.arange(0, CAND >> LOG_C)
+    live = j[None, :] < cnt[:, None]
+    src = row * n + c[:, None].to(tl.int64) * chunk + j[None, :]
+    real = (c < n_chunks)[:, None]  # constant along a row: the loads stay vectors
+    key = tl.where(live, tl.load(ckey_ptr + src, mask=real, other=0), 0).to(tl.uint32,
+                                                                           bitcast=True)
+    idx = tl.load(cidx_ptr + src, mask=real, other=0)
+    return tl.reshape(key, [CAND]), tl.reshape(idx, [CAND]), tl.reshape(live, [CAND])
 
 
 @triton.jit
-def _radix_select(key_ptr, idx_ptr, count, k, match,
-                  BY_INDEX: tl.constexpr, TILE: tl.constexpr, BITS: tl.constexpr):
-    """The k-th largest of `count` list entries, BITS per level: returns (value, how many
-    entries equal to it the top k takes, how many entries equal it). BY_INDEX ranks the
-    entries whose key == match by 0x7FFFFFFF - index instead, so the k-th largest is the
-    k-th lowest index."""
-    NB: tl.constexpr = 1 << BITS
-    d = tl.arange(0, NB)
-    prefix = tl.full([], 0, tl.uint32)
-    k_rem = k + tl.full([], 0, tl.int32)
-    for level in tl.static_range(32 // BITS):
-        shift = 32 - BITS * (level + 1)  # a constexpr: level and BITS are
-        hist = tl.zeros([NB], tl.int32)
-        for t0 in range(0, count, TILE):
-            offs = t0 + tl.arange(0, TILE)
-            m = offs < count
-            key = tl.load(key_ptr + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
-            if BY_INDEX:
-                m = m & (key == match)
-                v = (0x7FFFFFFF - tl.load(idx_ptr + offs, mask=m, other=0)).to(tl.uint32)
-            else:
-                v = key
-            if level > 0:
-                m = m & ((v >> (shift + BITS)) == (prefix >> (shift + BITS)))
-            hist += tl.histogram(((v >> shift) & (NB - 1)).to(tl.int32), NB, mask=m)
-        at_least = tl.cumsum(hist, 0, reverse=True)
-        digit = tl.max(tl.where(at_least >= k_rem, d, 0), 0)
-        k_rem -= tl.sum(tl.where(d == digit, at_least - hist, 0), 0)
-        equal = tl.sum(tl.where(d == digit, hist, 0), 0)
-        prefix = prefix | (digit.to(tl.uint32) << shift)
-    return prefix, k_rem, equal
+def _candidates(q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl, excl, row, s_xr, n, total, chunk,
+                LOG_C: tl.constexpr):
+    """(key, index, live) at dense candidate positions q, in index order: the row's own
+    elements when from_row, else the chunk regions, found by a binary search of q in the
+    inclusive chunk counts `incl` (`excl`: the exclusive ones)."""
+    if from_row:
+        live = q < n
+        key = _key(tl.load(x_ptr + row * s_xr + q, mask=live, other=0.0))
+        idx = q
+    else:
+        live = q < total
+        ch = tl.zeros(q.shape, tl.int32)  # how many chunks end at or before q
+        for s in tl.static_range(LOG_C):  # binary lifting, steps C_PAD/2 .. 1
+            ahead = tl.gather(incl, ch + ((1 << (LOG_C - 1 - s)) - 1), 0) <= q
+            ch = tl.where(ahead, ch + (1 << (LOG_C - 1 - s)), ch)
+        src = row * n + ch.to(tl.int64) * chunk + (q - tl.gather(excl, ch, 0))
+        key = tl.load(ckey_ptr + src, mask=live, other=0).to(tl.uint32, bitcast=True)
+        idx = tl.load(cidx_ptr + src, mask=live, other=0)
+    return key, idx, live
+
+
+@triton.jit
+def _stash(key, mask, scr_ptr, stashed, N: tl.constexpr):
+    """Append the masked keys [N] to the row's scratch list; returns its new length."""
+    pos = stashed + _prefix(mask.to(tl.int32), N) - 1
+    tl.store(scr_ptr + pos, key.to(tl.int32, bitcast=True), mask=mask)
+    return stashed + tl.sum(mask.to(tl.int32), 0)
+
+
+@triton.jit
+def _kth_of_stash(scr_ptr, count, need, SMALL: tl.constexpr):
+    """(the need-th largest of the `count` <= SMALL stashed keys, how many stashed keys exceed
+    it, how many equal it), by counting for each key how many are larger."""
+    s = tl.arange(0, SMALL)
+    sm = s < count
+    v = tl.load(scr_ptr + s, mask=sm, other=0, cache_modifier=".cg").to(tl.uint32, bitcast=True)
+    larger = tl.sum(((v[None, :] > v[:, None]) & sm[None, :]).to(tl.int32), 1)
+    kth = tl.min(tl.where(sm & (larger < need), v, 0xFFFFFFFF), 0)
+    return (kth.to(tl.int64), tl.sum((sm & (v > kth)).to(tl.int32), 0),
+            tl.sum((sm & (v == kth)).to(tl.int32), 0))
+
+
+@triton.jit
+def _bounds(lo, hi, WAYS: tl.constexpr):
+    """WAYS thresholds splitting [lo, hi) (int64): lo, then evenly up to below hi."""
+    i = tl.arange(0, WAYS)
+    return lo + ((hi - lo) * i) // WAYS
+
+
+@triton.jit
+def _count_ge(key, live, t):
+    """How many live keys are >= each threshold t [WAYS] (t < 2**32)."""
+    ge = (key[:, None] >= t.to(tl.uint32)[None, :]) & live[:, None]
+    return tl.sum(ge.to(tl.int32), 0)
+
+
+@triton.jit
+def _narrow(t, counts, lo, hi, c_hi, k, WAYS: tl.constexpr):
+    """Keep the sub-range whose lower bound still has >= k keys at or above it. Invariant:
+    count(>= lo) >= k > count(>= hi) = c_hi. (counts[0] is count(>= lo) >= k.)"""
+    i = tl.arange(0, WAYS)
+    best = tl.max(tl.where(counts >= k, i, 0), 0)
+    last = best == WAYS - 1
+    new_lo = tl.sum(tl.where(i == best, t, 0), 0)
+    new_hi = tl.where(last, hi, tl.sum(tl.where(i == best + 1, t, 0), 0))
+    new_c_hi = tl.where(last, c_hi, tl.sum(tl.where(i == best + 1, counts, 0), 0))
+    return new_lo, new_hi, new_c_hi
+
+
+@triton.jit
+def _resolve(key, live, in_bin, m_bin, c_hi, k, WALK: tl.constexpr, WAYS: tl.constexpr):
+    """(k-th largest key, how many exceed it, how many equal it) among keys held in registers,
+    of which c_hi lie above the bin and m_bin in it (in_bin)."""
+    need = k - c_hi
+    if m_bin <= WALK:  # walk the bin's distinct keys down from its largest
+        bound = tl.full([], 0xFFFFFFFF, tl.uint32)  # the next key is the largest <= bound
+        kth = bound
+        n_eq = 0
+        taken = 0
+        while taken < need:
+            kth = tl.max(tl.where(in_bin & (key <= bound), key, 0), 0)
+            n_eq = tl.sum((in_bin & (key == kth)).to(tl.int32), 0)
+            c_hi += tl.where(taken + n_eq >= need, taken, 0)
+            taken = tl.where(n_eq > 0, taken + n_eq, need)  # (n_eq is never 0: need <= m_bin)
+            bound = kth - 1
+        kth = kth.to(tl.int64)
+    else:  # many keys in the bin (ties, a cluster): bisect their span
+        lo = tl.min(tl.where(in_bin, key, 0xFFFFFFFF), 0).to(tl.int64)
+        hi = tl.max(tl.where(in_bin, key, 0), 0).to(tl.int64) + 1
+        while hi - lo > 1:
+            t = _bounds(lo, hi, WAYS)
+            lo, hi, c_hi = _narrow(t, _count_ge(key, live, t), lo, hi, c_hi, k, WAYS)
+        kth = lo
+        n_eq = tl.sum((live & (key.to(tl.int64) == kth)).to(tl.int32), 0)
+    return kth, c_hi, n_eq
+
+
+@triton.jit
+def _emit(key, idx, live, kth, need, n_eq, written, ties, val_ptr, ind_ptr, row, k,
+          N: tl.constexpr):
+    """Write the selected among candidates [N] in index order: keys above kth, and ties at
+    kth while fewer than `need` earlier ties were taken (n_eq: how many ties there are in
+    all; when they all fit, no tie ranks are needed). Returns the running (written, ties)."""
+    eq = live & (key == kth)
+    if n_eq <= need:
+        sel = live & (key >= kth)
+    else:
+        sel = (live & (key > kth)) | (eq & (ties + _prefix(eq.to(tl.int32), N) - 1 < need))
+    pos = written + _prefix(sel.to(tl.int32), N) - 1
+    ok = sel & (pos < k)  # (always, unless the counts were inconsistent: never write past k)
+    tl.store(val_ptr + row * k + pos, _unkey(key).to(val_ptr.dtype.element_ty), mask=ok)
+    tl.store(ind_ptr + row * k + pos, idx, mask=ok)
+    return written + tl.sum(sel.to(tl.int32), 0), ties + tl.sum(eq.to(tl.int32), 0)
 
 
 @triton.jit(do_not_specialize=["k", "n_chunks"])
-def _topk_finish_kernel(thr_ptr, cnt_ptr, skey_ptr, sidx_ptr, val_ptr, ind_ptr, n, k, n_chunks,
-                        NT: tl.constexpr, CB: tl.constexpr, TILE: tl.constexpr,
-                        BITS: tl.constexpr):
+def _topk_select_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr_ptr,
+                        val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks,
+                        LOG_C: tl.constexpr, LOG_NB: tl.constexpr, CAND: tl.constexpr,
+                        WALK: tl.constexpr, SMALL: tl.constexpr, WAYS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    best, t, count = _pick_threshold(thr_ptr, cnt_ptr, row, k, n_chunks, n_chunks, NT, CB)
-    keys, idxs = skey_ptr + row * n, sidx_ptr + row * n
-    kth, take, ties = _radix_select(keys, idxs, count, k, 0, False, TILE, BITS)
-    # Ties at the k-th key: keep the `take` lowest indices, i.e. those <= last_idx.
-    last_idx = take * 0 + n
-    if take < ties:
-        v, one, also_one = _radix_select(keys, idxs, count, take, kth, True, TILE, BITS)
-        last_idx = 0x7FFFFFFF - v.to(tl.int32)
-    written = 0
-    for t0 in range(0, count, TILE):
-        offs = t0 + tl.arange(0, TILE)
-        m = offs < count
-        key = tl.load(keys + offs, mask=m, other=0).to(tl.uint32, bitcast=True)
-        idx = tl.load(idxs + offs, mask=m, other=0)
-        keep = m & ((key > kth) | ((key == kth) & (idx <= last_idx)))
-        pos = written + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(val_ptr + row * k + pos, _unkey(key).to(val_ptr.dtype.element_ty), mask=keep)
-        tl.store(ind_ptr + row * k + pos, idx, mask=keep)
-        written += tl.sum(keep.to(tl.int32), 0)
+    cs = tl.arange(0, 1 << LOG_C)
+    cnt = tl.load(cnt_ptr + row * n_chunks + cs, mask=cs < n_chunks, other=0)
+    incl = tl.cumsum(cnt, 0)
+    excl = incl - cnt
+    total = tl.sum(cnt, 0)
+    floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
+    shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
+    # The bin holding the k-th largest key: `best`, with c_hi keys above it and m_bin in it.
+    b = tl.arange(0, 1 << LOG_NB)
+    hist = tl.load(hist_ptr + row * (1 << LOG_NB) + b)
+    at_least = tl.sum(hist, 0) - _prefix(hist, 1 << LOG_NB) + hist  # keys in bins >= b
+    best = tl.max(tl.where(at_least >= k, b, 0), 0)
+    m_bin = tl.sum(tl.where(b == best, hist, 0), 0)
+    c_hi = tl.sum(tl.where(b > best, hist, 0), 0)
+    scr = scr_ptr + row * SMALL
+    q = tl.arange(0, CAND)
+    if (total >= k) & (total <= CAND):  # the candidates fit in registers: one read
+        if tl.max(cnt, 0) <= (CAND >> LOG_C):  # as a [chunks, CAND / chunks] tile
+            key, idx, live = _region_tile(ckey_ptr, cidx_ptr, cnt, row, n, chunk, n_chunks,
+                                          LOG_C, CAND)
+        else:  # one chunk holds most of them (a sorted row): search each position's chunk
+            key, idx, live = _candidates(q, False, x_ptr, ckey_ptr, cidx_ptr, incl, excl, row,
+                                         s_xr, n, total, chunk, LOG_C)
+        in_bin = live & (tl.minimum((key - floor) >> shift, (1 << LOG_NB) - 1) == best)
+        kth, c_hi, n_eq = _resolve(key, live, in_bin, m_bin, c_hi, k, WALK, WAYS)
+        _emit(key, idx, live, kth.to(tl.uint32), k - c_hi, n_eq, 0, 0, val_ptr, ind_ptr, row,
+              k, CAND)
+    else:  # too many candidates, or too few: the same over tiles, re-read each round
+        from_row = total < k  # the floor was too high: the k-th largest is below it
+        size = tl.where(from_row, n, total)
+        # the keys to select among: the bin's, or those of the whole row below the floor
+        lo_key = tl.where(from_row, 0, floor.to(tl.int64) + (best.to(tl.int64) << shift))
+        hi_key = tl.where(best == (1 << LOG_NB) - 1, 1 << 32,
+                          floor.to(tl.int64) + ((best + 1).to(tl.int64) << shift))
+        hi_key = tl.where(from_row, floor.to(tl.int64), hi_key)
+        c_hi = tl.where(from_row, total, c_hi)
+        if (m_bin <= SMALL) & (total >= k):
+            stashed = 0
+            for q0 in range(0, size, CAND):
+                key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl,
+                                             excl, row, s_xr, n, total, chunk, LOG_C)
+                kk = key.to(tl.int64)
+                stashed = _stash(key, live & (kk >= lo_key) & (kk < hi_key), scr, stashed, CAND)
+            tl.debug_barrier()
+            kth, more, n_eq = _kth_of_stash(scr, m_bin, k - c_hi, SMALL)
+            c_hi += more
+        else:
+            lo = tl.full([], 0xFFFFFFFF, tl.int64)
+            hi = tl.full([], 0, tl.int64)
+            for q0 in range(0, size, CAND):
+                key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl,
+                                             excl, row, s_xr, n, total, chunk, LOG_C)
+                kk = key.to(tl.int64)
+                in_range = live & (kk >= lo_key) & (kk < hi_key)
+                lo = tl.minimum(lo, tl.min(tl.where(in_range, key, 0xFFFFFFFF), 0).to(tl.int64))
+                hi = tl.maximum(hi, tl.max(tl.where(in_range, key, 0), 0).to(tl.int64) + 1)
+            while hi - lo > 1:
+                t = _bounds(lo, hi, WAYS)
+                counts = tl.zeros([WAYS], tl.int32)
+                for q0 in range(0, size, CAND):
+                    key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr,
+                                                 incl, excl, row, s_xr, n, total, chunk, LOG_C)
+                    counts += _count_ge(key, live, t)
+                lo, hi, c_hi = _narrow(t, counts, lo, hi, c_hi, k, WAYS)
+            kth = lo
+        written = 0
+        ties = 0
+        for q0 in range(0, size, CAND):
+            key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl, excl,
+                                         row, s_xr, n, total, chunk, LOG_C)
+            written, ties = _emit(key, idx, live, kth.to(tl.uint32), k - c_hi, n, written, ties,
+                                  val_ptr, ind_ptr, row, k, CAND)
 
 
 def topk(x: torch.Tensor, k: int, *, config: dict | None = None
@@ -239,38 +371,70 @@ def topk(x: torch.Tensor, k: int, *, config: dict | None = None
         raise ValueError(f"k must be in [1, {n}] for rows of {n}; got {k}")
     if n >= 2**31 - 1:
         raise ValueError(f"rows of {n} elements do not fit int32 indices")
-    dev = x.device
-    vals = torch.empty(r, k, dtype=x.dtype, device=dev)
-    inds = torch.empty(r, k, dtype=torch.int32, device=dev)
+    vals = torch.empty(r, k, dtype=x.dtype, device=x.device)
+    inds = torch.empty(r, k, dtype=torch.int32, device=x.device)
     if r == 0:
         return vals, inds
     cfg = {**topk_config(r), **(config or {})}
-    tile = min(cfg["TILE"], next_pow2(n))
-    chunk = cfg["CHUNK"]
-    if chunk is None:  # enough programs to keep every SM's loads in flight
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        chunk = triton.cdiv(r * n, cfg["PROGRAMS_PER_SM"] * sms)
-    chunk = max(tile, triton.cdiv(min(chunk, n), tile) * tile)
-    n_chunks = triton.cdiv(n, chunk)
-    # One allocation: thresholds, chunk counts, regions (key, index), survivors (key, index),
-    # each part starting 128-byte aligned so the kernels' loads vectorise.
-    sizes = [r * NT, r * n_chunks * NT] + [r * n] * 4
-    starts = [0]
-    for size in sizes:
-        starts.append(starts[-1] + triton.cdiv(size, 32) * 32)
-    work = torch.empty(starts[-1], dtype=torch.int32, device=dev)
-    thr, cnt, rkey, ridx, skey, sidx = (work[a:a + size] for a, size in zip(starts, sizes))
-    _topk_sample_kernel[(r,)](x, thr, x.stride(0), n, k, SAMPLE=cfg["SAMPLE"], PIECES=16,
-                              NT=NT, num_warps=4)
-    _topk_count_kernel[(r, n_chunks)](x, thr, cnt, rkey, ridx, x.stride(0), n, chunk, n_chunks,
-                                      NT=NT, SAFE=SAFE, TILE=tile, num_warps=cfg["num_warps"])
-    _topk_gather_kernel[(r, n_chunks)](x, thr, cnt, rkey, ridx, skey, sidx, x.stride(0), n, k,
-                                       chunk, n_chunks, NT=NT, SAFE=SAFE, CB=64,
-                                       TILE=tile, num_warps=cfg["num_warps"])
-    _topk_finish_kernel[(r,)](thr, cnt, skey, sidx, vals, inds, n, k, n_chunks, NT=NT, CB=64,
-                              TILE=min(cfg["FINISH_TILE"], next_pow2(n)),
-                              BITS=RADIX_BITS, num_warps=cfg["finish_warps"])
+    # k > CAND / 2: the select program's tile would rarely hold the candidates
+    if cfg["ALGO"] == "threshold" or 2 * k > cfg["CAND"]:
+        tcfg = threshold_config(r)  # (with the keys both paths name, such as TILE)
+        topk_threshold(x, k, {**tcfg, **{a: v for a, v in (config or {}).items() if a in tcfg}},
+                       vals, inds)
+    else:
+        _topk_select(x, k, cfg, vals, inds)
     return vals, inds
+
+
+def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
+    """Launch the scan: (chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist)."""
+    r, n = x.shape
+    tile = max(16, min(cfg["TILE"], next_pow2(n)))  # whole runs of 16 (see _prefix)
+    chunk = cfg["CHUNK"] or triton.cdiv(r * n, cfg["PROGRAMS_PER_SM"] * sm_count(x.device))
+    # at most MAX_CHUNKS chunks, and rows of >= 16 in the select program's [chunks, ...] tile
+    chunk = max(chunk, triton.cdiv(n, min(MAX_CHUNKS, cfg["CAND"] // 16)))
+    chunk = triton.cdiv(min(chunk, n), tile) * tile  # whole tiles: only the row's end is masked
+    n_chunks = triton.cdiv(n, chunk)
+    # The regions are padded by CAND: the select program reads whole [chunks, CAND / chunks] tiles.
+    cnt, info, scr, ckey, cidx = carve([r * n_chunks, r * 2, r * SMALL, r * n + cfg["CAND"],
+                                        r * n + cfg["CAND"]], x.device)
+    log_nb = (cfg["BINS"] - 1).bit_length()
+    hist = torch.zeros(r << log_nb, dtype=torch.int32, device=x.device)
+    sample = max(32, min(cfg["SAMPLE"], next_pow2(n)))
+    _topk_scan_kernel[(n_chunks, r)](x, cnt, ckey, cidx, hist, info, x.stride(0), n, k, chunk,
+                                     n_chunks, SAMPLE=sample, PIECES=min(cfg["PIECES"], sample),
+                                     Z=cfg["Z"], TILE=tile, LOG_NB=log_nb,
+                                     num_warps=cfg["num_warps"])
+    return chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist
+
+
+def select_paths(x: torch.Tensor, k: int, config: dict | None = None) -> dict:
+    """Which way each row goes through the select program (for benchmarks: a row off the
+    register path costs several times more): counts of "tile" (candidates in registers as a
+    chunk tile), "search" (in registers, positions searched), "tiled" (too many
+    candidates), "row" (fewer than k); and the candidates and k-th bin's keys per row."""
+    cfg = {**topk_config(x.shape[0]), **(config or {})}
+    _, n_chunks, log_nb, cnt, *_, hist = _scan(x, k, cfg)
+    per = cnt.view(x.shape[0], n_chunks).long()
+    total, hist = per.sum(1), hist.view(x.shape[0], -1).long()
+    at_least = hist.flip(1).cumsum(1).flip(1)
+    m_bin = hist.gather(1, ((at_least >= k).sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+    fits = (total >= k) & (total <= cfg["CAND"])
+    tile = fits & (per.max(1).values <= cfg["CAND"] // next_pow2(n_chunks))
+    paths = {"tile": tile, "search": fits & ~tile, "tiled": total > cfg["CAND"], "row": total < k}
+    return {**{p: int(m.sum()) for p, m in paths.items()},
+            "candidates": (int(total.min()), int(total.max())), "bin_keys_max": int(m_bin.max())}
+
+
+def _topk_select(x: torch.Tensor, k: int, cfg: dict, vals: torch.Tensor,
+                 inds: torch.Tensor) -> None:
+    r, n = x.shape
+    chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist = _scan(x, k, cfg)
+    _topk_select_kernel[(r,)](x, cnt, ckey, cidx, hist, info, scr, vals, inds, x.stride(0), n, k,
+                              chunk, n_chunks, LOG_C=(next_pow2(n_chunks) - 1).bit_length(),
+                              LOG_NB=log_nb, CAND=cfg["CAND"], WALK=WALK, SMALL=SMALL,
+                              WAYS=cfg["WAYS"],
+                              num_warps=cfg["select_warps"])
 
 
 def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from lockstep.kernels.fused_moe import (  # noqa: E402
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
 from lockstep.kernels.mla_prefill import mla_prefill, mla_prefill_reference  # noqa: E402
-from lockstep.kernels.topk import topk, topk_reference  # noqa: E402
+from lockstep.kernels.topk import topk, topk_config, topk_reference  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 BF16 = torch.bfloat16
@@ -103,12 +103,22 @@ def _decode_case(g, fp8: bool):
     return q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV), scale
 
 
+# Tiles within a page (block ids loaded a group of pages at a time: whole splits, or two pages
+# to cross groups) and tiles spanning pages (a block-table entry per token).
+DECODE_PATHS = {"paged": {"BLOCK_N": 4}, "paged-groups": {"BLOCK_N": 4, "MAX_GROUP": 2},
+                "per-token": {"BLOCK_N": 16}}
+if CUDA:
+    DECODE_PATHS = {"paged": None, "paged-groups": {"MAX_GROUP": 2}, "per-token": {"PAGED": False}}
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits", [None, 3])
-def test_mla_decode_matches_reference(fp8, splits):
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+def test_mla_decode_matches_reference(fp8, splits, path):
     q_lat, q_pe, cache, tables, lens, scale = _decode_case(gen(2), fp8)
     sm = 0.1
-    out = mla_decode(q_lat, q_pe, cache, tables, lens, sm, scale, num_splits=splits)
+    out = mla_decode(q_lat, q_pe, cache, tables, lens, sm, scale, num_splits=splits,
+                     config=DECODE_PATHS[path])
     ref = mla_decode_reference(q_lat, q_pe, cache, tables, lens, sm, scale)
     close(out, ref)
     assert not out[1].any()  # seq_len 0 gives zeros
@@ -186,7 +196,11 @@ def test_fused_moe_rejects_bad_arguments():
 
 # -- top-k ----------------------------------------------------------------------------------------
 
-TINY_TOPK = {"CHUNK": 256, "TILE": 128, "SAMPLE": 64, "FINISH_TILE": 256}
+# Interpreter-sized configs: the two-launch select path (CAND: its register tile; a row with
+# more candidates, or fewer than k, takes the tiled path) and the four-launch threshold path.
+TINY_TOPK = {"CHUNK": 128, "TILE": 64, "SAMPLE": 64, "PIECES": 8, "BINS": 256, "CAND": 512,
+             "select_warps": 4, "FINISH_TILE": 256}
+TINY_THRESHOLD = {"ALGO": "threshold", "CHUNK": 256, "TILE": 128, "SAMPLE": 64, "FINISH_TILE": 256}
 
 
 def _assert_topk(x, k, config=None):
@@ -195,6 +209,25 @@ def _assert_topk(x, k, config=None):
     assert torch.equal(idx, ref_idx)
     assert torch.equal(vals.view(torch.uint8), ref_vals.view(torch.uint8))  # bits: NaN == NaN
     return vals, idx
+
+
+def _hard_rows(g, n: int, sample: int, pieces: int) -> torch.Tensor:
+    """Rows that defeat a sampled threshold or stress ties, one per case."""
+    rows = torch.randn(9, n, generator=g, device=DEV)
+    rows[0] = 0.0  # every element ties
+    rows[1, n // 3:] = 1.0  # ties straddle the k-th value
+    rows[2] = rows[2].sort().values  # ascending: the top k sit in the last chunks
+    rows[3] = rows[3].sort(descending=True).values
+    piece = sample // pieces
+    hot = torch.arange(sample, device=DEV)
+    hot = (hot // piece) * max(n // pieces, piece) + hot % piece
+    rows[4] *= 1e-3
+    rows[4, hot] = 100.0 + 100.0 * torch.rand(sample, generator=g, device=DEV)  # sampled: outliers
+    rows[5, ::7] = float("nan")
+    rows[6, n // 40:] = float("-inf")  # padding: fewer finite values than k
+    rows[7] = torch.randint(0, 40, (n,), generator=g, device=DEV).float()  # few distinct values
+    rows[8] = torch.where(rows[8] > 0, rows[8] * 1e30, rows[8])  # one sign spans 30 decades
+    return rows
 
 
 def test_topk_random_rows_match_torch():
@@ -206,37 +239,42 @@ def test_topk_random_rows_match_torch():
     assert torch.equal(idx.long(), want)
 
 
-def test_topk_ties_sorted_rows_and_misleading_samples():
-    g = gen(9)
+@pytest.mark.parametrize("cand, rows", [(512, 9), (1024, 2)])
+def test_topk_select_hard_rows(cand, rows):
+    """Every way through the select program: candidates in registers as a chunk tile or by
+    search (sorted rows), the k-th key's bin walked or bisected (ties, clusters), and the
+    tiled path for too many candidates (ties) or too few (a misleading sample); with the
+    larger tile the tied rows' candidates fit in registers."""
+    if CUDA and rows < 9:
+        pytest.skip("the interpreter-sized tile: on CUDA the default config takes every path")
     n, k = (30000, 2048) if CUDA else (1000, 64)
-    cfg = None if CUDA else TINY_TOPK
-    sample = cfg["SAMPLE"] if cfg else 2048
-    piece = sample // 16
-    rows = torch.randn(6, n, generator=g, device=DEV)
-    rows[0] = 0.0  # every element ties
-    rows[1, n // 3:] = 1.0  # ties straddle the k-th value
-    rows[2] = rows[2].sort().values  # ascending: the top k sits at the end
-    rows[3] = rows[3].sort(descending=True).values
-    hot = torch.arange(sample, device=DEV)
-    hot = (hot // piece) * max(n // 16, piece) + hot % piece
-    rows[4] *= 1e-3
-    rows[4, hot] = 100.0 + torch.rand(sample, generator=g, device=DEV)  # the sample is all outliers
-    rows[5, ::7] = float("nan")
-    _assert_topk(rows, k, cfg)
+    cfg = {} if CUDA else {**TINY_TOPK, "CAND": cand}
+    full = {**topk_config(9), **cfg}
+    x = _hard_rows(gen(9), n, min(full["SAMPLE"], n), full["PIECES"])
+    _assert_topk(x[:rows], k, cfg or None)
+
+
+def test_topk_threshold_path_hard_rows():
+    n, k = (30000, 2048) if CUDA else (1000, 64)
+    cfg = {"ALGO": "threshold"} if CUDA else TINY_THRESHOLD
+    sample = 2048 if CUDA else cfg["SAMPLE"]
+    _assert_topk(_hard_rows(gen(9), n, sample, 16)[:6], k, cfg)
 
 
 def test_topk_bf16_whole_row_and_single():
     g = gen(10)
     cfg = None if CUDA else TINY_TOPK
-    _assert_topk(randn(2, 777, g=g), 777, cfg)
+    _assert_topk(randn(2, 777, g=g), 777, cfg)  # (interpreter: k > CAND / 2, the threshold path)
+    _assert_topk(randn(2, 777, g=g), 200, cfg)
     _assert_topk(torch.randn(1, 300, generator=g, device=DEV), 1, cfg)
 
 
 @NEEDS_CUDA
+@pytest.mark.parametrize("algo", ["select", "threshold"])
 @pytest.mark.parametrize("rows", [1, 64])
-def test_topk_indexer_shape(rows):
+def test_topk_indexer_shape(rows, algo):
     x = torch.randn(rows, 131072, generator=gen(11), device=DEV)
-    _, idx = _assert_topk(x, 2048)
+    _, idx = _assert_topk(x, 2048, {"ALGO": algo})
     assert torch.equal(idx.long(), torch.topk(x, 2048, dim=1).indices.sort(dim=1).values)
 
 

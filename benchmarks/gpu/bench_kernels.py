@@ -6,7 +6,9 @@ over the copy bandwidth measured in the same run) and the torch baseline of the 
    same figure as the issue's 4.19 TB/s; a memory-bound op's roofline is its bytes over it;
 2. fused MoE, v2-lite layer (64 experts, hidden 2048, intermediate 1408, top-6) at batch 1, 8,
    64, 256, bf16 and FP8 block-scaled weights, against torch._grouped_mm (sort + bmm if absent);
-3. top-k, k = 2048 of 131,072 floats, 1 and 64 rows (and 64 rows of 32,768), against torch.topk;
+3. top-k, k = 2048 of 131,072 floats, 1 and 64 rows (and 64 rows of 32,768), against torch.topk:
+   the default two-launch select path (tuned), and the four-launch threshold path it
+   replaced (committed config, rows named `... threshold`);
 4. MLA decode, v2-lite (16 heads, kv_lora_rank 512, rope 64, block 64), batch 1-256, context
    1K and 4K, bf16 and FP8 cache, against the torch reference (gather + bf16 matmuls);
 5. KV store (bf16, FP8), and MLA prefill of 4K new tokens on a cached 32K prefix (tokens/s).
@@ -46,6 +48,7 @@ from _common import emit  # noqa: E402
 from lockstep.kernels import fused_moe as moe_mod  # noqa: E402
 from lockstep.kernels import mla_decode as dec_mod  # noqa: E402
 from lockstep.kernels import topk as topk_mod  # noqa: E402
+from lockstep.kernels import topk_threshold as topk_threshold_mod  # noqa: E402
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_prefill import PREFILL_CONFIG, mla_prefill, mla_prefill_reference  # noqa: E402
 
@@ -225,7 +228,7 @@ def moe_candidates(committed: dict, batch: int, per_expert: float, fp8: bool, sm
              (128, 64, 8, 4)]
     if fp8:
         tiles = [tl for tl in tiles if tl[1] <= 128]
-    bms = [16] if per_expert <= 8 else [16, 32] if per_expert <= 24 else [32, 64]
+    bms = [16] if per_expert <= 8 else [16, 32] if per_expert <= 12 else [32, 64]
     out = [committed]  # first: what a run with --no-tune uses
     for bm in bms:
         for bn, bk, w, s in tiles:
@@ -294,18 +297,47 @@ def bench_moe(b: Bench, bw: float) -> None:
 # -- 3. top-k --------------------------------------------------------------------------------------
 
 def topk_candidates(rows: int, smoke: bool) -> list[dict]:
+    """Configs of the two-launch select path (the committed one first)."""
     if smoke:
-        return [{"CHUNK": 256, "TILE": 128, "SAMPLE": 64, "FINISH_TILE": 256}]
+        return [{"CHUNK": 256, "TILE": 128, "SAMPLE": 64, "PIECES": 8, "BINS": 256, "CAND": 512,
+                 "select_warps": 4, "FINISH_TILE": 256}]
     base = dict(topk_mod.DEFAULT_CONFIG)
     out = [topk_mod.topk_config(rows)]
-    for tile, warps, per_sm in ((4096, 8, 2), (4096, 8, 8), (2048, 8, 4), (2048, 4, 8), (1024, 4, 8)):
+    for tile, warps, per_sm in ((2048, 4, 8), (4096, 8, 4), (4096, 8, 2), (1024, 4, 8),
+                                (2048, 8, 4)):
         out.append({**base, "TILE": tile, "num_warps": warps, "PROGRAMS_PER_SM": per_sm})
-    out.append({**base, "SAMPLE": 1024})
-    out.append({**base, "FINISH_TILE": 2048, "finish_warps": 4})
-    return out
+    out.append({**base, "SAMPLE": 2048, "Z": 5.0})
+    out.append({**base, "select_warps": 8})
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def topk_row(b: Bench, name: str, x: torch.Tensor, k: int, cfg: dict, torch_us: tuple,
+             bw: float, note: str) -> None:
+    """Check and time topk(x, k, config=cfg) and record it against torch.topk's times."""
+    rows, n = x.shape
+    run = lambda: topk_mod.topk(x, k, config=cfg)  # noqa: E731
+    vals, idx = run()
+    ref_vals, ref_idx = topk_mod.topk_reference(x, k)
+    same = torch.equal(idx, ref_idx) and torch.equal(vals, ref_vals)
+    as_torch = torch.equal(idx.long(), torch.topk(x, k, dim=1).indices.sort(dim=1).values)
+    b.checks[name] = same and as_torch
+    us, us_eager = b.graph_us(run), b.eager_us(run)
+    t_sorted, t_unsorted, base_eager = torch_us
+    base_us = min(t_sorted, t_unsorted)
+    nbytes = rows * n * 4 + rows * k * 8
+    roof_us = 1e6 * nbytes / bw
+    b.row("topk", name, us=us, us_eager=us_eager, baseline="torch.topk (faster of sorted/unsorted)",
+          baseline_us=base_us, baseline_us_eager=base_eager, speedup=base_us / us,
+          bytes_mb=nbytes / 1e6, frac_roofline=roof_us / us, baseline_frac=roof_us / base_us,
+          check=f"{'ok' if same and as_torch else 'FAIL'} exact={same} "
+                f"same_set_as_torch={as_torch}",
+          note=f"{note}; eager speedup {base_eager / us_eager:.2f}x; "
+               f"torch sorted {t_sorted:.1f} us, unsorted {t_unsorted:.1f} us")
 
 
 def bench_topk(b: Bench, bw: float) -> None:
+    """Each case: the default (select) path tuned, then the four-launch threshold path with its
+    committed config, both against torch.topk."""
     cases = ((1, 131072), (64, 131072), (64, 32768)) if not b.smoke else ((1, 3000), (4, 3000))
     k = 2048 if not b.smoke else 100
     for rows, n in cases:
@@ -313,28 +345,19 @@ def bench_topk(b: Bench, bw: float) -> None:
         try:
             x = torch.randn(rows, n, generator=torch.Generator(device=b.dev).manual_seed(rows),
                             device=b.dev)
-            cfg, _ = b.autotune(f"topk.TOPK_CONFIGS[{rows}] (n={n})", topk_candidates(rows, b.smoke),
-                                lambda c: topk_mod.topk(x, k, config=c))
-            run = lambda: topk_mod.topk(x, k, config=cfg)  # noqa: E731
-            vals, idx = run()
-            ref_vals, ref_idx = topk_mod.topk_reference(x, k)
-            same = torch.equal(idx, ref_idx) and torch.equal(vals, ref_vals)
-            as_torch = torch.equal(idx.long(), torch.topk(x, k, dim=1).indices.sort(dim=1).values)
-            b.checks[name] = same and as_torch
-            us, us_eager = b.graph_us(run), b.eager_us(run)
             base_sorted = lambda: torch.topk(x, k, dim=1)  # noqa: E731
             base_unsorted = lambda: torch.topk(x, k, dim=1, sorted=False)  # noqa: E731
-            t_sorted, t_unsorted = b.graph_us(base_sorted), b.graph_us(base_unsorted)
-            base_us = min(t_sorted, t_unsorted)
-            base_eager = min(b.eager_us(base_sorted), b.eager_us(base_unsorted))
-            nbytes = rows * n * 4 + rows * k * 8
-            roof_us = 1e6 * nbytes / bw
-            b.row("topk", name, us=us, us_eager=us_eager, baseline="torch.topk (faster of sorted/unsorted)",
-                  baseline_us=base_us, baseline_us_eager=base_eager, speedup=base_us / us,
-                  bytes_mb=nbytes / 1e6, frac_roofline=roof_us / us, baseline_frac=roof_us / base_us,
-                  check=f"{'ok' if same and as_torch else 'FAIL'} exact={same} same_set_as_torch={as_torch}",
-                  note=f"eager speedup {base_eager / us_eager:.2f}x; torch sorted {t_sorted:.1f} us, "
-                       f"unsorted {t_unsorted:.1f} us")
+            torch_us = (b.graph_us(base_sorted), b.graph_us(base_unsorted),
+                        min(b.eager_us(base_sorted), b.eager_us(base_unsorted)))
+            cfg, _ = b.autotune(f"topk.TOPK_CONFIGS[{rows}] (n={n})",
+                                topk_candidates(rows, b.smoke),
+                                lambda c: topk_mod.topk(x, k, config=c))
+            paths = topk_mod.select_paths(x, k, cfg)
+            b.facts[f"topk rows={rows} n={n} select paths"] = str(paths)
+            topk_row(b, name, x, k, cfg, torch_us, bw, f"select (2 launches), rows' paths {paths}")
+            old = {"ALGO": "threshold", **({} if not b.smoke else topk_candidates(rows, True)[0])}
+            topk_row(b, f"{name} threshold", x, k, old, torch_us, bw,
+                     f"threshold (4 launches), {topk_threshold_mod.threshold_config(rows)}")
         except Exception:  # noqa: BLE001
             b.errors[name] = traceback.format_exc()[-1500:]
             print(b.errors[name], flush=True)
@@ -343,15 +366,21 @@ def bench_topk(b: Bench, bw: float) -> None:
 # -- 4. MLA decode ------------------------------------------------------------------------------
 
 def decode_candidates(committed: dict, fp8: bool, smoke: bool) -> list[dict]:
+    """(The page-group tile loop prefetches only with num_stages >= 3.)"""
     if smoke:
-        return [{"BLOCK_N": 16, "num_warps": 4, "num_stages": 2, "MIN_SPLIT": 64}]
-    tiles = [(16, 4, 2), (32, 8, 2), (64, 8, 3), (16, 4, 3)] if not fp8 else [(16, 4, 2), (32, 8, 2), (64, 8, 3)]
+        return [{"BLOCK_N": 4, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64}]
+    if fp8:
+        tiles = [(64, 8, 3), (32, 8, 3), (16, 4, 3), (32, 4, 3), (64, 8, 4)]
+    else:
+        tiles = [(16, 4, 3), (32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 4)]
     out = [committed]
     for bn, w, s in tiles:
         for split in (256, 128, 512, 64):
             cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s, "MIN_SPLIT": split}
             if cfg != committed:
                 out.append(cfg)
+    # the loop as it was before page groups (a block-table entry per token), for comparison
+    out.append({**committed, "num_stages": 2, "PAGED": False})
     return out
 
 
