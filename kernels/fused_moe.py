@@ -41,14 +41,14 @@ def _tiles(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
 
 
 MOE_CONFIGS: dict[tuple, dict] = {
-    (64, 2048, 1408, "bf16", 1): _tiles(16, 128, 128, 4, 3),  # 52.8 us (graph)
-    (64, 2048, 1408, "fp8", 1): _tiles(16, 32, 128, 4, 5),  # 42.0 us
-    (64, 2048, 1408, "bf16", 8): _tiles(16, 64, 64, 4, 5),  # 166 us
-    (64, 2048, 1408, "fp8", 8): _tiles(16, 32, 128, 4, 5),  # 129 us
-    (64, 2048, 1408, "bf16", 64): _tiles(16, 32, 128, 4, 5),  # 290 us, 0.90 of copy bandwidth
-    (64, 2048, 1408, "fp8", 64): _tiles(16, 32, 128, 4, 5),  # 225 us
-    (64, 2048, 1408, "bf16", 256): _tiles(32, 64, 128, 4, 4),  # 335 us (BLOCK_M 64 untried)
-    (64, 2048, 1408, "fp8", 256): _tiles(32, 64, 128, 4, 4),  # 315 us
+    (64, 2048, 1408, 'bf16', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}},
+    (64, 2048, 1408, 'fp8', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}},
+    (64, 2048, 1408, 'bf16', 8): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}},
+    (64, 2048, 1408, 'fp8', 8): {'BLOCK_M': 16, 'up': {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5}, 'down': {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5}},
+    (64, 2048, 1408, 'bf16', 64): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}},
+    (64, 2048, 1408, 'fp8', 64): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4}},
+    (64, 2048, 1408, 'bf16', 256): {'BLOCK_M': 32, 'up': {'BLOCK_N': 128, 'BLOCK_K': 64, 'num_warps': 8, 'num_stages': 4}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 64, 'num_warps': 8, 'num_stages': 4}},
+    (64, 2048, 1408, 'fp8', 256): {'BLOCK_M': 32, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
 }
 
 

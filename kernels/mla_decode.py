@@ -37,18 +37,18 @@ LOG2E = 1.4426950408889634
 # timed a kernel whose tile loop could not prefetch; num_stages is 3 here because with 2 the
 # compiler issues the next tile's copy after this tile's math and waits for it at once.
 DECODE_CONFIGS: dict[tuple[str, int], dict] = {
-    ("bf16", 1): {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 64},
-    ("fp8", 1): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 64},
-    ("bf16", 8): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 128},
-    ("fp8", 8): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
-    ("bf16", 32): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 512},
-    ("fp8", 32): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 512},
-    ("bf16", 64): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64},
-    ("fp8", 64): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
-    ("bf16", 128): {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256},
-    ("fp8", 128): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
-    ("bf16", 256): {"BLOCK_N": 32, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 512},
-    ("fp8", 256): {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "MIN_SPLIT": 256},
+    ('bf16', 1): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64},
+    ('fp8', 1): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
+    ('bf16', 8): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 128},
+    ('fp8', 8): {'BLOCK_N': 32, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64},
+    ('bf16', 32): {'BLOCK_N': 16, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64},
+    ('fp8', 32): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 512, 'PAGED': False},
+    ('bf16', 64): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
+    ('fp8', 64): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
+    ('bf16', 128): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
+    ('fp8', 128): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64},
+    ('bf16', 256): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512},
+    ('fp8', 256): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512},
 }
 DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256}
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
