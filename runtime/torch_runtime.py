@@ -68,11 +68,16 @@ class TorchRuntime:
         self.moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
         self.placements = self._place_experts(spec)
         self.bs = spec.block_size
+        kv_dtype = spec.options.get("kv_cache_dtype", "auto")
+        if kv_dtype not in ("auto", "fp8"):
+            raise ValueError(f"runtime option kv_cache_dtype must be 'auto' or 'fp8', got {kv_dtype!r}")
+        self.kv_dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else None  # None: the model's
         self.endpoint = self._kv_endpoint(spec)
         if self.endpoint is None:
             self.idle = None  # nothing to keep moving between steps: the loop sleeps soundly
         storage = None if self.endpoint is None else torch.from_numpy(self.endpoint.pool)
-        self.kv_pool, self.kv = self.model.make_kv_pool(spec.num_blocks, spec.block_size, storage=storage)
+        self.kv_pool, self.kv = self.model.make_kv_pool(spec.num_blocks, spec.block_size, self.kv_dtype,
+                                                        storage=storage)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
@@ -95,6 +100,9 @@ class TorchRuntime:
         want = opts.get("fast", self.device.type == "cuda" and self.model.dtype in (torch.bfloat16, torch.float16))
         if not want:
             return None
+        if self.kv_dtype is not None:
+            raise ValueError("kv_cache_dtype 'fp8' runs on the reference path so far: start the runtime with "
+                             "option fast=false (the fast path's kernels read FP8, its pool is not wired yet)")
         from .fast_runner import GRAPH_SIZES, FastRunner
         from .models.fast import FastDeepseek
 
@@ -137,7 +145,7 @@ class TorchRuntime:
         from .kv import KVEndpoint
 
         cfg = self.model.cfg
-        block_bytes = cfg.num_hidden_layers * spec.block_size * cfg.kv_cache_dim * self.model.dtype.itemsize
+        block_bytes = self.model.kv_block_bytes(spec.block_size, self.kv_dtype)
         return KVEndpoint(kind, spec.options.get("kv_name", f"runtime-{os.getpid()}"), spec.num_blocks, block_bytes)
 
     # -- P/D KV transfer ---------------------------------------------------------------------

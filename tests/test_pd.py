@@ -242,3 +242,18 @@ def test_decode_core_caps_new_loads_under_a_burst(cap, seed):
             break
     assert len(finished) == 100 and started == set(range(100))
     assert core.pool.num_used == 0
+
+
+async def test_pd_with_an_fp8_kv_cache_moves_quantized_blocks_exactly():
+    """An FP8 pool (e4m3 values and a float32 scale per token and layer, one span per block)
+    crosses P/D unchanged: the same greedy tokens as a colocated engine with the same cache."""
+    ps = prompts()[:3]
+    out = []
+    for cfg in (config(tokenizer=None, kv_cache_dtype="fp8"), pd_config("shm", kv_cache_dtype="fp8")):
+        async with open_engine(cfg) as engine:
+            out.append(await run_all(engine, ps))
+            stats = engine.statistics()
+            per_token = engine.schedulers[-1].client.ready.kv_bytes_per_token
+    assert out[0] == out[1] and stats.kv_pulls == len(ps) and stats.kv_pull_failures == 0
+    # tiny: 4 layers x (48 one-byte values + a 4-byte scale), against 4 x 48 x 8 in float64
+    assert per_token == 4 * (48 + 4)

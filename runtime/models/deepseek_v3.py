@@ -252,6 +252,25 @@ class DecoderLayer(nn.Module):
         return x + (self.mlp(h, counts) if isinstance(self.mlp, MoE) else self.mlp(h))
 
 
+class FP8Cache:
+    """One layer's view of an FP8 KV pool with a scale per token (a per-block scale would
+    break when later tokens join a block). Indexing it reads dequantized float32 rows and
+    assigning to it quantizes, so the attention code treats it as the plain cache tensor."""
+
+    dtype = torch.float32  # what writers cast to before it quantizes
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor):
+        self.values, self.scales, self.shape = values, scales, values.shape
+
+    def __setitem__(self, index, entry: torch.Tensor) -> None:
+        scale = entry.abs().amax(-1).clamp(min=1e-12) / 448.0  # e4m3's largest finite value
+        self.values[index] = (entry / scale[..., None]).to(torch.float8_e4m3fn)
+        self.scales[index] = scale
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.values[index].to(torch.float32) * self.scales[index][..., None]
+
+
 class DeepseekV3(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -325,6 +344,8 @@ class DeepseekV3(nn.Module):
         block of every layer is one contiguous span (one descriptor moves it in P/D), and
         per-layer views of it. ``storage``: zeroed bytes to lay it over (a shared pool)."""
         dtype = dtype or self.dtype
+        if dtype == torch.float8_e4m3fn:
+            return self._fp8_pool(num_blocks, block_size, storage)
         shape = (num_blocks, self.cfg.num_hidden_layers, block_size, self.cfg.kv_cache_dim)
         if storage is None:
             pool = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -333,6 +354,27 @@ class DeepseekV3(nn.Module):
             if pool.device != self.device:
                 raise ValueError(f"KV pool storage is on {pool.device}, the model on {self.device}")
         return pool, [pool[:, i] for i in range(self.cfg.num_hidden_layers)]
+
+    def kv_block_bytes(self, block_size: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes of one block of the pool (every layer), as ``make_kv_pool`` lays it out."""
+        per_token = self.cfg.num_hidden_layers * self.cfg.kv_cache_dim
+        if (dtype or self.dtype) == torch.float8_e4m3fn:
+            return block_size * (per_token + 4 * self.cfg.num_hidden_layers)  # + a float32 scale a layer
+        return block_size * per_token * (dtype or self.dtype).itemsize
+
+    def _fp8_pool(self, num_blocks: int, block_size: int, storage: torch.Tensor | None):
+        """An FP8 (e4m3) pool with a scale per token and layer. Each block is one span:
+        (layers, block_size) float32 scales, then (layers, block_size, dim) values; the
+        scales come first so their offset stays 4-byte aligned."""
+        L, dim = self.cfg.num_hidden_layers, self.cfg.kv_cache_dim
+        nbytes = self.kv_block_bytes(block_size, torch.float8_e4m3fn)
+        if storage is None:
+            pool = torch.zeros((num_blocks, nbytes), dtype=torch.uint8, device=self.device)
+        else:
+            pool = storage.view(torch.uint8).view(num_blocks, nbytes)
+        scales = pool[:, : 4 * L * block_size].view(torch.float32).view(num_blocks, L, block_size)
+        values = pool[:, 4 * L * block_size:].view(torch.float8_e4m3fn).view(num_blocks, L, block_size, dim)
+        return pool, [FP8Cache(values[:, i], scales[:, i]) for i in range(L)]
 
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()

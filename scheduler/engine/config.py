@@ -46,6 +46,7 @@ class EngineConfig:
     # the target's own first N layers) proposes num_spec_tokens tokens per decode step.
     draft_model: str = ""
     num_spec_tokens: int = 3
+    kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a scale per token and layer (half of bf16)
     # A DEP instance spread over several engine processes (nodes): this process is node
     # ``node_rank`` and hosts dep / nodes of its ranks; ``node_addresses`` (HOST:PORT, one per
     # node) are where the nodes' per-step all-reduce links listen; ``dist_init`` is the
@@ -82,6 +83,8 @@ class EngineConfig:
         if self.eplb is not None and (self.instances > 1 or self.prefill_instances):
             raise ConfigError("engine.eplb balances one colocated instance so far; got "
                               f"{self.instances} instances and {self.prefill_instances} prefill instances")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"engine.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if not isinstance(self.num_spec_tokens, int) or not 1 <= self.num_spec_tokens <= 16:
             raise ConfigError(f"engine.num_spec_tokens must be an integer in [1, 16], got {self.num_spec_tokens!r}")
         if self.draft_model and self.runtime == "torch" and not (
@@ -175,6 +178,8 @@ class EngineConfig:
             options.setdefault("expert_token_split", self.eplb.token_split)
         if self.draft_model:
             options.setdefault("draft_model", self.draft_model)
+        if self.kv_cache_dtype != "auto":
+            options.setdefault("kv_cache_dtype", self.kv_cache_dtype)
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
                            num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
                            max_model_len=s.max_model_len, seed=self.seed, options=options,
