@@ -165,7 +165,7 @@ class EngineConfig:
                         or d.name, num_spec_tokens=dep.speculative.num_spec_tokens)
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
                    scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb,
-                   instances=pool.instances, **pd, **spec)
+                   instances=pool.instances, kv_cache_dtype=eng.kv_cache_dtype, **pd, **spec)
 
     def runtime_spec(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
                      options: dict | None = None) -> RuntimeSpec:

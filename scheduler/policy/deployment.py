@@ -150,6 +150,7 @@ class EngineSpec:
     num_blocks: int = 0  # KV blocks per rank; 0 derives them from [hardware] (capped on CPU)
     kv_transport: str = "nixl"  # P/D pools: how decode runtimes pull KV ("nixl" or "shm")
     kv_hold_timeout_s: float = 120.0  # P/D: a prefill frees KV no decode rank claimed by then
+    kv_cache_dtype: str = "auto"  # "fp8": e4m3 KV with a scale per token and layer
 
 
 def _at_least_zero(inst, attribute, value):
