@@ -34,6 +34,21 @@ class TimingRuntime:
         pool = dep.pools[int(opts.get("pool", 0))]
         self.model = dep.model(pool.model)
         self.cost = AnalyticCost(self.model, dep.hardware, dep.cost, pool.dep, dep.host)
+        if dep.cost.profile:  # step times measured on a GPU (lockstep profile), as the simulator uses them
+            from lockstep.sim.profile import ProfiledCost, load_profile
+
+            self.cost = ProfiledCost(self.model, dep.hardware, dep.cost, pool.dep, dep.host,
+                                     load_profile(dep.cost.profile, f"{dep.source}: [cost] profile"), pool.name)
+        # Speculative plans (the engine has a draft model): drafts accepted as the deployment's
+        # [speculative] acceptance model says, the draft's passes priced beside the target's
+        # step, exactly as the simulator runs them.
+        self.spec = None
+        if opts.get("draft_model") and dep.speculative is not None:
+            from lockstep.sim.spec import DraftCost, Speculation, SpecRuntime
+
+            self.spec = SpecRuntime(Speculation(dep.speculative, spec.seed), self.cost,
+                                    DraftCost(dep.speculative.draft, dep.hardware, dep.cost, pool.dep), 1,
+                                    spec.block_size)
         self.block_size = spec.block_size
         self.sleep = bool(opts.get("sleep", True))
         self.vocab = self.model.vocab_size
@@ -55,17 +70,39 @@ class TimingRuntime:
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
         waited = start - self._last_end if self._last_end else 0.0  # idle, waiting on the host
-        t = float(self.cost.step_time(plan_load([plan], self.block_size)))
+        if self.spec is not None:
+            t = self.spec.step([plan], None)
+        else:
+            t = float(self.cost.step_time(plan_load([plan], self.block_size)))
         if self.sleep:
             time.sleep(max(0.0, t - (time.perf_counter() - start)))
         self._last_end = time.perf_counter()
-        rids = plan.req_ids[plan.samples]
-        pos = (plan.start_pos + plan.num_new)[plan.samples].astype(np.int64)
+        if self.spec is not None:
+            num, rids, pos = self._spec_positions(plan)
+        else:
+            num = plan.samples.astype(np.int32)
+            rids = plan.req_ids[plan.samples]
+            pos = (plan.start_pos + plan.num_new)[plan.samples].astype(np.int64)
         tokens = (rids * 7919 + pos) % (self.vocab - 1)
         tokens += tokens >= self.eos  # skip the end-of-sequence id
-        return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
+        return StepResult(step_id=plan.step_id, num_sampled=num,
                           token_ids=tokens.astype(np.int32), gpu_s=t, host_s=waited,
                           kv_loads_done=plan.kv_load_req_ids)  # loads are charged inside the step
+
+    def _spec_positions(self, plan: StepPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Tokens per entry (1 + accepted drafts), and each token's request and position,
+        from where the speculative runtime placed each request."""
+        ns = np.asarray(self.spec.got[0][0], dtype=np.int32)
+        if not ns.any():
+            return ns, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        pos = self.spec.pos[0]
+        rids, where = [], []
+        for rid, m in zip(plan.req_ids.tolist(), ns.tolist()):
+            if m:
+                last = pos[rid][0]  # the position of the entry's last token
+                rids += [rid] * m
+                where += range(last - m + 1, last + 1)
+        return ns, np.asarray(rids, np.int64), np.asarray(where, np.int64)
 
     def shutdown(self) -> None:
         pass

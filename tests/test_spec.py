@@ -99,3 +99,23 @@ def test_greedy_acceptance_takes_the_longest_matching_prefix():
     assert s._accept(logits, [2, 4, 1], None, greedy, 0) == [2, 4, 1, 3]  # all accepted, bonus
     assert s._accept(logits, [2, 0, 1], None, greedy, 0) == [2, 4]  # first mismatch: target's token
     assert s._accept(logits, [3, 4, 1], None, greedy, 0) == [2]
+
+
+async def test_timing_runtime_speculates_as_the_deployment_says():
+    """The engine with the timing runtime and a [speculative] deployment: drafts accepted by
+    its per-position rates (0.75, 0.65, 0.6), every request gets exactly its tokens."""
+    import attrs
+    from lockstep.engine.config import EngineConfig
+
+    sched = attrs.evolve(config().scheduler, max_num_seqs=16)
+    cfg = EngineConfig(runtime="timing", tokenizer=None, scheduler=sched, draft_model="v2-lite-draft",
+                       num_spec_tokens=3, runtime_options={"deployment": "examples/h200-v2lite-spec.toml",
+                                                           "sleep": False})
+    rng = np.random.default_rng(1)
+    async with open_engine(cfg) as engine:
+        got = await run_all(engine, [rng.integers(5, 1000, 64).astype(np.int32) for _ in range(12)],
+                            SamplingParams(max_tokens=60, ignore_eos=True))
+        sp = engine.spec_statistics()
+    assert all(len(g) == 60 for g in got)
+    first, second, third = sp["accepted_per_position"]
+    assert abs(first / sp["drafts"] - 0.75) < 0.1 and abs(second / first - 0.65) < 0.12
