@@ -30,6 +30,7 @@ bench: $(BIN)/lockstep
 	$(BIN)/python benchmarks/bench_eplb.py
 	$(BIN)/python benchmarks/bench_dep_host.py
 	$(BIN)/python benchmarks/bench_kv_transfer.py
+	$(BIN)/python benchmarks/bench_spec.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
