@@ -52,11 +52,18 @@ def load_draft(name: str, target, *, dtype: torch.dtype, device: torch.device, s
 
 
 class Speculator:
-    def __init__(self, runtime, draft, num_blocks: int, block_size: int, max_num_seqs: int, seed: int):
+    ADAPT_WEIGHT = 1 / 16  # how far each speculative decode moves the running mean
+
+    def __init__(self, runtime, draft, num_blocks: int, block_size: int, max_num_seqs: int, seed: int,
+                 adaptive: bool = False):
         self.rt, self.draft, self.bs = runtime, draft, block_size
         self.gen = torch.Generator().manual_seed(seed)  # unseeded requests' draws, on the host
         self.kv_pool, self.kv = draft.make_kv_pool(num_blocks, block_size)
         self.pos = np.full(max_num_seqs, -1, dtype=np.int64)  # position of each slot's last sampled token
+        # Adaptive k: propose clamp(round(m) + 1, 1, d) drafts, m the running mean of drafts
+        # accepted per speculative decode (one more than it expects to keep). The core still
+        # reserves d; it rolls back whatever was not proposed or not accepted.
+        self.adaptive, self.mean_accepted = adaptive, None
         self.pending: list[list[int]] = [[] for _ in range(max_num_seqs)]  # true tokens the draft has not seen
 
     # -- one step -----------------------------------------------------------------------------
@@ -72,7 +79,7 @@ class Speculator:
             slot, params = int(slots[i]), self.rt.params.get(int(plan.req_ids[i]), default)
             toks = plan.token_ids[offs[i] : offs[i + 1]].astype(np.int64)
             if toks[0] == PLACEHOLDER:  # a decode, at this runtime's own count
-                entries.append((i, slot, None, int(self.pos[slot]), k - 1, params))
+                entries.append((i, slot, None, int(self.pos[slot]), self._drafts(k - 1), params))
             else:
                 entries.append((i, slot, toks, int(plan.start_pos[i]), 0, params))
         proposals, qs = self._propose(entries)
@@ -145,7 +152,16 @@ class Speculator:
             rt.last[slot] = got[-1]
             # The draft saw the fed token and drafts 1..d-1: with all d accepted it misses d_d.
             self.pending[slot] = ([drafts[-1]] if drafts and len(got) - 1 == len(drafts) else []) + [got[-1]]
+            if self.adaptive and drafts:
+                m = self.mean_accepted if self.mean_accepted is not None else float(len(drafts))
+                self.mean_accepted = m + self.ADAPT_WEIGHT * (len(got) - 1 - m)
         return out
+
+    def _drafts(self, planned: int) -> int:
+        """Drafts to propose for a decode the core planned with ``planned``."""
+        if not self.adaptive or self.mean_accepted is None or planned == 0:
+            return planned
+        return max(1, min(planned, int(self.mean_accepted + 1.5)))
 
     # -- pieces -------------------------------------------------------------------------------
     def _forward(self, model, kv, feed, sample_rows) -> torch.Tensor:

@@ -132,7 +132,8 @@ class TorchRuntime:
 
         draft = load_draft(str(name), self.model, dtype=self.model.dtype, device=self.device,
                            seed=int(spec.options.get("draft_seed", spec.seed)))
-        return Speculator(self, draft, spec.num_blocks, spec.block_size, spec.max_num_seqs, spec.seed)
+        return Speculator(self, draft, spec.num_blocks, spec.block_size, spec.max_num_seqs, spec.seed,
+                          adaptive=bool(spec.options.get("spec_adaptive", False)))
 
     def _kv_endpoint(self, spec: RuntimeSpec):
         """P/D: the pool lives in (or is registered with) a KV transport."""

@@ -42,6 +42,7 @@ def add_engine_flags(p) -> None:
                    help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
                         "(the target's first N layers)")
     p.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
+    p.add_argument("--spec-adaptive", action="store_true", help="propose fewer drafts while acceptance is low")
 
 
 def eplb_config(args):
@@ -55,7 +56,8 @@ def eplb_config(args):
 def pd_options(args) -> dict:
     """Instances, prefill/decode disaggregation and speculative decoding from the command line."""
     return dict(instances=args.instances, prefill_instances=args.prefill_instances, prefill_dep=args.prefill_dep,
-                kv_transport=args.kv_transport, draft_model=args.draft_model, num_spec_tokens=args.num_spec_tokens)
+                kv_transport=args.kv_transport, draft_model=args.draft_model, num_spec_tokens=args.num_spec_tokens,
+                spec_adaptive=args.spec_adaptive)
 
 
 def run_generate(args: argparse.Namespace) -> int:

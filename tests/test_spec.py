@@ -31,10 +31,12 @@ async def run_all(engine, ps, params):
     return got
 
 
-@pytest.mark.parametrize("draft,k", [("tiny-draft", 3), ("layers:2", 2), ("tiny", 4)])
-async def test_greedy_with_speculation_equals_greedy_without(draft, k):
+@pytest.mark.parametrize("draft,k,adaptive", [("tiny-draft", 3, False), ("layers:2", 2, False), ("tiny", 4, False),
+                                              ("tiny-draft", 4, True)])
+async def test_greedy_with_speculation_equals_greedy_without(draft, k, adaptive):
     ps = prompts()
-    async with open_engine(config(tokenizer=None, draft_model=draft, num_spec_tokens=k)) as engine:
+    cfg = config(tokenizer=None, draft_model=draft, num_spec_tokens=k, spec_adaptive=adaptive)
+    async with open_engine(cfg) as engine:
         got = await run_all(engine, ps, LONG)
         sp = engine.spec_statistics()
         for s in engine.schedulers:
@@ -47,6 +49,8 @@ async def test_greedy_with_speculation_equals_greedy_without(draft, k):
         assert sp["accepted_tokens"] == sp["draft_tokens"] and sp["accepted_per_position"][-1] > 0
     if draft == "layers:2":
         assert sp["accepted_tokens"] > 0
+    # (with adaptive k the runtime proposes fewer drafts than the core reserved; the core's
+    # counters count what it reserved, and the rollback covers the rest)
 
 
 async def test_speculation_with_sampling_and_seeds_is_reproducible():

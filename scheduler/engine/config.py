@@ -46,6 +46,7 @@ class EngineConfig:
     # the target's own first N layers) proposes num_spec_tokens tokens per decode step.
     draft_model: str = ""
     num_spec_tokens: int = 3
+    spec_adaptive: bool = False  # propose fewer drafts while acceptance is low
     kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a scale per token and layer (half of bf16)
     # A DEP instance spread over several engine processes (nodes): this process is node
     # ``node_rank`` and hosts dep / nodes of its ranks; ``node_addresses`` (HOST:PORT, one per
@@ -162,7 +163,8 @@ class EngineConfig:
         if dep.speculative is not None:  # the same draft the simulator prices, run for real
             d = dep.speculative.draft
             spec = dict(draft_model=(d.checkpoint and str((Path(dep.source).parent / d.checkpoint).resolve()))
-                        or d.name, num_spec_tokens=dep.speculative.num_spec_tokens)
+                        or d.name, num_spec_tokens=dep.speculative.num_spec_tokens,
+                        spec_adaptive=dep.speculative.adaptive)
         return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
                    scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb,
                    instances=pool.instances, kv_cache_dtype=eng.kv_cache_dtype, **pd, **spec)
@@ -178,6 +180,8 @@ class EngineConfig:
             options.setdefault("expert_token_split", self.eplb.token_split)
         if self.draft_model:
             options.setdefault("draft_model", self.draft_model)
+            if self.spec_adaptive:
+                options.setdefault("spec_adaptive", True)
         if self.kv_cache_dtype != "auto":
             options.setdefault("kv_cache_dtype", self.kv_cache_dtype)
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
