@@ -116,6 +116,11 @@ class AnalyticCost:
             if serial is not None:
                 t = t + serial[r]
             worst = t if t > worst else worst
+        return self._with_host(worst, host_extra, draft_s)
+
+    def _with_host(self, worst: float, host_extra: list[float] | None, draft_s: float) -> float:
+        """The step from its slowest rank's GPU time: plus the draft's passes, no shorter than
+        the host work async scheduling overlaps with it, plus the host work it cannot."""
         if draft_s:
             worst = worst + draft_s
         floor = self.host_floor

@@ -205,12 +205,7 @@ class ProfiledCost(AnalyticCost):
             if serial is not None:
                 t = t + serial[r]
             worst = t if t > worst else worst
-        if draft_s:
-            worst = worst + draft_s
-        floor = self.host_floor
-        if host_extra is not None and self.host_overlap:
-            floor = floor + max(host_extra)
-        return (worst if worst > floor else floor) + self.host_added
+        return self._with_host(worst, host_extra, draft_s)
 
     def decode_run_ends(self, t: float, ns: list[float], bases: list[float], k: int,
                         until: float) -> list[float]:
