@@ -11,14 +11,16 @@ class ConfigError(ValueError):
     """A configuration value out of range; the message names the field and what is allowed."""
 
 
-def _positive(inst, attribute, value):
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"scheduler.{attribute.name} must be an integer >= 1, got {value!r}")
+def int_at_least(table: str, low: int):
+    """An attrs validator: an integer >= ``low``, named ``table.field`` in the error."""
+    def check(inst, attribute, value):
+        if not isinstance(value, int) or value < low:
+            raise ConfigError(f"{table}.{attribute.name} must be an integer >= {low}, got {value!r}")
+    return check
 
 
-def _non_negative(inst, attribute, value):
-    if not isinstance(value, int) or value < 0:
-        raise ConfigError(f"scheduler.{attribute.name} must be an integer >= 0, got {value!r}")
+_positive = int_at_least("scheduler", 1)
+_non_negative = int_at_least("scheduler", 0)
 
 
 @attrs.frozen

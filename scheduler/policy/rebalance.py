@@ -16,23 +16,17 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .config import ConfigError
+from .config import ConfigError, int_at_least
 from .eplb import Placement, Plan, Topology, naive, plan
 
 
-def _non_negative(inst, attribute, value):
-    if not isinstance(value, int) or value < 0:
-        raise ConfigError(f"eplb.{attribute.name} must be an integer >= 0, got {value!r}")
+_non_negative = int_at_least("eplb", 0)
+_positive = int_at_least("eplb", 1)
 
 
 def _one_of(attribute, value, allowed: tuple) -> None:
     if value not in allowed:
         raise ConfigError(f"eplb.{attribute.name} must be one of {allowed}, got {value!r}")
-
-
-def _positive(inst, attribute, value):
-    if not isinstance(value, int) or value < 1:
-        raise ConfigError(f"eplb.{attribute.name} must be an integer >= 1, got {value!r}")
 
 
 @attrs.frozen
