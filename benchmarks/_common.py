@@ -28,11 +28,11 @@ def machine() -> str:
 
 
 def emit(bench: str, rows: list[dict], headline: dict, as_json: bool) -> None:
-    cols = list(rows[0]) if rows else []
+    cols = list(dict.fromkeys(c for r in rows for c in r))  # every row's columns, first seen first
     print(f"# {bench} ({machine()})")
     print(" | ".join(cols))
     for r in rows:
-        print(" | ".join(f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols))
+        print(" | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols))
     h = headline
     print(f"headline: {h['metric']} = {h['value']:.4g} {h['unit']} (baseline {h['baseline']['name']}: "
           f"{h['baseline']['value']:.4g}; {h['ratio']:.1f}x better; target {h['target']}: "

@@ -40,13 +40,24 @@ class KVPeer(msgspec.Struct, frozen=True):
 
 class KVEndpoint:
     """One runtime's KV pool and transport. ``pool`` is the uint8 (num_blocks, block_bytes)
-    view of the runtime's KV pool, one contiguous block per row."""
+    view of the runtime's KV pool, one contiguous block per row: a numpy array, or on a GPU
+    (``device`` a CUDA torch.device; NIXL only) a CUDA tensor."""
 
-    def __init__(self, kind: str, name: str, num_blocks: int, block_bytes: int):
+    def __init__(self, kind: str, name: str, num_blocks: int, block_bytes: int, device=None):
         if kind not in KINDS:
             raise ValueError(f"kv_transport must be one of {KINDS}, got {kind!r}")
         self.kind, self.name = kind, name
-        if kind == "shm":
+        gpu = device is not None and getattr(device, "type", "cpu") == "cuda"
+        if gpu and kind != "nixl":
+            raise ValueError(f"kv_transport {kind!r} moves CPU pools only; a pool on {device} needs 'nixl'")
+        if gpu:
+            import torch
+
+            from lockstep.transports.kv.nixl_transport import NixlKVTransport
+
+            self.transport = NixlKVTransport(name)
+            self.pool = torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, device=device)
+        elif kind == "shm":
             from lockstep.transports.kv.shm import ShmKVTransport
 
             self.transport = ShmKVTransport(name)

@@ -44,6 +44,24 @@ def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
             None if top is None else top.values.cpu().numpy())
 
 
+def skew_routing(model, skew: float, seed: int) -> None:
+    """Benchmarks only (runtime option ``expert_skew``): random weights route tokens about
+    evenly, real checkpoints do not. Set every router's selection bias (DeepSeek-V3's
+    e_score_correction_bias, which steers which experts are chosen, not their weights) to
+    ``skew`` times a standard normal draw per expert and layer, in units of the spread of the
+    router's scores (a quarter of each expert's weight norm: the sigmoid's slope at 0 for
+    unit-variance inputs). The same seed gives the same bias on every rank."""
+    g = torch.Generator().manual_seed(seed + 7919)
+    for layer in model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or not hasattr(gate, "e_score_correction_bias"):
+            continue
+        spread = 0.25 * gate.weight.float().norm(dim=1).mean().item()
+        z = torch.randn(gate.e_score_correction_bias.shape, generator=g, dtype=torch.float32)
+        with torch.no_grad():
+            gate.e_score_correction_bias.copy_((skew * spread * z).to(gate.e_score_correction_bias.device))
+
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -55,12 +73,17 @@ class TorchRuntime:
         self.world = 1
         self.device = torch.device(spec.device)
         if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", spec.rank % torch.cuda.device_count())  # a GPU per rank
+            # A GPU per runtime: the engine numbers its runtimes (prefill pool first), else the rank.
+            slot = int(spec.options.get("device_slot", spec.rank))
+            self.device = torch.device("cuda", slot % torch.cuda.device_count())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed,
                                 overrides=spec.options.get("preset_overrides"),
                                 draw_on_device=bool(spec.options.get("init_on_device", False)))
+        skew = float(spec.options.get("expert_skew", 0.0))
+        if skew:
+            skew_routing(self.model, skew, spec.seed)
         self.world = spec.world_size
         if self.world > 1:
             self._join_group(spec)
@@ -75,7 +98,10 @@ class TorchRuntime:
         self.endpoint = self._kv_endpoint(spec)
         if self.endpoint is None:
             self.idle = None  # nothing to keep moving between steps: the loop sleeps soundly
-        storage = None if self.endpoint is None else torch.from_numpy(self.endpoint.pool)
+        storage = None
+        if self.endpoint is not None:
+            pool = self.endpoint.pool
+            storage = pool if isinstance(pool, torch.Tensor) else torch.from_numpy(pool)
         self.kv_pool, self.kv = self.model.make_kv_pool(spec.num_blocks, spec.block_size, self.kv_dtype,
                                                         storage=storage)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
@@ -140,14 +166,14 @@ class TorchRuntime:
         kind = spec.options.get("kv_transport")
         if not kind:
             return None
-        if self.device.type != "cpu":
-            raise ValueError(f"kv_transport {kind!r}: this runtime registers CPU KV pools only so far, "
-                             f"and its device is {self.device}")
+        if self.device.type != "cpu" and kind != "nixl":
+            raise ValueError(f"kv_transport {kind!r} moves CPU KV pools only; this runtime's device is "
+                             f"{self.device}: use 'nixl' (VRAM to VRAM)")
         from .kv import KVEndpoint
 
-        cfg = self.model.cfg
         block_bytes = self.model.kv_block_bytes(spec.block_size, self.kv_dtype)
-        return KVEndpoint(kind, spec.options.get("kv_name", f"runtime-{os.getpid()}"), spec.num_blocks, block_bytes)
+        return KVEndpoint(kind, spec.options.get("kv_name", f"runtime-{os.getpid()}"), spec.num_blocks, block_bytes,
+                          device=self.device)
 
     # -- P/D KV transfer ---------------------------------------------------------------------
     def kv_connect(self, msg: KVConnect) -> None:

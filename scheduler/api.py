@@ -222,7 +222,9 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
             pool = [Scheduler(config.make_core, partial(_node_client, config, group, r), group=group, rank=r)
                     for r in range(group.size)]
         else:
-            pool = _pool(config, "decode" if disagg else "colocated", config.instances, config.dep, disagg, loads)
+            first = 0 if disagg is None else len(disagg.prefill)
+            pool = _pool(config, "decode" if disagg else "colocated", config.instances, config.dep, disagg, loads,
+                         first)
         if disagg is not None:
             disagg.decode = pool
         schedulers += pool
@@ -247,8 +249,11 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
             nursery.cancel_scope.cancel()
 
 
-def _pool(config: EngineConfig, role: str, instances: int, dep: int, disagg: Disagg | None, loads) -> list[Scheduler]:
-    """The Scheduler actors of ``instances`` instances of ``dep`` ranks each (not started)."""
+def _pool(config: EngineConfig, role: str, instances: int, dep: int, disagg: Disagg | None, loads,
+          first_slot: int = 0) -> list[Scheduler]:
+    """The Scheduler actors of ``instances`` instances of ``dep`` ranks each (not started).
+    Their runtimes are numbered from ``first_slot`` on: on ``cuda`` each takes the GPU of its
+    number (modulo the GPUs there are), so a P/D engine's pools land on different GPUs."""
     out = []
     for _ in range(instances):
         group = LocalGroup(dep, config.dist_init_address) if dep > 1 else None
@@ -256,7 +261,7 @@ def _pool(config: EngineConfig, role: str, instances: int, dep: int, disagg: Dis
             side = None
             if disagg is not None:
                 side = (PrefillSide if role == "prefill" else DecodeSide)(disagg, len(out))
-            make_client = partial(_client, config, group, rank, dep, disagg, role)
+            make_client = partial(_client, config, group, rank, dep, disagg, role, first_slot + len(out))
             out.append(Scheduler(config.make_core, make_client, group=group, rank=rank, loads=loads, role=side))
     return out
 
@@ -265,8 +270,11 @@ def _node_client(config: EngineConfig, group: NodeGroup, local: int):
     return config.make_client(group.global_rank(local), group.dist_init, world_size=config.dep)
 
 
-def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int, disagg: Disagg | None, role: str):
-    options = None if disagg is None else disagg.runtime_options(role, config.runtime_options)
+def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int, disagg: Disagg | None, role: str,
+            slot: int = 0):
+    options = dict(config.runtime_options) if disagg is None else disagg.runtime_options(role, config.runtime_options)
+    if config.device == "cuda":  # no index given: one GPU per runtime
+        options.setdefault("device_slot", slot)
     return config.make_client(rank, None if group is None else group.dist_init, world_size=dep, options=options)
 
 

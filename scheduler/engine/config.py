@@ -78,9 +78,9 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_transport must be 'nixl' or 'shm', got {self.kv_transport!r}")
         if not self.kv_hold_timeout_s > 0:
             raise ConfigError(f"engine.kv_hold_timeout_s must be > 0, got {self.kv_hold_timeout_s!r}")
-        if self.prefill_instances and self.runtime == "torch" and self.device != "cpu":
-            raise ConfigError(f"engine.prefill_instances: P/D moves KV between CPU pools only so far "
-                              f"(engine.device is {self.device!r})")
+        if self.prefill_instances and self.runtime == "torch" and self.device != "cpu" and self.kv_transport != "nixl":
+            raise ConfigError(f"engine.kv_transport: P/D on {self.device!r} moves KV between GPUs with 'nixl' "
+                              f"(VRAM to VRAM); 'shm' moves CPU pools only, got {self.kv_transport!r}")
         if self.eplb is not None and (self.instances > 1 or self.prefill_instances):
             raise ConfigError("engine.eplb balances one colocated instance so far; got "
                               f"{self.instances} instances and {self.prefill_instances} prefill instances")

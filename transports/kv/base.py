@@ -48,7 +48,8 @@ class Region(NamedTuple):
 class KVTransport(Protocol):
     def register_pool(self, pool: Any) -> None:
         """Register this side's pool: a C-contiguous CPU numpy array or torch tensor whose
-        first dimension is the block index. One pool per transport."""
+        first dimension is the block index (NIXL takes a CUDA tensor too). One pool per
+        transport."""
         ...
 
     def export(self) -> PeerInfo:
@@ -128,8 +129,9 @@ def runs_in_range(runs: np.ndarray, num_remote: int, num_local: int) -> bool:
                 and (runs[:, 1] + runs[:, 2]).max() <= num_local)
 
 
-def pool_region(pool: Any) -> Region:
-    """Address and geometry of a CPU pool given as a numpy array or torch tensor."""
+def pool_region(pool: Any, *, gpu: bool = False) -> Region:
+    """Address and geometry of a pool given as a numpy array or torch tensor: CPU memory,
+    or with ``gpu`` a CUDA tensor too (see ``pool_device``)."""
     if isinstance(pool, np.ndarray):
         ok, addr, nbytes, shape = pool.flags.c_contiguous, pool.ctypes.data, pool.nbytes, pool.shape
     else:
@@ -137,13 +139,21 @@ def pool_region(pool: Any) -> Region:
 
         if not isinstance(pool, torch.Tensor):
             raise TypeError(f"a KV pool is a numpy array or torch tensor, got {type(pool).__name__}")
-        if pool.device.type != "cpu":
+        if pool.device.type != "cpu" and not (gpu and pool.device.type == "cuda"):
             raise ValueError(f"this transport registers CPU memory only; the pool is on {pool.device}")
         ok, addr, shape = pool.is_contiguous(), pool.data_ptr(), tuple(pool.shape)
         nbytes = pool.numel() * pool.element_size()
     if not ok or len(shape) < 2 or shape[0] == 0 or nbytes == 0:
         raise ValueError(f"a KV pool must be C-contiguous with shape (num_blocks, ...), got shape {shape}")
     return Region(addr, shape[0], nbytes // shape[0])
+
+
+def pool_device(pool: Any) -> tuple[str, int]:
+    """NIXL's memory type and device id for a pool: ("DRAM", 0) or ("VRAM", cuda index)."""
+    dev = getattr(pool, "device", None)
+    if dev is not None and getattr(dev, "type", "cpu") == "cuda":
+        return "VRAM", dev.index or 0
+    return "DRAM", 0
 
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1}

@@ -6,7 +6,9 @@ into the agent, so ``poll`` must be called on both sides while anything is pendi
 passive (prefill) side included, or connection setup hangs. On CPU this registers DRAM; UCX
 then reads with process_vm_readv (both processes under one user), inside ``transfer``: a pull
 returns only once its bytes are copied (about 1 ms for 8 MB on the development VM), as the
-shared-memory transport's does; with RDMA on GPUs it returns at once.
+shared-memory transport's does. A pool that is a CUDA tensor registers as VRAM on its device;
+between GPUs of one host UCX then copies over NVLink (its cuda_ipc transport), and a pull
+returns at once and completes in ``poll``.
 
 Descriptor lists are prepared once: one descriptor per block of our pool at
 ``register_pool``, one per block of a peer's pool at ``connect``. A pull then names blocks
@@ -25,7 +27,8 @@ from typing import Any, NamedTuple
 import msgspec
 import numpy as np
 
-from lockstep.transports.kv.base import KVTransferError, PeerInfo, Region, as_block_ids, check_blocks, pool_region
+from lockstep.transports.kv.base import (KVTransferError, PeerInfo, Region, as_block_ids, check_blocks, pool_device,
+                                          pool_region)
 
 try:  # the CUDA 12 build alone (the `nixl` meta package would pull both CUDA variants)
     from nixl_cu12._api import nixl_agent, nixl_agent_config
@@ -46,6 +49,8 @@ class _Meta(msgspec.Struct, frozen=True):
     addr: int
     num_blocks: int
     block_bytes: int
+    mem: str = "DRAM"  # NIXL memory type of the pool: DRAM or VRAM
+    device: int = 0  # the CUDA device of a VRAM pool
 
 
 def available() -> bool:
@@ -57,11 +62,12 @@ class _Peer(NamedTuple):
     dlist: Any  # prepared descriptors, one per block of the peer's pool
 
 
-def _block_dlist(region: Region) -> np.ndarray:
+def _block_dlist(region: Region, device: int = 0) -> np.ndarray:
     """(num_blocks, 3) rows of (address, length, device) for ``prep_xfer_dlist``."""
     d = np.zeros((region.num_blocks, 3), np.uint64)
     d[:, 0] = region.addr + np.arange(region.num_blocks, dtype=np.uint64) * np.uint64(region.block_bytes)
     d[:, 1] = region.block_bytes
+    d[:, 2] = device
     return d
 
 
@@ -75,6 +81,7 @@ class NixlKVTransport:
         self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
         self._pool: Any = None  # kept alive: the agent holds its address
         self._region: Region | None = None
+        self._mem = ("DRAM", 0)
         self._reg = None
         self._dlist: Any = None  # prepared descriptors, one per block of our pool
         self._peers: dict[str, _Peer] = {}
@@ -86,16 +93,18 @@ class NixlKVTransport:
     def register_pool(self, pool: Any) -> None:
         if self._region is not None:
             raise KVTransferError(f"transport {self.name!r} already has a pool: one pool per transport")
-        region = pool_region(pool)
-        self._reg = self._agent.register_memory([(region.addr, region.num_blocks * region.block_bytes, 0, "")], "DRAM")
-        self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _block_dlist(region), "DRAM")
-        self._pool, self._region = pool, region
+        region = pool_region(pool, gpu=True)
+        mem, dev = pool_device(pool)
+        self._reg = self._agent.register_memory([(region.addr, region.num_blocks * region.block_bytes, dev, "")], mem)
+        self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _block_dlist(region, dev), mem)
+        self._pool, self._region, self._mem = pool, region, (mem, dev)
 
     def export(self) -> PeerInfo:
         if self._region is None:
             raise KVTransferError(f"transport {self.name!r}: register_pool before export")
         r = self._region
-        return PeerInfo(msgspec.msgpack.encode(_Meta(self._agent.get_agent_metadata(), r.addr, r.num_blocks, r.block_bytes)))
+        return PeerInfo(msgspec.msgpack.encode(_Meta(self._agent.get_agent_metadata(), r.addr, r.num_blocks,
+                                                     r.block_bytes, *self._mem)))
 
     def connect(self, peer: PeerInfo) -> str:
         if peer.fds:
@@ -105,7 +114,7 @@ class NixlKVTransport:
         name = name.decode() if isinstance(name, bytes) else name
         region = Region(meta.addr, meta.num_blocks, meta.block_bytes)
         try:
-            dlist = self._agent.prep_xfer_dlist(name, _block_dlist(region), "DRAM")
+            dlist = self._agent.prep_xfer_dlist(name, _block_dlist(region, meta.device), meta.mem)
         except Exception:
             self._agent.remove_remote_agent(name)
             raise
