@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-blocks", type=int, default=40_000, help="per runtime (16 tokens, 497,664 B each)")
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--modes", default="colocated,pd", help="trace runs, in this order (the first pays JIT warm-up)")
     ap.add_argument("--model", default="v2-lite", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=102_400, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
@@ -324,7 +325,7 @@ def main() -> None:
         import trio
 
         reqs = trace_slice(args)
-        for mode in ("colocated", "pd"):
+        for mode in args.modes.split(","):
             r = trio.run(serve_slice, mode, reqs, args)
             print(r, flush=True)
             rows.append({"part": "trace", **r})

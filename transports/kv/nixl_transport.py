@@ -95,7 +95,17 @@ class NixlKVTransport:
             raise KVTransferError(f"transport {self.name!r} already has a pool: one pool per transport")
         region = pool_region(pool, gpu=True)
         mem, dev = pool_device(pool)
-        self._reg = self._agent.register_memory([(region.addr, region.num_blocks * region.block_bytes, dev, "")], mem)
+        try:
+            self._reg = self._agent.register_memory([(region.addr, region.num_blocks * region.block_bytes, dev, "")],
+                                                    mem)
+        except Exception as e:
+            if mem != "VRAM":
+                raise
+            # Seen on a host whose torch is built for CUDA 13: UCX's CUDA memory hooks
+            # (libucm_cuda) need libcudart.so.12, so UCX takes GPU memory for host memory.
+            raise KVTransferError(f"transport {self.name!r}: NIXL could not register the KV pool on cuda:{dev} "
+                                  f"({e}). UCX needs its CUDA modules: libcudart.so.12 must be on the library "
+                                  "path (LD_LIBRARY_PATH), e.g. from the nvidia-cuda-runtime-cu12 wheel") from e
         self._dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _block_dlist(region, dev), mem)
         self._pool, self._region, self._mem = pool, region, (mem, dev)
 
