@@ -13,13 +13,15 @@ import signal
 import attrs
 import numpy as np
 import pytest
+import torch
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lockstep.api import open_engine
+from lockstep.engine.config import EngineConfig
 from lockstep.engine.disagg import Disagg, PrefillSide
-from lockstep.policy.config import SchedulerConfig
+from lockstep.policy.config import ConfigError, SchedulerConfig
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.hashing import BlockHasher
 from lockstep.policy.request import Request, SamplingParams
@@ -257,3 +259,39 @@ async def test_pd_with_an_fp8_kv_cache_moves_quantized_blocks_exactly():
     assert out[0] == out[1] and stats.kv_pulls == len(ps) and stats.kv_pull_failures == 0
     # tiny: 4 layers x (48 one-byte values + a 4-byte scale), against 4 x 48 x 8 in float64
     assert per_token == 4 * (48 + 4)
+
+
+def test_a_cuda_engine_gives_each_runtime_its_own_gpu():
+    """On ``cuda`` (no index) the engine numbers its runtimes, prefill pool first, and each
+    takes the GPU of its number: P/D's pools land on different GPUs. The clients are only
+    made here, not started (no GPU on this machine)."""
+    from lockstep.api import _pool
+
+    cfg = EngineConfig(model="tiny", device="cuda", prefill_instances=1, instances=2, kv_transport="nixl")
+    d = Disagg("nixl", 10.0)
+    prefill = _pool(cfg, "prefill", 1, 1, d, None)
+    decode = _pool(cfg, "decode", 2, 1, d, None, first_slot=len(prefill))
+    slots = [s.make_client().spec.options["device_slot"] for s in prefill + decode]
+    assert slots == [0, 1, 2]
+    with pytest.raises(ConfigError, match="kv_transport"):
+        EngineConfig(model="tiny", device="cuda", prefill_instances=1, kv_transport="shm")
+
+
+def test_nixl_export_names_the_pool_memory_and_old_peers_still_decode():
+    from lockstep.transports.kv.base import pool_device, pool_region
+
+    assert pool_device(np.zeros((4, 8), np.uint8)) == ("DRAM", 0)
+    assert pool_device(torch.zeros(4, 8, dtype=torch.uint8)) == ("DRAM", 0)
+    with pytest.raises(ValueError, match="CPU memory only"):
+        pool_region(torch.zeros(4, 8, dtype=torch.uint8, device="meta"))
+    if not nixl_transport.available():
+        pytest.skip("nixl is not installed")
+    import msgspec
+
+    t = nixl_transport.NixlKVTransport("export-check")
+    try:
+        t.register_pool(np.zeros((4, 64), np.uint8))
+        meta = msgspec.msgpack.decode(t.export().metadata, type=nixl_transport._Meta)
+        assert (meta.mem, meta.device, meta.num_blocks, meta.block_bytes) == ("DRAM", 0, 4, 64)
+    finally:
+        t.close()
