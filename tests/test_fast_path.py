@@ -9,6 +9,8 @@ CUDA graphs themselves need a GPU: benchmarks/gpu/bench_decode.py checks them on
 from __future__ import annotations
 
 import dataclasses
+
+import attrs
 import os
 
 import numpy as np
@@ -125,7 +127,7 @@ def test_fp8_experts_stay_close_to_bf16():
     assert rows.median() < 0.1 and (got[True].argmax(-1) == got[False].argmax(-1)).float().mean() >= 0.8
 
 
-def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2):
+def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0):
     """Serve prompts through a real SchedulerCore (chunked prefill, staggered arrivals, so
     steps mix prefill chunks and decodes), executing each plan on every runtime; later
     runtimes are fed the first one's tokens, so their samples compare position by position."""
@@ -141,6 +143,8 @@ def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2):
             for rt in runtimes:
                 rt.add_requests(NewRequests([step], [0.0], [1.0], [-1], [-1], [logprobs]))
         plan = core.schedule(float(step))
+        if placement_gen:
+            plan = attrs.evolve(plan, placement_gen=placement_gen)
         if plan.num_reqs:
             got = [rt.execute(plan) for rt in runtimes]
             for rt in runtimes[1:]:
@@ -172,6 +176,33 @@ def test_runtime_fast_path_follows_the_reference_path():
             np.testing.assert_allclose(b.logprobs, a.logprobs, atol=0.1)
             assert np.array_equal(b.expert_counts.sum(-1), a.expert_counts.sum(-1))
     assert np.array_equal(fast.runner.tables.cpu().numpy(), fast.tables)  # device table by deltas
+
+
+def test_fast_path_with_expert_slots_computes_through_them():
+    """With expert slots (expert parallelism, or a balancer on one rank) the fast path must
+    run the routed experts through the model's slot module, whose all-to-all the other ranks
+    wait on, never the fused kernel over this rank's own weights. (A name clash once made the
+    fast path always take the kernel: DEP ranks then disagreed about a step and hung.) A
+    placement that moves experts to other slots keeps the tokens."""
+    ref = _runtime(fast=False, redundant_experts=0)
+    fast = _runtime(fast=True, cuda_graphs="off", compile=False, redundant_experts=0)
+    assert fast.runner.fast.use_fused_moe is False
+    calls = []
+    layer = next(lw.moe.experts for lw in fast.runner.fast.layers if lw.moe is not None)
+    inner = layer.forward
+    layer.forward = lambda *a: calls.append(1) or inner(*a)
+    e = fast.model.cfg.n_routed_experts
+    moved = np.stack([np.roll(np.arange(e), 3)] * len(fast.moe_layers))  # every expert in another slot
+    for rt in (ref, fast):
+        rt.placements.receive(1, moved)
+        rt.placements._staging.done.wait()  # the background copy
+        rt.placements.step_done()
+        rt.placements.use(1)
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    want, got = _drive([ref, fast], prompts, placement_gen=1)
+    assert calls
+    for a, b in zip(want, got):
+        assert np.array_equal(a.token_ids, b.token_ids)
 
 
 def test_sample_on_device_greedy_seeded_and_distribution():

@@ -265,17 +265,18 @@ def _flat_pool(kv: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
 
 class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False):
-        from lockstep.kernels.fused_moe import fused_moe
+        # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
+        from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
         from lockstep.kernels.kv_store import kv_store
         from lockstep.kernels.mla_decode import mla_decode
         from lockstep.kernels.mla_prefill import mla_prefill
 
         self._kv_store, self._mla_decode = kv_store, mla_decode
-        self._mla_prefill, self._fused_moe = mla_prefill, fused_moe
+        self._mla_prefill, self._fused_moe = mla_prefill, fused_moe_kernel
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the fast path runs bfloat16 or float16 models (the kernels' dtypes), not {model.dtype}")
         self.model, self.cfg, self.rope = model, model.cfg, model.rope
-        self.use_fused_moe, self.moe_fp8 = fused_moe, moe_fp8 and fused_moe
+        self.use_fused_moe, self.moe_fp8 = bool(fused_moe), bool(moe_fp8 and fused_moe)
         self.ops = FastOps(compile)
         with torch.no_grad():
             self.layers = [layer_weights(layer, self.cfg) for layer in model.layers]
