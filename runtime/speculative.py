@@ -84,9 +84,9 @@ class Speculator:
                 entries.append((i, slot, toks, int(plan.start_pos[i]), 0, params))
         proposals, qs = self._propose(entries)
         ns = np.zeros(plan.num_reqs, dtype=np.int32)
-        out = self._verify(plan, entries, proposals, qs, ns)
+        out, counts = self._verify(plan, entries, proposals, qs, ns)
         return StepResult(step_id=plan.step_id, num_sampled=ns, token_ids=np.asarray(out, dtype=np.int32),
-                          gpu_s=time.perf_counter() - t0)
+                          expert_counts=counts, gpu_s=time.perf_counter() - t0)
 
     def _propose(self, entries) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
         """Drafts per plan index, and the draft's distributions where they were sampled.
@@ -108,7 +108,7 @@ class Speculator:
                 self._forward(self.draft, self.kv, feed, [])
             return proposals, qs
         ends = np.cumsum([len(t) for _, t, _ in feed]) - 1
-        logits = self._forward(self.draft, self.kv, feed, [int(ends[r]) for *_, r in drafting])
+        logits, _ = self._forward(self.draft, self.kv, feed, [int(ends[r]) for *_, r in drafting])
         step = 0
         while True:
             for row, (i, slot, start, d, params, _) in enumerate(drafting):
@@ -122,10 +122,14 @@ class Speculator:
                 return proposals, qs
             feed = [(slot, np.array([proposals[i][-1]], np.int64), start + step)
                     for i, slot, start, *_ in drafting]
-            logits = self._forward(self.draft, self.kv, feed, list(range(len(feed))))
+            logits, _ = self._forward(self.draft, self.kv, feed, list(range(len(feed))))
 
-    def _verify(self, plan, entries, proposals, qs, ns) -> list[int]:
-        """One target forward over everything; the tokens each sampling entry gets."""
+    def _verify(self, plan, entries, proposals, qs, ns) -> tuple[list[int], np.ndarray | None]:
+        """One target forward over everything: the tokens each sampling entry gets, and the
+        target's tokens per (layer, expert). With expert parallelism the forward runs even with
+        nothing to verify, since the other ranks' all-to-alls wait for this rank's. (The
+        draft is a model of its own on every rank, experts unsharded: its passes, as many as
+        this rank's requests need, wait for nobody.)"""
         rt = self.rt
         feed, rows, spans = [], [], []
         n_rows = 0
@@ -140,8 +144,10 @@ class Speculator:
                 rows += range(n_rows + len(toks) - m, n_rows + len(toks))
             n_rows += len(toks)
         if not feed:
-            return []
-        logits = self._forward(rt.forward_model, rt.kv, feed, rows)
+            if rt.world > 1:
+                rt.model(rt._empty_batch(), rt.kv)
+            return [], None
+        logits, counts = self._forward(rt.forward_model, rt.kv, feed, rows)
         out: list[int] = []
         for i, slot, pos0, r0, m, params in spans:
             drafts = proposals.get(i, [])
@@ -155,7 +161,7 @@ class Speculator:
             if self.adaptive and drafts:
                 m = self.mean_accepted if self.mean_accepted is not None else float(len(drafts))
                 self.mean_accepted = m + self.ADAPT_WEIGHT * (len(got) - 1 - m)
-        return out
+        return out, counts.cpu().numpy()
 
     def _drafts(self, planned: int) -> int:
         """Drafts to propose for a decode the core planned with ``planned``."""
@@ -164,8 +170,9 @@ class Speculator:
         return max(1, min(planned, int(self.mean_accepted + 1.5)))
 
     # -- pieces -------------------------------------------------------------------------------
-    def _forward(self, model, kv, feed, sample_rows) -> torch.Tensor:
-        """Run ``model`` over [(slot, tokens, first position)] through the slots' tables."""
+    def _forward(self, model, kv, feed, sample_rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``model`` over [(slot, tokens, first position)] through the slots' tables:
+        (logits of ``sample_rows``, tokens per (layer, expert))."""
         rt, bs = self.rt, self.bs
         lens = np.array([len(t) for _, t, _ in feed], dtype=np.int64)
         ids = np.concatenate([t for _, t, _ in feed])
@@ -185,8 +192,7 @@ class Speculator:
             block_tables=torch.from_numpy(np.ascontiguousarray(table)).to(d),
             slot_mapping=torch.from_numpy(slot_mapping).to(d),
             sample_index=torch.as_tensor(sample_rows, dtype=torch.int64).to(d))
-        logits, _ = model(batch, kv)
-        return logits
+        return model(batch, kv)
 
     def _draw(self, logits: torch.Tensor, params, pos: int) -> tuple[int, torch.Tensor | None]:
         """A draft token: the argmax for greedy requests, else a draw from q (kept for the

@@ -151,9 +151,10 @@ class TorchRuntime:
         name = spec.options.get("draft_model")
         if not name:
             return None
-        if self.world > 1:
-            raise ValueError("draft_model: speculative decoding runs on one rank so far (the draft's "
-                             f"steps would have to line up across {self.world} expert-parallel ranks)")
+        if self.world > 1 and str(name).startswith("layers:"):
+            raise ValueError(f"draft_model {name!r}: with {self.world} expert-parallel ranks the draft must be a "
+                             "model of its own (a preset or a checkpoint): the target's own layers hold sharded "
+                             "experts, whose all-to-all would need every rank to draft as many passes")
         from .speculative import Speculator, load_draft
 
         draft = load_draft(str(name), self.model, dtype=self.model.dtype, device=self.device,

@@ -53,6 +53,36 @@ async def test_greedy_with_speculation_equals_greedy_without(draft, k, adaptive)
     # counters count what it reserved, and the rollback covers the rest)
 
 
+async def test_speculation_across_dep_ranks_keeps_greedy_tokens_and_feeds_the_balancer():
+    """DEP2 with experts sharded over the ranks: each rank drafts with its own copy of the
+    draft (unsharded: its passes wait for nobody) and verifies in one target forward whose
+    all-to-all every rank joins, an idle rank with an empty one. Greedy tokens equal one
+    rank's without speculation; the expert balancer gets the verify passes' counts."""
+    from lockstep.policy.rebalance import EplbConfig
+
+    ps = prompts()
+    cfg = config(tokenizer=None, draft_model="tiny", num_spec_tokens=3, dep=2,
+                 eplb=EplbConfig(redundant_experts=2, window_steps=4))
+    async with open_engine(cfg) as engine:
+        got = await run_all(engine, ps, LONG)
+        sp = engine.spec_statistics()
+        bal = engine.balancer_statistics()
+        for s in engine.schedulers:
+            s.core.check_integrity()
+            assert s.core.pool.num_used == 0
+    for p, g in zip(ps, got):
+        assert g == reference_greedy(p, LONG.max_tokens)
+    assert sp["drafts"] > 0 and sp["accepted_tokens"] == sp["draft_tokens"]  # the draft is the target
+    assert bal.plans >= 1
+
+
+def test_dep_refuses_a_draft_made_of_the_targets_sharded_layers():
+    from lockstep.policy.config import ConfigError
+
+    with pytest.raises(ConfigError, match="draft_model"):
+        config(tokenizer=None, draft_model="layers:2", dep=2)
+
+
 async def test_speculation_with_sampling_and_seeds_is_reproducible():
     ps = prompts()[:3]
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)

@@ -93,6 +93,9 @@ class EngineConfig:
                 or (Path(self.draft_model) / "config.json").is_file()):
             raise ConfigError(f"engine.draft_model must be a preset {preset_names()}, 'layers:N' or a checkpoint "
                               f"directory holding config.json, got {self.draft_model!r}")
+        if self.dep > 1 and self.draft_model.startswith("layers:"):
+            raise ConfigError(f"engine.draft_model {self.draft_model!r}: with dep {self.dep} the draft must be a "
+                              "model of its own (a preset or a checkpoint), not the target's own sharded layers")
         if self.nodes != 1:
             self._check_nodes()
         runtimes = available()
