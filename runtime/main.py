@@ -16,7 +16,7 @@ import traceback
 import msgspec
 
 from lockstep.transports.shm_ring import Ring, recv_ring
-from lockstep.transports.step_codec import decode, encode
+from lockstep.transports.step_codec import decode_frame, encode
 
 from .base import (FAILURE, FORGET, KV_CONNECT, KV_PULL, NEW_PLACEMENT, NEW_REQUESTS, PLAN, READY, SHUTDOWN,
                    Forget, Failure, KVConnect, KVPull, NewPlacement, NewRequests, RuntimeSpec, create)
@@ -55,26 +55,28 @@ def run(sock: socket.socket, spec_bytes: bytes) -> None:
 
 
 def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
+    """Messages are taken without a copy (``recv_frame``): a plan's arrays view the ring and
+    stay valid until the next message is taken, and ``execute`` is done with them by then."""
     idle = getattr(runtime, "idle", None)
     while True:
         msg = _next(inbox, sock, idle)
         if msg is None:
             return
-        kind, _, payload = msg
+        kind, _, start, end = msg
         match kind:
             case 1:  # PLAN
-                k, parts = encode(runtime.execute(decode(PLAN, payload)))
+                k, parts = encode(runtime.execute(decode_frame(inbox, msg)))
                 outbox.send(k, *parts)
             case 4:  # NEW_REQUESTS
-                runtime.add_requests(_NEW.decode(payload))
+                runtime.add_requests(_NEW.decode(inbox.buffer[start:end]))
             case 5:  # FORGET
-                runtime.forget(_FORGET.decode(payload).req_ids)
+                runtime.forget(_FORGET.decode(inbox.buffer[start:end]).req_ids)
             case 7:  # NEW_PLACEMENT
-                runtime.new_placement(_PLACEMENT.decode(payload))
+                runtime.new_placement(_PLACEMENT.decode(inbox.buffer[start:end]))
             case 8:  # KV_CONNECT
-                runtime.kv_connect(_CONNECT.decode(payload))
+                runtime.kv_connect(_CONNECT.decode(inbox.buffer[start:end]))
             case 9:  # KV_PULL
-                runtime.kv_pull(_PULL.decode(payload))
+                runtime.kv_pull(_PULL.decode(inbox.buffer[start:end]))
             case 0:  # SHUTDOWN
                 return
             case _:
@@ -89,7 +91,7 @@ def _next(inbox: Ring, sock: socket.socket, idle=None):
     waited, spin = 0.0, {}
     while True:
         try:
-            return inbox.recv(timeout=tick, **spin)
+            return inbox.recv_frame(timeout=tick, **spin)
         except TimeoutError:
             spin = {"spin_s": 0.0, "yield_s": 0.0}  # spun once already: now only sleep
             waited += tick

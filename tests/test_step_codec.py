@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockstep.policy.step import StepPlan, StepResult
+from lockstep.policy.step import EMPTY_I64, StepPlan, StepResult, decode_constants
 from lockstep.transports.shm_ring import Ring
-from lockstep.transports.step_codec import KIND, decode, encode
+from lockstep.transports.step_codec import KIND, builder, decode, decode_frame, encode
 
 I32, I64 = np.int32, np.int64
 PLAN_ARRAYS = {f.name: f for f in attrs.fields(StepPlan) if f.type == "np.ndarray"}
@@ -87,6 +87,72 @@ def test_plans_round_trip_exactly(plan):
 def test_results_round_trip_exactly(result):
     assert_same(result, round_trip(result))
     assert wire(result)[1][0] == 0
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.lists(plans() | results(), min_size=1, max_size=8))
+def test_frames_decode_in_place_to_the_same_messages(msgs):
+    """decode_frame reads a held frame where it lies: the same message, arrays that view the
+    ring (read-only), valid until the next take."""
+    ring = Ring.create(1 << 16)
+    try:
+        for msg in msgs:
+            ring.send(*_flat(encode(msg)))
+            got = decode_frame(ring, ring.poll_frame())
+            assert_same(msg, got)
+            for f in attrs.fields(type(got)):
+                x = getattr(got, f.name)
+                if isinstance(x, np.ndarray) and x.size:
+                    assert not x.flags.writeable and np.shares_memory(x, ring.view(x.dtype))
+    finally:
+        ring.close()
+
+
+def decode_plan(n: int, grew: int = 0, **overrides) -> StepPlan:
+    """A decode-only plan as the scheduler builds it: the shared constants for n requests."""
+    k = decode_constants(n)
+    block_offsets = k.zeros
+    if grew:
+        block_offsets = np.zeros(n + 1, I64)
+        block_offsets[1 : grew + 1] = np.arange(1, grew + 1)
+        block_offsets[grew + 1 :] = grew
+    fields = dict(step_id=9, req_ids=np.arange(n, dtype=I64), slots=np.arange(n, dtype=I32), num_new=k.ones,
+                  start_pos=np.arange(n, dtype=I32), samples=k.trues, token_ids=k.placeholders,
+                  token_offsets=k.arange, block_start=np.zeros(n, I32), block_ids=np.arange(grew, dtype=I32),
+                  block_offsets=block_offsets, num_tokens=n, num_padded_tokens=n)
+    return StepPlan(**(fields | overrides))
+
+
+@pytest.mark.parametrize("n, grew", [(0, 0), (1, 0), (5, 2), (256, 16), (9000, 3)])
+def test_decode_plans_send_their_shared_constants_as_a_flag(n, grew):
+    p = decode_plan(n, grew)
+    kind, payload = wire(p)
+    own = attrs.evolve(p, **{f: np.array(getattr(p, f)) for f in ("num_new", "samples", "token_ids",
+                                                                  "token_offsets", "block_offsets")})
+    assert len(wire(own)[1]) - len(payload) == (4 + 1 + 4 + 8 + (8 if not grew else 0)) * n + (16 if not grew else 8)
+    for q in (decode(kind, payload), round_trip(own)):
+        assert_same(p, q)
+    q, k = decode(kind, payload), decode_constants(n)
+    assert (q.num_new, q.samples, q.token_ids, q.token_offsets) == (k.ones, k.trues, k.placeholders, k.arange)
+    assert all(a is b for a, b in zip((q.num_new, q.samples, q.token_ids, q.token_offsets),
+                                      (k.ones, k.trues, k.placeholders, k.arange)))
+
+
+def test_constants_of_another_size_travel_as_bytes():
+    k = decode_constants(4)
+    p = decode_plan(5, num_new=np.concatenate([k.ones, k.ones[:1]]), samples=decode_constants(6).trues[:5])
+    assert_same(p, round_trip(p))
+
+
+def test_the_builder_makes_what_init_makes():
+    ns, toks = np.ones(3, I32), np.arange(3, dtype=I32)
+    for args, kw in [((1, ns, toks), {}), ((2, ns, toks, EMPTY_I64), {"gpu_s": 0.5, "placement_ready": 3})]:
+        a, b = StepResult(*args, **kw), builder(StepResult)(*args, **kw)
+        assert_same(a, b)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            b.step_id = 5
+    p = plan()
+    assert_same(p, builder(StepPlan)(**{f.name: getattr(p, f.name) for f in attrs.fields(StepPlan)}))
 
 
 def plan(n: int = 5, **overrides) -> StepPlan:

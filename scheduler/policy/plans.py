@@ -1,7 +1,8 @@
 """SchedulerCore's plan assembly: turning one step's decisions into a StepPlan.
 
 A plan is a structure of arrays; decode-only plans (the common case) are built from a few
-gathers and shared read-only constants.
+gathers and the contract's shared read-only constants (``decode_constants``), which the step
+codec sends as a flag rather than as bytes.
 """
 
 from __future__ import annotations
@@ -11,25 +12,17 @@ import itertools
 import numpy as np
 
 from .request import RequestState
-from .step import PLACEHOLDER, StepPlan
+from .step import EMPTY_I32, EMPTY_I64, PLACEHOLDER, StepPlan, decode_constants
 from .update import SMALL_BATCH
 
 
 class PlanConstants:
-    """Read-only arrays that decode plans share (sliced, never copied)."""
+    """Read-only arrays that plans share (never copied): the contract's empties. Decode-only
+    plans take the rest from ``decode_constants(n)``, the same objects for every plan of n
+    requests (``n`` here, the most a plan holds, is not needed any more)."""
 
     def __init__(self, n: int):
-        def ro(a: np.ndarray) -> np.ndarray:
-            a.setflags(write=False)
-            return a
-
-        self.ones = ro(np.ones(n, dtype=np.int32))
-        self.trues = ro(np.ones(n, dtype=bool))
-        self.placeholders = ro(np.full(n, PLACEHOLDER, dtype=np.int32))
-        self.arange = ro(np.arange(n + 1, dtype=np.int64))
-        self.zeros = ro(np.zeros(n + 1, dtype=np.int64))
-        self.empty_i32 = ro(np.zeros(0, dtype=np.int32))
-        self.empty_i64 = ro(np.zeros(0, dtype=np.int64))
+        self.empty_i32, self.empty_i64 = EMPTY_I32, EMPTY_I64
 
 
 class PlanAssembly:
@@ -111,8 +104,9 @@ class PlanAssembly:
     def _decode_plan(self, slots: np.ndarray, grown) -> StepPlan:
         """The common plan, decodes only, from a few gathers and read-only constants."""
         n, c = len(slots), self._const
+        k = decode_constants(n)
         self._step += 1
-        counts_off = c.zeros[: n + 1]
+        counts_off = k.zeros
         block_ids = c.empty_i32
         if len(grown[0]):  # grown slots are a subsequence of slots, both ascending
             if n <= SMALL_BATCH:  # a running count of membership: no numpy calls
@@ -134,9 +128,8 @@ class PlanAssembly:
         start_pos -= 1  # in place on the fresh int32 copies: one temporary fewer
         block_start -= 1
         return StepPlan(
-            step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=c.ones[:n],
-            start_pos=start_pos, samples=c.trues[:n],
-            token_ids=c.placeholders[:n], token_offsets=c.arange[: n + 1],
+            step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=k.ones,
+            start_pos=start_pos, samples=k.trues, token_ids=k.placeholders, token_offsets=k.arange,
             block_start=block_start, block_ids=block_ids,
             block_offsets=counts_off, spec_tokens=c.empty_i32, spec_offsets=c.empty_i64,
             kv_load_req_ids=c.empty_i64, kv_load_first_block=c.empty_i32, kv_load_num_blocks=c.empty_i32,

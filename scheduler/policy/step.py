@@ -8,23 +8,25 @@ an offsets array of length n + 1.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import numpy as np
 
 PLACEHOLDER = -1  # token id: "the token this request sampled in the previous step"
+# The defaults of the optional array fields: one read-only empty per dtype, shared by every
+# message (an array per message cost two allocations, and the step codec sends a shared
+# empty without looking at it).
+EMPTY_I32 = np.zeros(0, dtype=np.int32)
+EMPTY_I32.setflags(write=False)
 EMPTY_I64 = np.zeros(0, dtype=np.int64)
 EMPTY_I64.setflags(write=False)
 
 
-def _i32(n: int = 0) -> np.ndarray:
-    return np.zeros(n, dtype=np.int32)
-
-
-def _i64(n: int = 0) -> np.ndarray:
-    return np.zeros(n, dtype=np.int64)
-
-
-@attrs.frozen
+# No __weakref__ slot: the step codec builds decoded messages as a plain slotted twin and
+# then sets __class__, which CPython allows only between identical layouts (a weakref slot
+# breaks its layout check). Three times cheaper than a frozen class's __init__.
+@attrs.frozen(weakref_slot=False)
 class StepPlan:
     step_id: int
     req_ids: np.ndarray  # int64 (n,)
@@ -37,18 +39,18 @@ class StepPlan:
     block_start: np.ndarray  # int32 (n,): table index where the new block ids go
     block_ids: np.ndarray  # int32 flat: new block ids per request
     block_offsets: np.ndarray  # int64 (n + 1,)
-    spec_tokens: np.ndarray = attrs.field(factory=_i32)  # int32 flat, draft tokens to verify
-    spec_offsets: np.ndarray = attrs.field(factory=_i64)  # int64 (n + 1,) or empty
+    spec_tokens: np.ndarray = EMPTY_I32  # int32 flat, draft tokens to verify
+    spec_offsets: np.ndarray = EMPTY_I64  # int64 (n + 1,) or empty
     # KV loads to start this step: blocks [first, first + num) of the request's table are
     # filled from elsewhere (the host tier, or a remote prefill pool for the whole table).
-    kv_load_req_ids: np.ndarray = attrs.field(factory=_i64)
-    kv_load_first_block: np.ndarray = attrs.field(factory=_i32)
-    kv_load_num_blocks: np.ndarray = attrs.field(factory=_i32)
-    kv_send_req_ids: np.ndarray = attrs.field(factory=_i64)  # finished prefills to hold/send
+    kv_load_req_ids: np.ndarray = EMPTY_I64
+    kv_load_first_block: np.ndarray = EMPTY_I32
+    kv_load_num_blocks: np.ndarray = EMPTY_I32
+    kv_send_req_ids: np.ndarray = EMPTY_I64  # finished prefills to hold/send
     # Requests the core dropped (finished, aborted, preempted): the runtime forgets their
     # state and cancels or completes their KV loads before running this plan, whose blocks
     # the core may already have handed to other requests.
-    finished_req_ids: np.ndarray = attrs.field(factory=_i64)
+    finished_req_ids: np.ndarray = EMPTY_I64
     num_tokens: int = 0
     num_padded_tokens: int = 0  # set by the DP sync; == num_tokens without DP
     is_dummy: bool = False
@@ -62,13 +64,13 @@ class StepPlan:
         return self.num_reqs == 0 and len(self.kv_load_req_ids) == 0 and not self.is_dummy
 
 
-@attrs.frozen
+@attrs.frozen(weakref_slot=False)
 class StepResult:
     step_id: int
     num_sampled: np.ndarray  # int32 (n,): tokens sampled per plan entry (1 + accepted, or 0)
     token_ids: np.ndarray  # int32 flat, in plan order
-    kv_loads_done: np.ndarray = attrs.field(factory=_i64)
-    kv_loads_failed: np.ndarray = attrs.field(factory=_i64)
+    kv_loads_done: np.ndarray = EMPTY_I64
+    kv_loads_failed: np.ndarray = EMPTY_I64
     expert_counts: np.ndarray | None = None  # (layers, experts) int32, for EPLB
     # Only when a sampled request asked for logprobs; one row per sampled token, in order:
     logprobs: np.ndarray | None = None  # float32 (rows,): log-probability of the sampled token
@@ -91,3 +93,40 @@ class StepOutputs:
     token_ids: np.ndarray  # int32 flat
     finished: tuple  # ((req_id, FinishReason), ...)
     first_token_ids: np.ndarray  # int64: requests whose first output token is in this step
+
+
+@attrs.frozen(weakref_slot=False)
+class DecodeConstants:
+    """What every decode-only plan of n requests has in common: one new token each (its
+    placeholder), sampled, no new blocks. Read-only, and one object per n
+    (``decode_constants``): the scheduler's decode plans share these arrays, and the step
+    codec knows them by identity and sends a flag instead of their bytes."""
+
+    ones: np.ndarray  # int32 (n,): num_new
+    trues: np.ndarray  # bool (n,): samples
+    placeholders: np.ndarray  # int32 (n,): token_ids
+    arange: np.ndarray  # int64 (n + 1,): token_offsets
+    zeros: np.ndarray  # int64 (n + 1,): block_offsets when no request starts a block
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+def _bases(n: int) -> tuple[np.ndarray, ...]:
+    return (_read_only(np.ones(n, np.int32)), _read_only(np.ones(n, bool)),
+            _read_only(np.full(n, PLACEHOLDER, np.int32)), _read_only(np.arange(n, dtype=np.int64)),
+            _read_only(np.zeros(n, np.int64)))
+
+
+_SHARED = 1 << 13
+_BASES = _bases(_SHARED + 1)  # below _SHARED requests, every plan size takes views of these
+
+
+@functools.lru_cache(maxsize=4096)
+def decode_constants(n: int) -> DecodeConstants:
+    """The shared constants of an n-request decode plan: the same object for the same n, its
+    arrays views of read-only arrays (so that they can never be made writable)."""
+    ones, trues, placeholders, arange, zeros = _BASES if n < _SHARED else _bases(n + 1)
+    return DecodeConstants(ones[:n], trues[:n], placeholders[:n], arange[: n + 1], zeros[: n + 1])
