@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockstep.policy.hashing import BlockHasher, HashConfigError
+from lockstep.policy.hashing import _PERIOD, BlockHasher, HashConfigError
+from lockstep.policy.request import RequestError
 
 BS = 16
 METHODS = ("keyed", "sha256")
@@ -197,6 +198,139 @@ def test_input_not_modified_and_dtype_independent():
     assert (toks == copy).all()
     b, _ = h.hash_prompt(toks.astype(np.int64))
     assert (a == b).all()
+
+
+# --- long prompts: chunks of the whole-prompt path, periods of the key table -------------------
+
+BLOCKS_PER_PERIOD = _PERIOD * 2 // BS  # the key table repeats every _PERIOD words (2 tokens each)
+LONG = 2 * (1 << 17) + 3 * 2 * _PERIOD + 5 * BS + 7  # chunks, whole periods, a part, a tail
+
+
+@pytest.mark.parametrize("block_size", [4, 6, 16, 64])
+def test_long_prompt_paths_agree(block_size):
+    """hash_prompt's chunked pass, extend_chain's numpy pass and extend's Python ints give
+    the same chain across chunk and key-period boundaries, for any split of the prompt."""
+    h = BlockHasher(b"k", block_size)
+    toks = np.random.default_rng(block_size).integers(0, 2**31, LONG, dtype=np.int32)
+    hashes, acc = h.hash_prompt(toks, "s")
+    n = len(hashes)
+    blocks = toks[: n * block_size].reshape(n, block_size)
+    again, accs = h.extend_chain(h.initial("s"), blocks, 0)
+    assert (again == hashes).all() and (accs[-1] == acc).all()
+    for i in np.random.default_rng(1).integers(1, n, 20).tolist() + [BLOCKS_PER_PERIOD]:
+        one, one_acc = h.extend(accs[i - 1][None], blocks[i : i + 1], np.array([i]))
+        assert (one[0] == hashes[i]).all() and (one_acc[0] == accs[i]).all()
+    j = n // 3
+    head, head_acc = h.hash_prompt(toks[: j * block_size + 1], "s")
+    tail, _ = h.extend_chain(head_acc, blocks[j:], j)
+    assert (np.concatenate([head, tail]) == hashes).all()
+    prompts = [toks[:999], toks, toks[:70_000]]
+    for got, want in zip(h.hash_prompts(prompts), prompts):
+        ref, ref_acc = h.hash_prompt(want)
+        assert (got[0] == ref).all() and (got[1] == ref_acc).all()
+
+
+def test_block_swap_across_key_periods_changes_later_hashes():
+    """Blocks at the same offset of two key periods share their table keys, not their
+    multiplier: swapping them must still change every later hash (a per-period key without
+    it would leave the sums, and so the hashes after both blocks, unchanged)."""
+    h = BlockHasher(b"k", BS)
+    n = 3 * BLOCKS_PER_PERIOD * BS + 40
+    toks = np.random.default_rng(4).integers(0, 2**31, n, dtype=np.int32)
+    per = BLOCKS_PER_PERIOD
+    for j, far in [(5, 5 + per), (0, 2 * per), (7, 8 + per)]:
+        swapped = toks.copy()
+        a, b = slice(j * BS, (j + 1) * BS), slice(far * BS, (far + 1) * BS)
+        swapped[a], swapped[b] = toks[b], toks[a]
+        before, _ = h.hash_prompt(toks)
+        after, _ = h.hash_prompt(swapped)
+        assert (before[:j] == after[:j]).all()
+        assert (before[j:] != after[j:]).any(axis=1).all()
+
+
+def test_no_collisions_across_key_periods():
+    """Long prompts whose content repeats with the key table's period (so equal blocks meet
+    equal table keys), shifted by a block, or with blocks swapped across periods."""
+    h = BlockHasher(b"collision-test", BS)
+    rng = np.random.default_rng(5)
+    period_toks = BLOCKS_PER_PERIOD * BS
+    parts = []
+    for g in range(24):
+        unit = rng.integers(0, 2**31 if g % 2 else 2, period_toks, dtype=np.int32)
+        prompts = [np.tile(unit, 4), np.tile(unit[: period_toks - BS], 4),
+                   np.tile(unit[: period_toks + BS // 2], 3)]
+        swap = np.tile(unit, 3)
+        swap[: BS], swap[period_toks : period_toks + BS] = unit[BS : 2 * BS], unit[:BS]
+        prompts.append(swap)
+        for i, p in enumerate(prompts):
+            # a header block per prompt: prompts share nothing
+            header = np.array([7000 + g, i] + [0] * (BS - 2), dtype=np.int32)
+            parts.append(h.hash_prompt(np.concatenate([header, p]))[0])
+    hashes = np.concatenate(parts)
+    assert len(hashes) > 300_000
+    _assert_unique_rows(hashes)
+
+
+# --- the token-range check that rides along ----------------------------------------------------
+
+VOCAB = 129_280
+N_CHECK = BS * 9000 + 7
+
+
+@pytest.mark.parametrize("where", [0, 17, BS * 5000 + 3, N_CHECK - 1])  # chunks, the tail
+@pytest.mark.parametrize("bad", [VOCAB, 2**31 - 1, -1])
+@pytest.mark.parametrize("block_size", [16, 6])
+def test_vocab_size_rejects_ids_out_of_range(where, bad, block_size):
+    h = BlockHasher(b"k", block_size)
+    toks = np.random.default_rng(6).integers(0, VOCAB, N_CHECK, dtype=np.int32)
+    toks[where] = bad
+    message = rf"\[0, {VOCAB}\), got {bad} at position {where}"
+    with pytest.raises(RequestError, match=message):
+        h.hash_prompt(toks, vocab_size=VOCAB)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_vocab_size_accepts_ids_in_range_and_changes_nothing(method):
+    h = BlockHasher(b"k", BS, method=method)
+    n = N_CHECK if method == "keyed" else 1000
+    toks = np.random.default_rng(7).integers(0, VOCAB, n, dtype=np.int32)
+    toks[:2] = 0, VOCAB - 1
+    checked, acc = h.hash_prompt(toks, "s", vocab_size=VOCAB)
+    plain, plain_acc = h.hash_prompt(toks, "s")
+    assert (checked == plain).all() and (acc == plain_acc).all()
+    with pytest.raises(RequestError):
+        h.hash_prompt(np.append(toks, VOCAB).astype(np.int32), vocab_size=VOCAB)
+
+
+def test_vocab_size_checks_wide_ids_before_narrowing():
+    """An int64 id of 2**32 + 5 would read as 5 once narrowed to int32: it must be refused."""
+    h = BlockHasher(b"k", BS)
+    toks = np.zeros(BS * 4, dtype=np.int64)
+    toks[20] = 2**32 + 5
+    with pytest.raises(RequestError, match="position 20"):
+        h.hash_prompt(toks, vocab_size=VOCAB)
+
+
+def test_misaligned_and_concurrent_prompts_hash_alike():
+    """A prompt viewed at an odd int32 offset, and threads hashing at once (each has its own
+    scratch buffers), give the hashes of a fresh contiguous copy."""
+    import threading
+
+    h = BlockHasher(b"k", BS)
+    toks = np.random.default_rng(8).integers(0, VOCAB, 300_001, dtype=np.int32)
+    want, want_acc = h.hash_prompt(toks[1:].copy(), "s")
+    results = [None] * 4
+
+    def work(i):
+        results[i] = h.hash_prompt(toks[1:], "s", vocab_size=VOCAB)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, got_acc in results:
+        assert (got == want).all() and (got_acc == want_acc).all()
 
 
 # --- no collisions: 10 million blocks of random and structured content ---------------------------

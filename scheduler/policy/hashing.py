@@ -5,21 +5,36 @@ must mean equal prefixes: a collision would hand one tenant's KV to another's re
 Hashes are keyed by a deployment secret (all ranks, pools, the router and the simulator
 share it) and by a per-request ``cache_salt``.
 
-The fast method ("keyed") works on 64-bit words (two int32 tokens each):
+The fast method ("keyed") works on 64-bit words (two int32 tokens each, little-endian):
 
-    x_j   = xorshift32((w_j ^ K[j]) * M)      keyed bijection of word j, K from the secret,
-                                              one key per absolute word position
+    x_j   = xorshift32((w_j ^ T[j mod P]) * M[j div P])
+                                              keyed bijection of word j: T holds P = 2**13
+                                              secret keys and M one secret odd multiplier
+                                              per period of P words, so no two absolute
+                                              word positions share both
     a_i   = sum of the x_j of block i         two 64-bit lanes per block; lane b multiplies
     b_i   = sum of x_2j * x_2j+1 of block i   word pairs, so it is not a function of lane a
                                               (an odd last word adds x * (x >> 32))
     A_i   = salt + cumsum(a)_i, B_i likewise  the chain: a prefix sum over blocks
-    H_i   = final(A_i, B_i, i)                non-linear mix of both lanes into 128 bits
+    u_i   = (A_i + i*K) * K1                  K, K1, K2 secret, K1 and K2 odd:
+    H_i   = ((u_i ^ B_i) * K2, u_i)           a bijection of (A_i, B_i) for each i
 
-Every step per word is non-linear in the tokens (a multiply-xorshift permutation whose key
-depends on the position), so the algebraic collisions of a polynomial hash (Thue-Morse
-strings collide for every odd base mod 2**64) do not exist here. The lanes fold words by
-halving with strided adds and chain by a cumsum over blocks: a handful of numpy passes over
-the prompt, no Python loop per block (855K tokens hash in about 1.5 ms here).
+Every step per word is non-linear in the tokens (a multiply-xorshift permutation keyed by
+the absolute position), so the algebraic collisions of a polynomial hash (Thue-Morse strings
+collide for every odd base mod 2**64) do not exist here, and moving a block changes every
+later hash (two blocks at the same offset of different periods meet the same table key but
+different multipliers). Two prefixes collide only if their 128-bit (A, B) do at the same
+block index. Lane 0, which the block pool keys its table by, mixes both accumulators, so it
+does not inherit a collision of lane A alone.
+
+Cost, not security, shaped the rest. The key table repeats every P words, 64 KiB that stay
+in cache: streaming a key per word, as long as the prompt, from memory made the hash 15%
+slower. The lanes fold words by halving with strided adds. Each cache-sized chunk of the
+prompt is mixed, folded, chained and finalized in reused buffers before the next is read:
+about 15 numpy calls per 65K words and no Python loop per block, with admission's token-range
+check riding along (``hash_prompt(vocab_size=...)``); an 855K-token prompt takes about
+1.6 ms on one idle core here. The finalization is four passes over blocks, not fourteen: its
+multipliers are secret, so it needs no public avalanche mixer to hide (A, B).
 Method "sha256" chains ``sha256(secret, parent, block)`` per block for users who want a
 cryptographic hash and can pay a Python loop per block.
 """
@@ -31,14 +46,19 @@ import threading
 
 import numpy as np
 
+from .request import RequestError
+
 _U64 = np.uint64
 _M1 = _U64(0xBF58476D1CE4E5B9)
 _M2 = _U64(0x94D049BB133111EB)
 _S32 = _U64(32)
 _S29 = _U64(29)
-_S31 = _U64(31)
 _S33 = _U64(33)
 METHODS = ("keyed", "sha256")
+# Part of the hash's definition: changing the period changes the hashes of long prompts.
+_PERIOD_BITS = 13
+_PERIOD = 1 << _PERIOD_BITS
+_CHUNK_WORDS = 1 << 16  # words per pass of _hash_words, a multiple of _PERIOD
 
 
 class HashConfigError(ValueError):
@@ -46,14 +66,7 @@ class HashConfigError(ValueError):
 
 
 _MASK = (1 << 64) - 1
-_M1_INT, _M2_INT = int(_M1), int(_M2)
 _SCALAR_MAX = 4  # extend() on at most this many blocks uses Python ints
-
-
-def _fmix_int(z: int, mul: int) -> int:
-    z ^= z >> 33
-    z = (z * mul) & _MASK
-    return z ^ (z >> 29)
 
 
 def _fmix(z: np.ndarray, mul: np.uint64) -> np.ndarray:
@@ -61,6 +74,28 @@ def _fmix(z: np.ndarray, mul: np.uint64) -> np.ndarray:
     z *= mul
     z ^= z >> _S29
     return z
+
+
+def check_token_range(tokens: np.ndarray, vocab_size: int) -> None:
+    """Raise RequestError unless every token id is in [0, vocab_size)."""
+    if not _in_range(tokens, vocab_size):
+        _raise_token_range(tokens, vocab_size)
+
+
+def _in_range(tokens: np.ndarray, vocab_size: int) -> bool:
+    """For int32 ids one pass, not a min and a max: a negative id read as uint32 is >= 2**31."""
+    if not len(tokens):
+        return True
+    if tokens.dtype == np.int32:
+        return int(tokens.view(np.uint32).max()) < vocab_size
+    return int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size
+
+
+def _raise_token_range(tokens: np.ndarray, vocab_size: int) -> None:
+    """The error for the first id of ``tokens`` out of range."""
+    bad = int(np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0])
+    raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {int(tokens[bad])} "
+                       f"at position {bad}")
 
 
 class BlockHasher:
@@ -82,14 +117,16 @@ class BlockHasher:
         self.method = method
         self._secret = hashlib.sha256(b"lockstep-prefix-v1" + bytes(secret)).digest()
         seed = int.from_bytes(self._secret[:16], "little")
-        self._bitgen = np.random.PCG64(seed)
-        self._keys = np.empty(0, dtype=np.uint64)
+        self._table = np.random.PCG64(seed).random_raw(_PERIOD).astype(np.uint64)
         consts = np.random.Generator(np.random.PCG64(seed ^ 0x5EED)).integers(
             1, 2**63, size=4, dtype=np.uint64
         )
         self._mul = consts | _U64(1)  # odd multipliers are bijections mod 2**64
-        self._mul_ints = tuple(int(v) for v in self._mul[[0, 2, 3]])
-        self._words_per_block = block_size // 2
+        self._mul_ints = tuple(int(v) for v in self._mul[1:])  # K1, K2, K of the docstring
+        self._period_base = _U64(int.from_bytes(self._secret[16:24], "little"))
+        self._mults = self._mul[:1].copy()  # one per period of words; period 0 uses _mul[0]
+        self._words_per_block = wpb = block_size // 2
+        self._chunked = wpb >= 2 and not wpb & (wpb - 1)  # _hash_words halves blocks of words
         self._local = threading.local()
         self._init_unsalted = np.zeros(2, np.uint64)
         self._init_unsalted = self.initial(b"")
@@ -105,23 +142,41 @@ class BlockHasher:
 
     # -- whole prompts -------------------------------------------------------------------
     def hash_prompt(
-        self, tokens: np.ndarray, cache_salt: bytes | str | None = None
+        self, tokens: np.ndarray, cache_salt: bytes | str | None = None, *,
+        vocab_size: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        n_blocks = len(tokens) // self.block_size
+        """Hashes of the prompt's full blocks and the chain accumulator after them.
+
+        ``vocab_size``: also check that every token id (the trailing partial block's too) is
+        in [0, vocab_size), raising RequestError, inside the hashing pass rather than as
+        another pass over the prompt.
+        """
+        if not isinstance(tokens, np.ndarray):
+            tokens = np.asarray(tokens)
+        bs = self.block_size
+        n_blocks = len(tokens) // bs
         init = self.initial(cache_salt)
+        fused = (vocab_size is not None and self.method == "keyed" and self._chunked
+                 and tokens.dtype == np.int32)
+        if vocab_size is not None:  # fused: _hash_words checks the full blocks as it goes
+            if not _in_range(tokens[n_blocks * bs :] if fused else tokens, vocab_size):
+                _raise_token_range(tokens, vocab_size)
         if n_blocks == 0:
             return np.empty((0, 2), dtype=np.uint64), init
-        body = np.ascontiguousarray(tokens[: n_blocks * self.block_size], dtype=np.int32)
+        body = np.ascontiguousarray(tokens[: n_blocks * bs], dtype=np.int32)
         if self.method == "sha256":
             return self._sha256_chain(body.reshape(n_blocks, -1), init)
-        a, b = self._prompt_lanes(body.view(np.uint64))
+        words = body.view(np.uint64)
+        if self._chunked:
+            return self._hash_words(words, init, vocab_size if fused else None)
+        # Blocks of an odd or non-power-of-two number of words: the same math, unchunked.
+        a, b = self._block_lanes(self._mix(words, np.arange(len(words)), len(words) - 1))
         np.cumsum(a, out=a)
         np.cumsum(b, out=b)
         a += init[0]
         b += init[1]
-        index = np.arange(n_blocks, dtype=np.uint64)
         last = np.array([a[-1], b[-1]], dtype=np.uint64)
-        return self._finalize(a, b, index), last
+        return self._finalize(a, b, np.arange(n_blocks, dtype=np.uint64)), last
 
     def hash_prompts(self, prompts: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """``hash_prompt`` (unsalted) of many prompts in one pass: what a simulator admits
@@ -135,10 +190,8 @@ class BlockHasher:
         body = np.concatenate([np.asarray(p[: n * bs], dtype=np.int32) for p, n in zip(prompts, nblk.tolist())])
         first_block = np.cumsum(nblk) - nblk
         block_no = np.arange(int(nblk.sum())) - np.repeat(first_block, nblk)
-        self._ensure_keys(int(nblk.max()) * wpb)
         pos = (block_no[:, None] * wpb + np.arange(wpb)).ravel()  # words restart per prompt
-        x = self._permute(body.view(np.uint64) ^ self._keys[pos])
-        a, b = self._block_lanes(x)
+        a, b = self._block_lanes(self._mix(body.view(np.uint64), pos, int(nblk.max()) * wpb - 1))
         np.cumsum(a, out=a)
         np.cumsum(b, out=b)
         # Each prompt's chain: the running sums since its first block (exact mod 2**64).
@@ -172,13 +225,12 @@ class BlockHasher:
                 h, _ = self._sha256_chain(blocks[r : r + 1], parent_acc[r])
                 out_h[r] = h[0]
             return out_h, out_h.copy()  # for sha256 the accumulator is the hash itself
-        wpb = self._words_per_block
-        pos = (block_index.astype(np.int64)[:, None] * wpb + np.arange(wpb)).ravel()
-        self._ensure_keys(int(pos.max()) + 1 if m else 0)
         if m <= _SCALAR_MAX:  # numpy's per-call cost dominates a few blocks: same math in ints
             return self._extend_ints(parent_acc, blocks, block_index)
-        x = self._permute(blocks.view(np.uint64).ravel() ^ self._keys[pos])
-        a, b = self._block_lanes(x)
+        wpb = self._words_per_block
+        pos = (block_index.astype(np.int64)[:, None] * wpb + np.arange(wpb)).ravel()
+        max_pos = (int(block_index.max()) + 1) * wpb - 1
+        a, b = self._block_lanes(self._mix(blocks.view(np.uint64).ravel(), pos, max_pos))
         acc = parent_acc.astype(np.uint64, copy=True)
         acc[:, 0] += a
         acc[:, 1] += b
@@ -199,13 +251,12 @@ class BlockHasher:
             out_h, _ = self._sha256_chain(blocks, parent_acc)
             return out_h, out_h.copy()
         wpb = self._words_per_block
-        self._ensure_keys((first_index + m) * wpb)
         if m <= _SCALAR_MAX:
             pa, pb = parent_acc.tolist()
             rows = blocks.view(np.uint64).tolist()
             return self._chain_ints(pa, pb, rows, range(first_index, first_index + m))
-        x = self._mixed_words(blocks.view(np.uint64).ravel(), first_index * wpb)
-        a, b = self._block_lanes(x)
+        pos = np.arange(first_index * wpb, (first_index + m) * wpb)
+        a, b = self._block_lanes(self._mix(blocks.view(np.uint64).ravel(), pos, int(pos[-1])))
         np.cumsum(a, out=a)
         np.cumsum(b, out=b)
         a += parent_acc[0]
@@ -226,83 +277,116 @@ class BlockHasher:
 
     def _chain_ints(self, pa: int, pb: int, rows: list, indices) -> tuple[np.ndarray, np.ndarray]:
         """Blocks ``rows`` (lists of 64-bit words) chained from accumulator (pa, pb)."""
-        wpb, mask, keys = self._words_per_block, _MASK, self._keys
-        m0, m2, m3 = self._mul_ints
+        wpb, mask = self._words_per_block, _MASK
+        k1, k2, ki = self._mul_ints
         hashes, accs = [], []
         for words, i in zip(rows, indices):
             xs = []
-            for w, k in zip(words, keys[i * wpb : (i + 1) * wpb].tolist()):
-                x = ((w ^ k) * m0) & mask
+            for w, key, m in zip(words, *self._word_keys(i * wpb, wpb)):
+                x = ((w ^ key) * m) & mask
                 xs.append(x ^ (x >> 32))
             b = sum(xs[j] * xs[j + 1] for j in range(0, wpb - 1, 2))
             if wpb % 2:
                 b += xs[-1] * (xs[-1] >> 32)
             pa, pb = (pa + sum(xs)) & mask, (pb + b) & mask
-            h0 = _fmix_int(pa ^ ((pb * m2) & mask) ^ ((i * m3) & mask), _M1_INT)
-            hashes.append((h0, _fmix_int((pb + h0) & mask, _M2_INT)))
+            u = ((pa + i * ki) * k1) & mask
+            hashes.append((((u ^ pb) * k2) & mask, u))
             accs.append((pa, pb))
         return np.array(hashes, dtype=np.uint64), np.array(accs, dtype=np.uint64)
 
     # -- internals -----------------------------------------------------------------------
-    def _ensure_keys(self, n_words: int) -> None:
-        if n_words <= len(self._keys):
-            return
-        grow = max(n_words, 2 * len(self._keys), 1 << 16) - len(self._keys)
-        # random_raw continues one stream, so a longer key array keeps its prefix.
-        more = self._bitgen.random_raw(grow).astype(np.uint64)
-        self._keys = np.concatenate([self._keys, more])
+    def _mults_upto(self, n_periods: int) -> np.ndarray:
+        """The multipliers of the first ``n_periods`` periods of words (at least)."""
+        if n_periods > len(self._mults):
+            # A pure function of the period number, so growing (from any thread) keeps the
+            # multipliers already handed out.
+            c = np.arange(max(n_periods, 2 * len(self._mults), 64), dtype=np.uint64)
+            more = _fmix(_fmix(self._period_base + c * _U64(0x9E3779B97F4A7C15), _M1), _M2)
+            more |= _U64(1)
+            more[0] = self._mul[0]
+            self._mults = more
+        return self._mults
 
-    _CHUNK_WORDS = 1 << 17  # 1 MiB of words: the passes below stay in cache
-
-    def _prompt_lanes(self, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``_block_lanes(_mixed_words(words, 0))``, the same numbers, computed a cache-sized
-        chunk at a time into reused buffers: a long prompt's passes then run from cache and
-        touch no fresh pages (3-4x faster for an 855K-token prompt than whole-array passes)."""
-        wpb = self._words_per_block
-        if wpb & (wpb - 1) or wpb < 2:  # the general path handles odd shapes
-            return self._block_lanes(self._mixed_words(words, 0))
-        n_blocks = len(words) // wpb
-        words = words[: n_blocks * wpb]  # whole blocks only, as hash_prompt passes them
-        self._ensure_keys(len(words))
-        a, b = np.empty(n_blocks, np.uint64), np.empty(n_blocks, np.uint64)
-        x_buf, t_buf, a_buf, b_buf = self._scratch()
-        for start in range(0, len(words), self._CHUNK_WORDS):
-            end = min(start + self._CHUNK_WORDS, len(words))
-            n = end - start
-            x, t = x_buf[:n], t_buf[:n]
-            np.bitwise_xor(words[start:end], self._keys[start:end], out=x)
-            np.multiply(x, self._mul[0], out=x)  # _permute, in place
-            np.right_shift(x, _S32, out=t)
-            np.bitwise_xor(x, t, out=x)
-            la, lb = a_buf[: n // 2], b_buf[: n // 2]
-            np.add(x[0::2], x[1::2], out=la)
-            np.multiply(x[0::2], x[1::2], out=lb)
-            while len(la) > n // wpb:  # halve pairwise down to one sum per block
-                m = len(la) // 2  # (numpy buffers overlapping operands, so in place is exact)
-                la = np.add(la[0::2], la[1::2], out=la[:m])
-                lb = np.add(lb[0::2], lb[1::2], out=lb[:m])
-            a[start // wpb : end // wpb] = la
-            b[start // wpb : end // wpb] = lb
-        return a, b
-
-    def _scratch(self) -> tuple[np.ndarray, ...]:
-        """Buffers for ``_prompt_lanes``, one set per thread (the engine hashes in workers)."""
-        local = self._local
-        if not hasattr(local, "bufs"):
-            c = self._CHUNK_WORDS
-            local.bufs = (np.empty(c, np.uint64), np.empty(c, np.uint64),
-                          np.empty(c // 2, np.uint64), np.empty(c // 2, np.uint64))
-        return local.bufs
-
-    def _mixed_words(self, words: np.ndarray, first_word: int) -> np.ndarray:
-        self._ensure_keys(first_word + len(words))
-        x = np.bitwise_xor(words, self._keys[first_word : first_word + len(words)])
-        return self._permute(x)
-
-    def _permute(self, x: np.ndarray) -> np.ndarray:
-        x *= self._mul[0]
-        x ^= np.right_shift(x, _S32)
+    def _mix(self, words: np.ndarray, pos: np.ndarray, max_pos: int) -> np.ndarray:
+        """x_j of the module docstring for ``words`` at absolute word positions ``pos`` (the
+        largest is ``max_pos``)."""
+        if max_pos < _PERIOD:  # one period: one multiplier, and no wrap of the key table
+            x = words ^ self._table[pos]
+            x *= self._mul[0]
+        else:
+            x = words ^ self._table[pos & (_PERIOD - 1)]
+            x *= self._mults_upto((max_pos >> _PERIOD_BITS) + 1)[pos >> _PERIOD_BITS]
+        x ^= x >> _S32
         return x
+
+    def _word_keys(self, first: int, n: int) -> tuple[list[int], list[int]]:
+        """Keys and multipliers of words first..first+n-1, as Python ints."""
+        off, period = first & (_PERIOD - 1), first >> _PERIOD_BITS
+        if off + n <= _PERIOD:  # the usual case: a block lies inside one period
+            mult = int(self._mults_upto(period + 1)[period])
+            return self._table[off : off + n].tolist(), [mult] * n
+        pos = np.arange(first, first + n)
+        mults = self._mults_upto(((first + n - 1) >> _PERIOD_BITS) + 1)
+        return self._table[pos & (_PERIOD - 1)].tolist(), mults[pos >> _PERIOD_BITS].tolist()
+
+    def _hash_words(self, words: np.ndarray, init: np.ndarray, vocab_size: int | None):
+        """``hash_prompt`` of whole blocks of 64-bit words, for blocks of 2**k >= 2 words.
+
+        One chunk of the prompt at a time is mixed, checked, folded into lanes, chained and
+        finalized into ``out`` in two reused buffers, so numpy's passes run from cache and
+        touch no fresh pages. The views of those buffers that each pass reads and writes
+        are made once per thread (``_Chunk``): with a few dozen numpy calls per chunk, making
+        views was a third of the cost of a chunk.
+        """
+        wpb = self._words_per_block
+        n_blocks = len(words) // wpb
+        out = np.empty((n_blocks, 2), np.uint64)
+        h0_all, u_all = out[:, 0], out[:, 1]
+        mults = self._mults_upto(((len(words) - 1) >> _PERIOD_BITS) + 1)
+        table, k1, k2, ki = self._table, self._mul[1], self._mul[2], self._mul_ints[2]
+        xor, mul, add = np.bitwise_xor, np.multiply, np.add
+        full, steps = self._scratch()
+        pa, pb = init.tolist()
+        for start in range(0, len(words), _CHUNK_WORDS):
+            w = words[start : start + _CHUNK_WORDS]
+            c = full if len(w) == _CHUNK_WORDS else _Chunk(full.x_buf, full.t_buf, len(w), wpb)
+            period, lo, hi = start >> _PERIOD_BITS, start // wpb, (start + len(w)) // wpb
+            if c.periods:  # x = (w ^ T[j mod P]) * M[j div P], the table broadcast over periods
+                xor(w[: c.full].reshape(c.periods, _PERIOD), table, c.x_periods)
+                mul(c.x_periods, mults[period : period + c.periods, None], c.x_periods)
+            if c.full < len(w):
+                xor(w[c.full :], table[: len(c.x_rest)], c.x_rest)
+                mul(c.x_rest, mults[period + c.periods], c.x_rest)
+            if vocab_size is not None and int(w.view(np.uint32).max()) >= vocab_size:
+                _raise_token_range(words.view(np.int32), vocab_size)
+            xor(c.x_lo, c.x_hi, c.x_lo)  # x ^= x >> 32
+            add(c.x_even, c.x_odd, c.sums)
+            mul(c.x_even, c.x_odd, c.products)
+            for even, odd, halves in c.halvings:
+                add(even, odd, halves)
+            a, b = c.a, c.b
+            # The chain carried in from the previous chunk, and lo * K of the finalization's
+            # A + i * K riding along (i * K = lo * K + (i - lo) * K): a pass saved.
+            a[0] = (int(a[0]) + pa + lo * ki) & _MASK
+            b[0] = (int(b[0]) + pb) & _MASK
+            np.add.accumulate(c.ab_int64, axis=1, out=c.ab_int64)  # int64 runs 2x faster here
+            pa, pb = (int(a[-1]) - lo * ki) & _MASK, int(b[-1])
+            u, z = u_all[lo:hi], c.z  # finalize: see _finalize
+            add(a, steps[: hi - lo], z)
+            mul(z, k1, u)
+            xor(u, b, z)
+            mul(z, k2, h0_all[lo:hi])
+        return out, np.array([pa, pb], dtype=np.uint64)
+
+    def _scratch(self) -> tuple[_Chunk, np.ndarray]:
+        """Buffers and views for ``_hash_words``'s full chunks, one set per thread (the
+        engine hashes in workers), and (i - lo) * K for the blocks of a chunk."""
+        local = self._local
+        if not hasattr(local, "chunk"):
+            buf = np.empty(_CHUNK_WORDS, np.uint64), np.empty(_CHUNK_WORDS, np.uint64)
+            local.chunk = _Chunk(*buf, _CHUNK_WORDS, self._words_per_block)
+            local.steps = np.arange(len(local.chunk.z), dtype=np.uint64) * self._mul[3]
+        return local.chunk, local.steps
 
     def _block_lanes(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per-block lane sums of the mixed words x (whole blocks, flat)."""
@@ -322,14 +406,9 @@ class BlockHasher:
         return a, b
 
     def _finalize(self, a: np.ndarray, b: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """(A, B, i) -> 128 bits; a bijection of (A, B) for each i, so nothing is lost.
-
-        Both output lanes depend on both accumulators: the block pool keys its table by
-        lane 0, so lane 0 must not inherit a collision of lane A alone.
-        """
-        h0 = _fmix(a ^ (b * self._mul[2]) ^ (index * self._mul[3]), _M1)
-        h1 = _fmix(b + h0, _M2)
-        return np.stack([h0, h1], axis=1)
+        """(A, B, i) -> the 128-bit hash H of the module docstring, shape (len(a), 2)."""
+        u = (a + index * self._mul[3]) * self._mul[1]
+        return np.stack([(u ^ b) * self._mul[2], u], axis=1)
 
     def _sha256_chain(self, blocks: np.ndarray, init: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         out = np.empty((len(blocks), 2), dtype=np.uint64)
@@ -338,3 +417,33 @@ class BlockHasher:
             parent = hashlib.sha256(self._secret + parent + block.tobytes()).digest()[:16]
             out[i] = np.frombuffer(parent, dtype=np.uint64)
         return out, (out[-1].copy() if len(out) else init)
+
+
+class _Chunk:
+    """Views into two scratch buffers for hashing a chunk of n words, wpb words a block:
+    x, then [pair sums | pair products] of x in t, halved in turn into x and t until
+    [a | b] holds one sum per block, leaving the other buffer's head as scratch z."""
+
+    def __init__(self, x_buf: np.ndarray, t_buf: np.ndarray, n: int, wpb: int):
+        k = n // wpb
+        self.x_buf, self.t_buf = x_buf, t_buf
+        self.x, self.t = x_buf[:n], t_buf[:n]
+        self.periods, self.full = n >> _PERIOD_BITS, (n >> _PERIOD_BITS) << _PERIOD_BITS
+        self.x_periods = self.x[: self.full].reshape(self.periods, _PERIOD)
+        self.x_rest = self.x[self.full :]
+        self.x_even, self.x_odd = self.x[0::2], self.x[1::2]
+        halves = self.x.view(np.uint32)  # x ^= x >> 32 is lo ^= hi (little-endian, as the
+        # words themselves are): one pass, not two
+        self.x_lo, self.x_hi = halves[0::2], halves[1::2]
+        self.sums, self.products = self.t[: n // 2], self.t[n // 2 :]
+        # Halving in place would make numpy copy its overlapping input first: ping-pong.
+        self.halvings, src, dst, length = [], self.t, self.x, n
+        while length > 2 * k:
+            length //= 2
+            self.halvings.append((src[0 : 2 * length : 2], src[1 : 2 * length : 2], dst[:length]))
+            src, dst = dst, src
+        self.ab = src[: 2 * k].reshape(2, k)
+        self.a, self.b = self.ab
+        self.ab_int64 = self.ab.view(np.int64)  # the same bits: adds wrap alike mod 2**64
+        self.z = dst[:k]
+
