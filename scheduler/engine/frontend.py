@@ -81,8 +81,9 @@ class Frontend:
             tokens = np.asarray(self.tokenizer.encode(p.prompt), dtype=np.int32)
         else:
             tokens = p.prompt
-        check_prompt(tokens, p.params, self.max_model_len, self.vocab_size)
-        hashes, acc = self.hasher.hash_prompt(tokens, p.cache_salt)
+        check_prompt(tokens, p.params, self.max_model_len, self.vocab_size, check_ids=False)
+        # The token ids' range is checked inside the hashing pass: no extra pass over the prompt.
+        hashes, acc = self.hasher.hash_prompt(tokens, p.cache_salt, vocab_size=self.vocab_size)
         return tokens, hashes, acc
 
 
@@ -97,12 +98,15 @@ def as_token_array(prompt) -> object:
     return arr.astype(np.int32, copy=False)
 
 
-def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int) -> None:
+def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int, *,
+                 check_ids: bool = True) -> None:
     if len(tokens) == 0:
         raise RequestError("prompt must hold at least one token")
     if len(tokens) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                            f"the model's context of {max_model_len} tokens", reason="context_length")
+    if not check_ids:
+        return
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
         raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got one of {lo if lo < 0 else hi}")
