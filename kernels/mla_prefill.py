@@ -156,10 +156,12 @@ def _prefix_chunk(cache, block_tables, scale, starts: list[int], lens: list[int]
                                   torch.tensor(lens, device=dev), output_size=total)
     first = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)
     pos = torch.arange(total, device=dev) - first[seq] + torch.tensor(starts, device=dev)[seq]
-    slots = block_tables[seq, pos // bs].long() * bs + pos % bs
-    ent = cache.view(-1, cache.shape[-1])[slots]
+    # (block, offset) indexing, not a flat slot: a layer's view of the block-major pool is
+    # strided between blocks (its stride(0) spans every layer's block), so it has no flat view.
+    blk, off = block_tables[seq, pos // bs].long(), pos % bs
+    ent = cache[blk, off]
     if scale is not None:
-        return (ent.float() * scale.view(-1)[slots, None]).to(dtype)
+        return (ent.float() * scale[blk, off][:, None]).to(dtype)
     return ent.to(dtype)
 
 
@@ -171,7 +173,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
     """New tokens (q [T, H, DN + DR], k_nope [T, H, DN], k_pe [T, DR], v [T, H, DV], packed by
     cu_seqlens [B + 1] int32, longest `max_new`) attending causally to themselves and to
     their cached prefixes of `prefix_lens` tokens (host ints). cache [blocks, block_size,
-    DL + DR] bf16 or e4m3fn (with `scale` [blocks, block_size]); block_tables [B, max_blocks];
+    DL + DR] bf16 or e4m3fn (with `scale` [blocks, block_size] float32), any strides with a unit
+    last one (a layer's view of the block-major pool); block_tables [B, max_blocks];
     w_kv_b [H * (DN + DV), DL], kv_b_proj's weight. At most `chunk_tokens` prefix tokens
     (over all sequences) are expanded at a time. Returns [T, H, DV] in q's dtype."""
     dev = q.device
@@ -185,6 +188,9 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
         raise ValueError(f"prefix_lens has {len(prefix_lens)} entries for {batch} sequences")
     if (cache.dtype == FP8) != (scale is not None):
         raise ValueError("scale [num_blocks, block_size] float32 goes with an FP8 cache, only")
+    if scale is not None:
+        check(scale, "scale", dims=2, dtypes=(torch.float32,), device=dev, last_contiguous=False)
+        check_shape(scale, "scale", tuple(cache.shape[:2]))
     out = torch.empty(q.shape[0], h, dv, dtype=torch.float32, device=dev)
     out, lse = mla_attention(q, k_nope, k_pe, v, cu_seqlens, cu_seqlens, max_new, sm_scale,
                              causal=True, out=out, config=config)

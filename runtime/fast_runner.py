@@ -12,6 +12,9 @@ nothing, choose no expert and are not counted.
 
 ``graphs``: "on" (CUDA), "off", or "padded" (the graph path's buffers and padding without
 capturing: how the CPU tests run that code).
+
+The KV cache (bf16, or FP8 with per-token scales) is the runtime's pool, whose per-layer
+views never move: a graph bakes in their addresses as it does the input buffers'.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ _PAD = (0, 0, -1, 0)  # token id, position, KV slot, table row of a padding toke
 
 
 class FastRunner:
-    def __init__(self, fast: FastDeepseek, kv: list[torch.Tensor], *, max_num_seqs: int, max_blocks: int,
+    def __init__(self, fast: FastDeepseek, kv: list, *, max_num_seqs: int, max_blocks: int,
                  max_model_len: int, device: torch.device, graphs: str = "on",
                  sizes: tuple[int, ...] = GRAPH_SIZES):
         if graphs not in ("on", "off", "padded"):

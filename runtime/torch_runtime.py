@@ -121,14 +121,12 @@ class TorchRuntime:
                      kv_bytes_per_token=self.kv_pool[0].numel() * self.kv_pool.element_size() // self.bs)
 
     def _fast_runner(self, spec: RuntimeSpec):
-        """The fast path: on by default on CUDA for bfloat16/float16 models."""
+        """The fast path: on by default on CUDA for bfloat16/float16 models, over either KV
+        cache dtype (FP8: the kernels take the pool's per-token scales)."""
         opts = spec.options
         want = opts.get("fast", self.device.type == "cuda" and self.model.dtype in (torch.bfloat16, torch.float16))
         if not want:
             return None
-        if self.kv_dtype is not None:
-            raise ValueError("kv_cache_dtype 'fp8' runs on the reference path so far: start the runtime with "
-                             "option fast=false (the fast path's kernels read FP8, its pool is not wired yet)")
         from .fast_runner import GRAPH_SIZES, FastRunner
         from .models.fast import FastDeepseek
 

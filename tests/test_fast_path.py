@@ -30,11 +30,13 @@ from lockstep.policy.request import Request, SamplingParams  # noqa: E402
 from lockstep.runtime.base import NewRequests, RuntimeSpec  # noqa: E402
 from lockstep.runtime.models import load_model  # noqa: E402
 from lockstep.runtime.models.batch import ForwardBatch  # noqa: E402
+from lockstep.runtime.models.deepseek_v3 import FP8Cache  # noqa: E402
 from lockstep.runtime.models.fast import DECODE_MAX_NEW, FastDeepseek, layer_weights  # noqa: E402
 from lockstep.runtime.sampling import sample_on_device  # noqa: E402
 from lockstep.runtime.torch_runtime import TorchRuntime  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FP8 = torch.float8_e4m3fn
 # Two layers (one dense, one MoE) keep the interpreter quick; a wide init gives clear argmax
 # margins, so greedy tokens are comparable across bf16 paths.
 SMALL = {"num_hidden_layers": 2, "initializer_range": 0.15}
@@ -81,7 +83,10 @@ def _ground_truth(model16):
     return ref
 
 
-def test_fast_forward_matches_reference_for_prefill_mixed_and_decode():
+@pytest.mark.parametrize("kv_dtype", [None, FP8], ids=["bf16_cache", "fp8_cache"])
+def test_fast_forward_matches_reference_for_prefill_mixed_and_decode(kv_dtype):
+    """With an FP8 cache every path (float32 truth included) stores e4m3 with per-token
+    scales, so the fast path's kernels are judged against the same quantization."""
     model = tiny(torch.bfloat16)
     truth = _ground_truth(model)
     fast = FastDeepseek(model)
@@ -95,7 +100,7 @@ def test_fast_forward_matches_reference_for_prefill_mixed_and_decode():
     steps.append(([[5], [6], [8], [2]], done))  # decode only
     outs = {}
     for name, m in (("truth", truth), ("ref", model), ("fast", fast)):
-        kv = (truth if m is truth else model).make_kv_cache(32, BS)
+        kv = (truth if m is truth else model).make_kv_cache(32, BS, kv_dtype)
         outs[name] = []
         for new, cached in steps:  # logits at every position: many rows to judge by
             b = ForwardBatch.build(new, cached, tables, BS, device=DEV)
@@ -107,8 +112,10 @@ def test_fast_forward_matches_reference_for_prefill_mixed_and_decode():
         row_ref, row_fast = (((x - lt).abs().amax(-1) / lt.abs().amax(-1)) for x in (lr, lf))
         assert row_fast.median() <= 2 * row_ref.median() + 0.01, f"step {i}: {row_fast.median()} vs {row_ref.median()}"
         assert int((row_fast > 0.2).sum()) <= int((row_ref > 0.2).sum()) + 1, f"step {i}"
-        agree = (lf.argmax(-1) == lt.argmax(-1)).float().mean()
-        assert agree >= (lr.argmax(-1) == lt.argmax(-1)).float().mean() - 0.1, f"step {i}: argmax agreement {agree}"
+        # Argmax against float32: as often right as the bf16 reference, give or take a tenth of
+        # the rows and at least one (a near-tie flips either way: the decode step has 4 rows).
+        wrong_fast, wrong_ref = (int((x.argmax(-1) != lt.argmax(-1)).sum()) for x in (lf, lr))
+        assert wrong_fast <= wrong_ref + max(1, len(lt) // 10), f"step {i}: argmax {wrong_fast} vs {wrong_ref} off"
         assert torch.equal(cf.sum(-1), ct.sum(-1))  # every real token counted k times per MoE layer
 
 
@@ -163,19 +170,44 @@ def _runtime(**options) -> TorchRuntime:
     return rt
 
 
-def test_runtime_fast_path_follows_the_reference_path():
-    ref = _runtime(fast=False)
-    fast = _runtime(fast=True, cuda_graphs="padded", compile=False)
+@pytest.mark.parametrize("kv", ["auto", "fp8"], ids=["bf16_cache", "fp8_cache"])
+def test_runtime_fast_path_follows_the_reference_path(kv):
+    """Prefill chunks, mixed steps and padded decode steps (the graph path's buffers). With
+    kv_cache_dtype fp8 the fast path stores through kv_store with per-token scales and reads
+    them in mla_decode and mla_prefill, in the reference path's pool layout (what P/D moves):
+    the two runtimes' pools then hold the same entries."""
+    ref = _runtime(fast=False, kv_cache_dtype=kv)
+    fast = _runtime(fast=True, cuda_graphs="padded", compile=False, kv_cache_dtype=kv)
     prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
     want, got = _drive([ref, fast], prompts)
     assert fast.runner.eager_steps and fast.runner.replays and fast.runner.mode == "padded"
+    sampled = [(a, b) for a, b in zip(want, got) if len(a.token_ids)]
+    err = max(float(np.abs(b.logprobs - a.logprobs).max()) for a, b in sampled)
+    assert err < 0.1
+    # FP8: each path quantizes its own bf16 latents, and where they straddle a rounding
+    # boundary the codes differ by a step (1/16 to 1/8 of the value): logprobs differ about twice as
+    # much as with bf16 (0.06 here), more than some of this random model's top-2 margins. So
+    # greedy tokens must be equal where the reference's margin is clear (over twice that).
+    clear_above = 2 * err if kv == "fp8" else -1.0
+    compared = 0
     for a, b in zip(want, got):
         assert np.array_equal(a.num_sampled, b.num_sampled)
-        assert np.array_equal(a.token_ids, b.token_ids)
         if len(a.token_ids):
-            np.testing.assert_allclose(b.logprobs, a.logprobs, atol=0.1)
+            clear = a.top_logprobs[:, 0] - a.top_logprobs[:, 1] > clear_above
+            assert np.array_equal(a.token_ids[clear], b.token_ids[clear])
             assert np.array_equal(b.expert_counts.sum(-1), a.expert_counts.sum(-1))
+            compared += int(clear.sum())
+    assert compared >= sum(len(a.token_ids) for a, _ in sampled) // 3
     assert np.array_equal(fast.runner.tables.cpu().numpy(), fast.tables)  # device table by deltas
+    for a, b in zip(ref.kv, fast.kv):  # per layer, every token's entry (unwritten ones are zero)
+        ea, eb = _entries(a), _entries(b)
+        top = ea.abs().amax(-1, keepdim=True).clamp_min(1e-6)
+        assert float(((eb - ea).abs() / top).max()) < 0.1  # an e4m3 step at the top (448) is 32: 1/14
+
+
+def _entries(layer_cache) -> torch.Tensor:
+    """A layer's cache entries in float32 (dequantized when FP8)."""
+    return layer_cache[:] if isinstance(layer_cache, FP8Cache) else layer_cache.float()
 
 
 def test_fast_path_with_expert_slots_computes_through_them():

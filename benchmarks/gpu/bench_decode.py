@@ -18,7 +18,11 @@ CUDA graphs for decode steps, sampling on the device.
    (counted from the step's own expert counts), and the KV read.
 4. at batch 64, context 1K: a sampled step (temperature 1, top-p 0.95), the fast path without
    graphs, and the reference path.
-5. while time is left, in this order: FP8 expert weights (W8A16) at batch 64 and 256;
+5. while time is left, in this order: FP8 expert weights (W8A16) at batch 64 and 256; the
+   FP8 KV cache (kv_cache_dtype fp8: e4m3 entries, a float32 scale per token) on the fast path,
+   checked against the reference path with an FP8 cache (v2-lite cut to 3 layers) and timed
+   at batch 64 and 256 at the longest context (the roofline reads 1 byte a value and a 4-byte
+   scale per token and layer);
    transformers' DeepseekV3ForCausalLM forward loop at batch 64, prompts of 512 (the issue's
    baseline; its other figures are quoted from the issue); the tiny-preset correctness
    check; the engine end to end (LLM on CUDA, runtime processes), fast vs reference path.
@@ -152,10 +156,11 @@ def free(*runtimes) -> None:
         torch.cuda.empty_cache()
 
 
-def step_bytes(cfg, batch: int, ctx: int, touched: float, expert_bytes: int = 2) -> float:
+def step_bytes(cfg, batch: int, ctx: int, touched: float, expert_bytes: int = 2,
+               kv_token_bytes: float | None = None) -> float:
     """Bytes a decode step must read: non-expert weights, ``touched`` routed experts per MoE
-    layer (``expert_bytes`` per weight), the latent KV of every sequence (bf16), the
-    embedding rows and the LM head."""
+    layer (``expert_bytes`` per weight), the latent KV of every sequence (``kv_token_bytes``
+    per token, every layer; default bf16), the embedding rows and the LM head."""
     h, e2 = cfg.hidden_size, 2
     if cfg.q_lora_rank is None:
         q = h * cfg.num_attention_heads * cfg.qk_head_dim
@@ -169,7 +174,9 @@ def step_bytes(cfg, batch: int, ctx: int, touched: float, expert_bytes: int = 2)
     weights = (cfg.num_hidden_layers * attn + dense * 3 * h * cfg.intermediate_size * e2
                + moe * (cfg.n_shared_experts * expert + touched * expert * expert_bytes / e2
                         + cfg.n_routed_experts * h * 4))
-    kv = cfg.num_hidden_layers * batch * (ctx + 1) * cfg.kv_cache_dim * e2
+    if kv_token_bytes is None:
+        kv_token_bytes = cfg.num_hidden_layers * cfg.kv_cache_dim * e2
+    kv = batch * (ctx + 1) * kv_token_bytes
     return weights + kv + cfg.vocab_size * h * e2 + batch * h * e2
 
 
@@ -252,13 +259,16 @@ def compare(ref_results, results) -> dict:
             "min_ref_margin": float(margin.min()) if len(margin) else 0.0, "expert_count_totals_equal": counts_ok}
 
 
-def check_correctness(run: Run, name: str, model: str, overrides: dict, device: str, smoke: bool) -> None:
+def check_correctness(run: Run, name: str, model: str, overrides: dict, device: str, smoke: bool,
+                      **options) -> None:
+    """``options``: runtime options for all three runtimes (kv_cache_dtype="fp8": the fast path's
+    FP8 cache against the reference path's)."""
     rng = np.random.default_rng(0)
     vocab = preset(model, **overrides).vocab_size
     lens = (1, 17, 40, 5) if smoke else (1, 17, 64, 130, 300, 700, 3, 33)
     prompts = [rng.integers(3, vocab, n).tolist() for n in lens]
     kw = dict(blocks=256 if smoke else 1024, max_seqs=4 if smoke else 8, max_len=256 if smoke else 1024,
-              overrides=overrides)
+              overrides=overrides, **options)
     graphs = "padded" if smoke else "on"
     rts = [runtime(model, device, fast=False, **kw),
            runtime(model, device, fast=True, cuda_graphs=graphs, compile=not smoke, **kw),
@@ -314,7 +324,9 @@ def time_decode(run: Run, rt: TorchRuntime, batch: int, ctx: int, first_req: int
         rt.forget([int(r) for r in req_ids])
     step_ms = 1e3 * statistics.median(walls)
     t_experts = statistics.mean(touched)
-    roof = 1e3 * step_bytes(cfg, batch, ctx + warmup, t_experts, expert_bytes) / run.info.get("copy_Bps", 4.19e12)
+    kv_token = rt.model.kv_block_bytes(BS, rt.kv_dtype) / BS  # every layer's entry (and FP8 scale)
+    bandwidth = run.info.get("copy_Bps", 4.19e12)
+    roof = 1e3 * step_bytes(cfg, batch, ctx + warmup, t_experts, expert_bytes, kv_token) / bandwidth
     target = TARGET_TOK_S.get(batch, "")
     frac_target = 0.7 if batch >= 64 else 0.5
     tok_s = batch / (step_ms / 1e3)
@@ -367,8 +379,7 @@ def bench_decode(run: Run, args, device: str) -> None:
         run.info["decode_runner_after_load"] = rt.runner.statistics()
         if device != "cpu":
             run.info["gpu_mem_gb_after_load"] = torch.cuda.memory_allocated() / 1e9
-        with torch.no_grad():  # cache content does not change the time; keep it finite
-            rt.kv_pool.normal_(0.0, 1.0)
+        fill_kv(rt)
         req = 0
         for ctx in ctxs:
             for b in batches:
@@ -403,21 +414,38 @@ def bench_decode(run: Run, args, device: str) -> None:
         free(rt)
 
 
-def bench_fp8(run: Run, ctx: int, batches: tuple[int, ...]) -> None:
-    """Routed experts in FP8 (block scales, W8A16): the roofline counts 1 byte per expert weight."""
+def fill_kv(rt: TorchRuntime) -> None:
+    """Cache content does not change the time; keep it finite (FP8: codes below 0x70, under
+    128 in magnitude, and every per-token scale 1/448)."""
+    with torch.no_grad():
+        if rt.kv_dtype is None:
+            rt.kv_pool.normal_(0.0, 1.0)
+            return
+        rt.kv_pool.random_(0, 0x70)
+        for layer in rt.kv:
+            layer.scales.fill_(1 / 448)
+
+
+def bench_fp8(run: Run, ctx: int, batches: tuple[int, ...], *, kv_cache: bool = False) -> None:
+    """Routed experts in FP8 (block scales, W8A16): the roofline counts 1 byte per expert
+    weight. ``kv_cache``: bf16 experts over an FP8 KV cache instead."""
     steps, warmup = 10, 3
     per = -(-(ctx + warmup + steps + 4) // BS)
+    opts = {"kv_cache_dtype": "fp8"} if kv_cache else {"moe_fp8": True}
     rt = runtime("v2-lite", "cuda", blocks=max(batches) * per + 8, max_seqs=max(batches),
-                 max_len=ctx + warmup + steps + 4 + BS, fast=True, moe_fp8=True, cuda_graph_sizes=list(batches),
-                 capture_len=ctx + warmup + steps + 2)
+                 max_len=ctx + warmup + steps + 4 + BS, fast=True, cuda_graph_sizes=list(batches),
+                 capture_len=ctx + warmup + steps + 2, **opts)
     try:
-        with torch.no_grad():
-            rt.kv_pool.normal_(0.0, 1.0)
+        fill_kv(rt)
         req = 0
         for b in batches:
-            time_decode(run, rt, b, ctx, req, steps=steps, warmup=warmup, case="FP8 experts (W8A16)", expert_bytes=1)
+            if kv_cache:
+                time_decode(run, rt, b, ctx, req, steps=steps, warmup=warmup, case="FP8 KV cache")
+            else:
+                time_decode(run, rt, b, ctx, req, steps=steps, warmup=warmup, case="FP8 experts (W8A16)",
+                            expert_bytes=1)
             req += b
-        run.info["fp8_runner"] = rt.runner.statistics()
+        run.info["fp8_kv_runner" if kv_cache else "fp8_runner"] = rt.runner.statistics()
     finally:
         free(rt)
 
@@ -571,6 +599,11 @@ def main() -> None:
         with run.section("decode v2-lite, FP8 experts", 60) as go:
             if go:
                 bench_fp8(run, args.ctx[0], (64, 256))
+        with run.section("FP8 KV cache: correctness v2-lite (3 layers), decode v2-lite", 100) as go:
+            if go:
+                check_correctness(run, "correct_v2lite_3_layers_fp8_kv", "v2-lite", v2_small, device, False,
+                                  kv_cache_dtype="fp8")
+                bench_fp8(run, max(args.ctx), (64, 256), kv_cache=True)
         if not args.no_hf:
             with run.section("transformers baseline", 90) as go:
                 if go:

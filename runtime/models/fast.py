@@ -11,6 +11,10 @@ forward, so a decode forward can be captured as a CUDA graph.
   ``kernels.mla_prefill``: causal over their new tokens, then their cached prefix in chunks.
 - New latents reach the cache through ``kernels.kv_store``, before attention (a sequence's
   new tokens attend to themselves through the cache, as in the reference model).
+- The cache is the model's block-major pool, read through per-layer views: bf16, or FP8
+  (``FP8Cache``: e4m3 values with a float32 scale per token, each a strided view of the same
+  bytes), which every kernel takes with its ``scale`` argument. The pool's layout is the
+  reference path's, so P/D moves the same block spans either way.
 - Routed experts through ``kernels.fused_moe`` when this rank holds them all; expert
   parallelism keeps the model's own ``experts`` module (its all-to-alls sync the host).
   ``moe_fp8``: the experts also as e4m3 with 128x128 block scales (DeepSeek's layout), which
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batch import ForwardBatch
-from .deepseek_v3 import MoE, DeepseekV3, rms_norm, route
+from .deepseek_v3 import FP8Cache, MoE, DeepseekV3, rms_norm, route
 from .rope import apply_rope
 
 log = logging.getLogger(__name__)
@@ -227,8 +231,9 @@ class FastInputs:
 class _Step:
     """Per-forward tensors every layer reads."""
 
-    def __init__(self, inp: FastInputs, model: FastDeepseek, kv: list[torch.Tensor]):
+    def __init__(self, inp: FastInputs, model: FastDeepseek, kv: list):
         plan = inp.plan
+        self.caches = [_cache_views(c) for c in kv]
         self.valid = inp.slot_mapping >= 0 if inp.padded else None
         self.cos, self.sin = model.rope.cos_sin(inp.positions, torch.float32)
         self.dec_tables = self.dec_lens = self.pf_tables = None
@@ -242,23 +247,25 @@ class _Step:
                 lens = torch.where(self.valid, lens, 0)
             self.dec_lens = lens
         if plan.n_pf:
-            # mla_prefill reads the cache as one contiguous (blocks, block_size, dim) tensor:
-            # the block-major pool, seen as blocks * layers such blocks, holds layer i's
-            # block b at b * layers + i.
-            self.flat, self.num_layers = _flat_pool(kv)
-            self.pf_tables = inp.tables.index_select(0, plan.pf_rows).long() * self.num_layers
+            self.pf_tables = inp.tables.index_select(0, plan.pf_rows)
 
 
-def _flat_pool(kv: list[torch.Tensor]) -> tuple[torch.Tensor, int]:
-    c0 = kv[0]
-    nb, bs, d = c0.shape
-    layers = c0.stride(0) // (bs * d)
-    ok = (c0.stride(0) == layers * bs * d and c0.stride(1) == d and len(kv) == layers
-          and all(c.storage_offset() - c0.storage_offset() == i * bs * d for i, c in enumerate(kv)))
-    if not ok:
-        raise ValueError("the fast path's prefill reads the block-major KV pool of make_kv_pool "
-                         f"(per-layer views of (blocks, layers, block_size, dim)); got strides {c0.stride()}")
-    return torch.as_strided(c0, (nb * layers, bs, d), (bs * d, d, 1), c0.storage_offset()), layers
+def _cache_views(layer_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's (entries (blocks, block_size, dim), per-token scales (blocks, block_size) or
+    None): the kernels' cache and scale arguments. Both are views of the pool, strided
+    between blocks, which the launchers take as they are."""
+    if isinstance(layer_cache, FP8Cache):
+        return layer_cache.values, layer_cache.scales
+    return layer_cache, None
+
+
+def _stored_entries(cache, slots: torch.Tensor, dl: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent (T, dl), k_pe (T, dr)) of the entries at ``slots`` of an FP8 layer, dequantized."""
+    values, scales = cache
+    bs = values.shape[1]
+    blk, off = slots // bs, slots % bs
+    ent = (values[blk, off].float() * scales[blk, off][:, None]).to(dtype)
+    return ent[:, :dl], ent[:, dl:]
 
 
 # -- the model ------------------------------------------------------------------------------------
@@ -291,7 +298,7 @@ class FastDeepseek:
         self.len_cap = 1 << 30
 
     # -- the reference model's interface, for callers holding a ForwardBatch ----------------
-    def __call__(self, batch: ForwardBatch, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, batch: ForwardBatch, kv: list) -> tuple[torch.Tensor, torch.Tensor]:
         qs, lens = batch.host_meta()
         num_new = np.diff(qs)
         rows = np.arange(len(lens))
@@ -302,16 +309,17 @@ class FastDeepseek:
                                        tok_rows, plan, batch.sample_index), kv)
 
     @torch.inference_mode()
-    def forward(self, inp: FastInputs, kv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, inp: FastInputs, kv: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits (S, vocab) float32, expert token counts (layers, experts) int32), as
-        DeepseekV3.forward returns them; padding tokens are not counted."""
+        DeepseekV3.forward returns them; padding tokens are not counted. ``kv``: per-layer
+        caches as ``DeepseekV3.make_kv_pool`` makes them (tensors, or ``FP8Cache``s)."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
         step = _Step(inp, self, kv)
         x = self.model.embed_tokens(inp.input_ids)
         h = ops.norm(x, self.layers[0].in_norm, eps)
         chosen: list[torch.Tensor] = []
         for i, lw in enumerate(self.layers):
-            x, h = ops.add_norm(x, self._attention(h, lw, i, kv, inp, step), lw.post_norm, eps)
+            x, h = ops.add_norm(x, self._attention(h, lw, i, inp, step), lw.post_norm, eps)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.model.norm.weight
             if lw.moe is None:
                 down = F.linear(ops.silu_mul(F.linear(h, lw.gate_up)), lw.down)
@@ -329,7 +337,7 @@ class FastDeepseek:
         return logits, self._counts(chosen, len(inp.input_ids), x.device)
 
     # -- attention ------------------------------------------------------------------------------
-    def _attention(self, h, lw: LayerWeights, i: int, kv, inp: FastInputs, step: _Step) -> torch.Tensor:
+    def _attention(self, h, lw: LayerWeights, i: int, inp: FastInputs, step: _Step) -> torch.Tensor:
         cfg, plan = self.cfg, inp.plan
         t, heads = h.shape[0], cfg.num_attention_heads
         dn, dr, dl, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
@@ -342,35 +350,42 @@ class FastDeepseek:
             q = F.linear(self.ops.norm(f[:, :split], lw.q_a_norm, 1e-6), lw.q_b).view(t, heads, dn + dr)
         q_pe, latent, k_pe = self.ops.mla_prep(q[..., dn:], f[:, split:], step.cos, step.sin, lw.kv_norm, 1e-6,
                                                dl, cfg.rope_interleave)
-        self._kv_store(kv[i], latent, k_pe, inp.slot_mapping)
+        cache = step.caches[i]
+        self._kv_store(cache[0], latent, k_pe, inp.slot_mapping, cache[1])
         if not plan.n_pf:
-            return F.linear(self._decode(q[..., :dn], q_pe, lw, kv[i], plan, step).view(t, heads * dv), lw.o_proj)
+            return F.linear(self._decode(q[..., :dn], q_pe, lw, cache, plan, step).view(t, heads * dv), lw.o_proj)
         if not plan.n_dec:
-            return F.linear(self._prefill(q[..., :dn], q_pe, latent, k_pe, lw, i, plan, step).reshape(t, -1),
-                            lw.o_proj)
+            return F.linear(self._prefill(q[..., :dn], q_pe, latent, k_pe, inp.slot_mapping, lw, cache, plan,
+                                          step).reshape(t, -1), lw.o_proj)
         out = h.new_empty(t, heads, dv)
         d, p = plan.dec, plan.pf
-        out.index_copy_(0, d, self._decode(q[d, :, :dn], q_pe[d], lw, kv[i], plan, step))
-        out.index_copy_(0, p, self._prefill(q[p, :, :dn], q_pe[p], latent[p], k_pe[p], lw, i, plan, step))
+        out.index_copy_(0, d, self._decode(q[d, :, :dn], q_pe[d], lw, cache, plan, step))
+        out.index_copy_(0, p, self._prefill(q[p, :, :dn], q_pe[p], latent[p], k_pe[p], inp.slot_mapping[p], lw,
+                                            cache, plan, step))
         return F.linear(out.view(t, -1), lw.o_proj)
 
     def _decode(self, q_nope, q_pe, lw: LayerWeights, cache, plan: AttnPlan, step: _Step) -> torch.Tensor:
-        """Absorbed MLA: (T, H, dv) values for tokens attending per token."""
+        """Absorbed MLA: (T, H, dv) values for tokens attending per token. ``cache``: this
+        layer's (entries, scales or None), as every cache argument here."""
         q_latent = torch.bmm(q_nope.transpose(0, 1), lw.w_uk).transpose(0, 1)  # (T, H, dl)
-        o = self._mla_decode(q_latent, q_pe, cache, step.dec_tables, step.dec_lens, self.cfg.softmax_scale,
-                             max_seq_len=plan.dec_len_bound)
+        o = self._mla_decode(q_latent, q_pe, cache[0], step.dec_tables, step.dec_lens, self.cfg.softmax_scale,
+                             cache[1], max_seq_len=plan.dec_len_bound)
         out = o.new_empty(o.shape[0], o.shape[1], lw.w_uv.shape[2])
         torch.bmm(o.transpose(0, 1), lw.w_uv, out=out.transpose(0, 1))  # cuBLAS writes (T, H, dv) in place
         return out
 
-    def _prefill(self, q_nope, q_pe, latent, k_pe, lw: LayerWeights, i: int, plan: AttnPlan,
+    def _prefill(self, q_nope, q_pe, latent, k_pe, slots, lw: LayerWeights, cache, plan: AttnPlan,
                  step: _Step) -> torch.Tensor:
         cfg = self.cfg
         heads, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
+        if cache[1] is not None:
+            # FP8: the new tokens attend to their own entries as stored, as the reference path
+            # and every later step see them (unquantized keys move greedy tokens at near-ties).
+            latent, k_pe = _stored_entries(cache, slots, latent.shape[1], latent.dtype)
         kv_new = F.linear(latent, lw.kv_b).view(latent.shape[0], heads, -1)
         return self._mla_prefill(torch.cat([q_nope, q_pe], dim=-1), kv_new[..., :dn], k_pe, kv_new[..., dn:],
-                                 plan.pf_cu, plan.pf_max_new, plan.pf_prefix, step.flat, step.pf_tables + i,
-                                 lw.kv_b, cfg.softmax_scale)
+                                 plan.pf_cu, plan.pf_max_new, plan.pf_prefix, cache[0], step.pf_tables,
+                                 lw.kv_b, cfg.softmax_scale, cache[1])
 
     # -- experts ---------------------------------------------------------------------------------
     def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor]) -> torch.Tensor:
