@@ -6,6 +6,11 @@ few times over), so background load drifting over the run hits both alike. Every
 times every call; a row's median is the median over repeats of the median over all ranks'
 calls, and its p99 is over all calls (the first tenth of each block is warm-up, dropped).
 Target (issue 5): >= 30x lower median than Gloo at 2 ranks, i.e. <= 12 us.
+
+The "node links" rows time what a DEP instance over several engine processes uses
+(``NodeGroup``): each rank joins by its rendezvous (shared memory: ``shm_rendezvous``; TCP:
+``TcpCollective.connect`` on loopback) and calls ``allreduce_async`` inside trio, shared
+memory and TCP taking turns in the same processes, as above.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import emit  # noqa: E402
 
+from lockstep.transports import shm_rendezvous
 from lockstep.transports.collective_shm import ShmCollective, ShmGroup, recv_group, send_group
+from lockstep.transports.collective_tcp import TcpCollective
 
 RANKS = (2, 4, 8)
 LENGTHS = (1, 16)
@@ -101,6 +108,71 @@ def run_group(n: int, repeat: int, scale: float) -> dict[tuple[str, int], list[l
     return {key: [r[key] for r in results] for key in results[0]}
 
 
+NODE_CALLS = {"shm": 10000, "tcp": 2000}  # per block, per rank
+
+
+async def time_async(coll, m: int, calls: int) -> np.ndarray:
+    v = np.arange(m, dtype=np.int64)
+    ts = np.empty(calls, np.int64)
+    clock = time.perf_counter_ns
+    for i in range(calls):
+        t = clock()
+        await coll.allreduce_async(v, "sum")
+        ts[i] = clock() - t
+    return ts[calls // 10:]
+
+
+def node_main(rank: int, n: int, name: bytes, addresses: list, conn, repeat: int, scale: float) -> None:
+    import trio
+
+    async def main():
+        from lockstep.transports.collective_tcp import open_listener
+
+        shm = await shm_rendezvous.join(rank, n, name)
+        listener, _ = await open_listener(*addresses[rank])
+        tcp = await TcpCollective.connect(rank, n, addresses, listener)
+        await listener.aclose()
+        out: dict[tuple[str, int], list[np.ndarray]] = {}
+        for _ in range(repeat):
+            for m in LENGTHS:
+                for link, coll in (("shm", shm), ("tcp", tcp)):
+                    out.setdefault((link, m), []).append(await time_async(coll, m, int(NODE_CALLS[link] * scale)))
+        shm.close()
+        tcp.close()
+        return out
+
+    conn.send(trio.run(main))
+
+
+def run_nodes(n: int, repeat: int, scale: float) -> dict[tuple[str, int], list[list[np.ndarray]]]:
+    """NodeGroup's two links between ``n`` processes: per (link, length), per rank, per repeat."""
+    ctx = mp.get_context("spawn")
+    name = shm_rendezvous.abstract_name(f"bench-{os.getpid()}-{os.urandom(4).hex()}")
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    addresses = [s.getsockname() for s in socks]
+    for s in socks:
+        s.close()
+    procs, conns = [], []
+    for rank in range(n):
+        recv_end, send_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=node_main, args=(rank, n, name, addresses, send_end, repeat, scale))
+        p.start()
+        send_end.close()
+        procs.append(p)
+        conns.append(recv_end)
+    try:
+        results = [c.recv() for c in conns]
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+    return {key: [r[key] for r in results] for key in results[0]}
+
+
 def summarize(blocks: list[list[np.ndarray]]) -> tuple[float, float, float, float]:
     """(median of per-repeat medians, p99 of all, min and max per-repeat median), in us."""
     per_repeat = [np.concatenate([rank[i] for rank in blocks]) / 1e3 for i in range(len(blocks[0]))]
@@ -114,6 +186,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="blocks per link and length")
     ap.add_argument("--quick", action="store_true", help="a tenth of the calls")
     ap.add_argument("--ranks", type=int, nargs="*", default=list(RANKS))
+    ap.add_argument("--node-ranks", type=int, nargs="*", default=[2],
+                    help="engine processes for the node-link rows (NodeGroup's shm vs TCP, in trio)")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     rows = []
@@ -125,7 +199,16 @@ def main() -> None:
                          "shm_repeat_medians_us": f"{shm[2]:.3g}-{shm[3]:.3g}",
                          "gloo_median_us": gloo[0], "gloo_p99_us": gloo[1], "ratio": gloo[0] / shm[0],
                          "note": f"ranks > cores ({cores})" if n > cores else ""})
-    head = next(r for r in rows if r["int64s"] == 1 and r["ranks"] == min(args.ranks))
+    for n in args.node_ranks:
+        res = run_nodes(n, args.repeat, 0.1 if args.quick else 1.0)
+        for m in LENGTHS:
+            shm, tcp = summarize(res[("shm", m)]), summarize(res[("tcp", m)])
+            rows.append({"ranks": n, "int64s": m, "path": "node links (NodeGroup, trio)",
+                         "shm_median_us": shm[0], "shm_p99_us": shm[1],
+                         "shm_repeat_medians_us": f"{shm[2]:.3g}-{shm[3]:.3g}",
+                         "tcp_median_us": tcp[0], "tcp_p99_us": tcp[1], "tcp_over_shm": tcp[0] / shm[0],
+                         "note": f"ranks > cores ({cores})" if n > cores else ""})
+    head = next(r for r in rows if r["int64s"] == 1 and r["ranks"] == min(args.ranks) and "path" not in r)
     ours, base = head["shm_median_us"], head["gloo_median_us"]
     emit("bench_allreduce", rows, {
         "metric": f"all-reduce median latency, {head['ranks']} ranks, 1 int64, shared memory", "unit": "us",

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
                    help="HOST:PORT,... one per node: where the nodes' per-step all-reduce links listen")
     s.add_argument("--dist-init", default="",
                    help="tcp://HOST:PORT shared by every node: the runtimes' torch.distributed rendezvous")
+    s.add_argument("--node-link", choices=["auto", "tcp", "shm"], default="auto",
+                   help="how the nodes all-reduce: shared memory (every node on this host), TCP, or auto "
+                        "(shm when the node addresses all name one host: all loopback, or all the same)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
@@ -93,7 +96,7 @@ def engine_config(args):
 def node_options(args) -> dict:
     if args.nodes == 1:
         return {}
-    return dict(nodes=args.nodes, node_rank=args.node_rank, dist_init=args.dist_init,
+    return dict(nodes=args.nodes, node_rank=args.node_rank, dist_init=args.dist_init, node_link=args.node_link,
                 node_addresses=tuple(a for a in args.node_addresses.split(",") if a))
 
 

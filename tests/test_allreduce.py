@@ -15,9 +15,10 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lockstep.policy.allreduce import (OPS, CollectiveError, LocalCollective, RankFailed, check_values,
-                                       num_rounds, schedule, simulate)
+from lockstep.policy.allreduce import (OPS, CollectiveError, CollectiveTimeout, LocalCollective, RankFailed,
+                                       check_values, num_rounds, schedule, simulate)
 from lockstep.transports.collective_shm import ShmCollective, ShmGroup, send_group
+from lockstep.transports import shm_rendezvous
 from lockstep.transports.collective_tcp import TcpCollective, open_listener
 from leaks import open_fds
 
@@ -384,3 +385,179 @@ async def test_tcp_a_killed_process_is_named(n):
         proc.stdout.close()
         for listener, _ in listeners:
             await listener.aclose()
+
+
+# -- joining by rendezvous, and idle ranks woken by a round a peer began ----------------------------
+
+def unique_name(tag: str) -> bytes:
+    return shm_rendezvous.abstract_name(f"test-{tag}-{os.getpid()}-{os.urandom(4).hex()}")
+
+
+async def shm_group(n: int) -> list[ShmCollective]:
+    name, colls = unique_name("join"), [None] * n
+
+    async def join(rank):
+        colls[rank] = await shm_rendezvous.join(rank, n, name, timeout_s=GUARD_S)
+
+    async with trio.open_nursery() as nursery:
+        for rank in reversed(range(n)):  # the dialers come first: they retry until rank 0 listens
+            nursery.start_soon(join, rank)
+    return colls
+
+
+LINKS = {"shm": shm_group, "tcp": tcp_group}
+
+
+@pytest.mark.parametrize("link", LINKS)
+@pytest.mark.parametrize("n", [2, 3, 5, 6])
+async def test_a_round_any_rank_begins_wakes_every_idle_rank(link, n):
+    """Every rank but one idles in ``wait_posted``; the one begins a round alone. Whoever
+    begins, the round's messages (and, for an extra rank of a non-power-of-two group, its
+    partner's nudge) reach every idle rank, and all of them get the exact result."""
+    fds_before = open_fds()
+    with trio.fail_after(GUARD_S):
+        colls = await LINKS[link](n)
+        for first in range(n):
+            async def run(coll, rank):
+                if rank != first:
+                    await coll.wait_posted()
+                return await coll.allreduce_async(np.array([rank, first * rank], np.int64), "sum")
+
+            outs = await all_ranks(colls, run)
+            assert all(o.tolist() == [n * (n - 1) // 2, first * n * (n - 1) // 2] for o in outs)
+        for c in colls:
+            c.close()
+    assert open_fds() == fds_before
+
+
+async def test_shm_rendezvous_ignores_strays_and_refuses_a_second_host():
+    fds_before = open_fds()
+    name = unique_name("stray")
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            colls = [None, None]
+
+            async def host():
+                colls[0] = await shm_rendezvous.join(0, 2, name, timeout_s=GUARD_S)
+            nursery.start_soon(host)
+            strays = []  # one says nothing we know, one belongs to a group of another size
+            for hello in (b"junk", shm_rendezvous._HELLO.pack(shm_rendezvous._MAGIC, 1, 3, os.getpid())):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                while s.connect_ex(name) != 0:
+                    await trio.sleep(0.01)
+                s.send(hello)
+                strays.append(s)
+            with pytest.raises(OSError, match="already hosts"):
+                await shm_rendezvous.join(0, 2, name, timeout_s=GUARD_S)
+            colls[1] = await shm_rendezvous.join(1, 2, name, timeout_s=GUARD_S)
+        for s in strays:  # hung up on: nothing was handed to them
+            assert s.recv(64) == b""
+            s.close()
+        outs = await all_ranks(colls, lambda c, r: c.allreduce_async(np.array([r + 1], np.int64), "max"))
+        assert [o.tolist() for o in outs] == [[2], [2]]
+        for c in colls:
+            c.close()
+    assert open_fds() == fds_before
+
+
+async def test_shm_rendezvous_refuses_a_rank_in_another_pid_namespace():
+    """A dialler whose own pid is not the one the kernel reports (another PID namespace, as in
+    two containers sharing loopback) is refused, on both sides, with a message that says why."""
+    fds_before = open_fds()
+    name = unique_name("pidns")
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            async def host():
+                with pytest.raises(CollectiveError, match="PID namespace.*'tcp'"):
+                    await shm_rendezvous.join(0, 2, name, timeout_s=GUARD_S)
+            nursery.start_soon(host)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            while s.connect_ex(name) != 0:
+                await trio.sleep(0.01)
+            s.send(shm_rendezvous._HELLO.pack(shm_rendezvous._MAGIC, 1, 2, os.getpid() + 1))
+            await trio.lowlevel.wait_readable(s)
+            assert s.recv(1024).startswith(b"refused: rank 1 is pid")
+            s.close()
+    assert open_fds() == fds_before
+
+
+async def test_shm_rendezvous_names_a_host_that_hangs_up_or_never_comes():
+    fds_before = open_fds()
+    name = unique_name("hangup")
+    with trio.fail_after(GUARD_S):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(name)
+        listener.listen(1)
+        async with trio.open_nursery() as nursery:
+            async def hang_up():
+                await trio.lowlevel.wait_readable(listener)
+                conn, _ = listener.accept()
+                conn.recv(64)
+                conn.close()  # a host that dies before handing over the group
+            nursery.start_soon(hang_up)
+            with pytest.raises(RankFailed) as info:
+                await shm_rendezvous.join(1, 2, name, timeout_s=GUARD_S)
+            assert info.value.rank == 0
+        listener.close()
+        with pytest.raises(CollectiveTimeout) as late:  # nobody dials: the host names who is missing
+            await shm_rendezvous.join(0, 3, unique_name("alone"), timeout_s=0.2)
+        assert late.value.rank == 1
+    assert open_fds() == fds_before
+
+
+SHM_NODE_MAIN = """
+import sys
+import numpy as np, trio
+from lockstep.transports import shm_rendezvous
+
+rank, n, name = int(sys.argv[1]), int(sys.argv[2]), bytes.fromhex(sys.argv[3])
+
+async def main():
+    coll = await shm_rendezvous.join(rank, n, name)
+    await coll.allreduce_async(np.array([rank], np.int64), "sum")
+    print("ready", flush=True)
+    await trio.sleep_forever()  # killed here
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize("idle", [False, True])
+async def test_shm_rendezvous_a_killed_process_is_named(idle):
+    """The last rank runs in its own process, joined by the rendezvous; once it is killed,
+    the others fail naming it, whether waiting in a round or idle in ``wait_posted``."""
+    fds_before = open_fds()
+    n, name = 3, unique_name("kill")
+    victim = n - 1
+    proc = subprocess.Popen([sys.executable, "-c", SHM_NODE_MAIN, str(victim), str(n), name.hex()],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        with trio.fail_after(GUARD_S):
+            colls = [None] * victim
+
+            async def join(rank):
+                colls[rank] = await shm_rendezvous.join(rank, n, name)
+
+            async with trio.open_nursery() as nursery:
+                for rank in range(victim):
+                    nursery.start_soon(join, rank)
+
+            async def run(coll, rank):
+                await coll.allreduce_async(np.array([rank], np.int64), "sum")
+                if rank == 0:
+                    await trio.to_thread.run_sync(proc.stdout.readline)
+                    proc.kill()
+                if idle:
+                    await coll.wait_posted()  # the death itself wakes the rank that watches it
+                return await coll.allreduce_async(np.array([rank], np.int64), "sum")
+
+            outs = await all_ranks(colls, run)
+        assert all(isinstance(o, RankFailed) and o.rank == victim for o in outs)
+        assert colls[0].dead_peers() == [victim]
+        for c in colls:
+            c.close()
+    finally:
+        proc.kill()
+        proc.wait(GUARD_S)
+        proc.stdout.close()
+    assert open_fds() == fds_before

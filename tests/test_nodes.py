@@ -1,8 +1,11 @@
 """One DEP instance over two `lockstep serve` processes (nodes) on loopback: ranks in separate
-processes keep in lockstep through the recursive-doubling all-reduce over TCP, the experts
-shard over both nodes' runtimes (Gloo), an idle node is woken by the other's first frame, and
-a node that dies takes the instance down with an error naming it, never a hang."""
+processes keep in lockstep through the recursive-doubling all-reduce, over either link
+(shared memory, which "auto" picks on one host, or TCP), the experts shard over both nodes'
+runtimes (Gloo), an idle node is woken by the other's first message, and a node that dies
+takes the instance down with an error naming it, never a hang. The same at the level of
+``NodeGroup`` in this process, where fds and processes are counted."""
 
+import json
 import os
 import signal
 import socket
@@ -14,9 +17,17 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import trio
+from leaks import open_fds
 from servers import wait_healthy
 
+from lockstep.engine.config import EngineConfig
+from lockstep.engine.node_group import InstanceLost, NodeGroup, choose_link
+from lockstep.policy.config import ConfigError
+
 ROOT = Path(__file__).resolve().parent.parent
+GUARD_S = 60  # a hang guard, not a timing assertion
+LINKS = ("tcp", "shm")
 
 
 def free_ports(n: int) -> list[int]:
@@ -29,12 +40,26 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-@pytest.fixture
-def two_nodes():
+def session_pids(sid: int) -> set[int]:
+    """Live processes of session ``sid`` (a node started with start_new_session and its runtimes)."""
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.add(int(pid))
+    return out
+
+
+@pytest.fixture(params=LINKS)
+def two_nodes(request):
     http0, http1, link0, link1, dist = free_ports(5)
     common = ["--model", "tiny", "--dtype", "float64", "--dep", "2", "--nodes", "2",
               "--node-addresses", f"127.0.0.1:{link0},127.0.0.1:{link1}", "--dist-init", f"tcp://127.0.0.1:{dist}",
-              "--num-blocks", "256", "--log-format", "json"]
+              "--node-link", request.param, "--num-blocks", "256", "--log-format", "json"]
     procs = [subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", *common, "--node-rank", str(i),
                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
                               start_new_session=True)
@@ -43,7 +68,7 @@ def two_nodes():
     try:
         for proc, url in zip(procs, urls):
             wait_healthy(proc, url, timeout=120)
-        yield procs, urls
+        yield procs, urls, request.param
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -62,7 +87,7 @@ def test_two_node_dep_matches_one_rank_and_wakes_the_idle_node(two_nodes):
     from test_engine import reference_greedy  # the float64 tiny model, one sequence alone
     from lockstep.runtime.tokenizer import load_tokenizer
 
-    _, urls = two_nodes
+    _, urls, _ = two_nodes
     tok = load_tokenizer("tiny")
     prompts = [[5, 6, 7, 8, 9], list(range(40, 77))]
     for url, p in zip(urls, prompts):  # one request at a time: the other node is idle each time
@@ -71,7 +96,7 @@ def test_two_node_dep_matches_one_rank_and_wakes_the_idle_node(two_nodes):
 
 
 def test_a_dead_node_takes_the_instance_down_with_a_clear_error(two_nodes):
-    procs, urls = two_nodes
+    procs, urls, link = two_nodes
     import threading
 
     result = {}
@@ -95,3 +120,173 @@ def test_a_dead_node_takes_the_instance_down_with_a_clear_error(two_nodes):
     assert procs[0].wait(30) != 0  # node 0 stops: the instance cannot go on without node 1
     log = procs[0].stdout.read().decode()
     assert "node(s) [1] gone" in log
+    assert joined_link(log) == link
+    for _ in range(GUARD_S * 10):  # node 0's runtimes go with it (a bounded wait, not a timing check)
+        if not session_pids(procs[0].pid):
+            break
+        time.sleep(0.1)
+    assert not session_pids(procs[0].pid)
+
+
+def joined_link(log: str) -> str:
+    """The link a node says it joined with."""
+    for line in log.splitlines():
+        if line.startswith("{") and '"DEP nodes joined"' in line:
+            return json.loads(line)["link"]
+    raise AssertionError(f"the node never said which link it joined with:\n{log}")
+
+
+# -- NodeGroup in this process: the link rule, both links, wake, death, leaks ----------------------
+def test_auto_takes_shared_memory_only_when_every_node_is_on_one_host():
+    assert choose_link("auto", [("127.0.0.1", 1), ("localhost", 2), ("::1", 3), ("127.0.0.2", 4)]) == "shm"
+    assert choose_link("auto", [("10.0.0.5", 1), ("10.0.0.5", 2)]) == "shm"
+    assert choose_link("auto", [("node-a", 1), ("node-a", 2)]) == "shm"
+    assert choose_link("auto", [("10.0.0.5", 1), ("10.0.0.6", 2)]) == "tcp"
+    assert choose_link("auto", [("127.0.0.1", 1), ("10.0.0.6", 2)]) == "tcp"
+    assert choose_link("tcp", [("127.0.0.1", 1), ("127.0.0.1", 2)]) == "tcp"
+    assert choose_link("shm", [("a", 1), ("b", 2)]) == "shm"  # the operator knows best
+    with pytest.raises(ConfigError, match="engine.node_link must be 'auto', 'tcp' or 'shm'.*'udp'"):
+        EngineConfig(node_link="udp")
+
+
+async def start_groups(nursery, groups) -> None:
+    async with trio.open_nursery() as starting:  # together: each waits for the other to join
+        for g in groups:
+            starting.start_soon(nursery.start, g.run)
+
+
+@pytest.mark.parametrize("link", LINKS)
+async def test_node_groups_agree_wake_each_other_and_release_everything(link):
+    fds_before = open_fds()
+    addresses = [("127.0.0.1", p) for p in free_ports(2)]
+    groups = [NodeGroup(1, i, addresses, "tcp://127.0.0.1:1", link=link) for i in range(2)]
+    assert [g.link_kind for g in groups] == [link, link]
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            await start_groups(nursery, groups)
+            outs = [None, None]
+
+            async def late(i):  # node 1 comes late: a slow peer is waited for, not failed
+                if i:
+                    await trio.sleep(0.3)
+                outs[i] = await groups[i].allreduce(0, np.array([i, -i], np.int64))
+
+            async def idle_then_join(i):  # node 1 idles: node 0's round alone must wake it
+                if i:
+                    await groups[i].wait_woken(seen)
+                outs[i] = await groups[i].allreduce(0, np.array([5 * i, 3 - i], np.int64))
+
+            for rnd, expected in ((late, [1, 0]), (idle_then_join, [5, 3])):
+                seen = groups[1].wake_gen
+                async with trio.open_nursery() as both:
+                    for i in range(2):
+                        both.start_soon(rnd, i)
+                assert [o.tolist() for o in outs] == [expected, expected]
+            assert groups[1].wake_gen > seen
+            nursery.cancel_scope.cancel()
+    assert open_fds() == fds_before
+
+
+NODE_MAIN = """
+import json, sys
+import numpy as np, trio
+from lockstep.engine.node_group import NodeGroup
+
+addresses, link = json.loads(sys.argv[1]), sys.argv[2]
+
+async def main():
+    group = NodeGroup(1, 1, [tuple(a) for a in addresses], "tcp://127.0.0.1:1", link=link)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(group.run)
+        await group.allreduce(0, np.array([1], np.int64))
+        print("ready", flush=True)
+        await trio.sleep_forever()  # killed here
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["in-round", "idle"])
+@pytest.mark.parametrize("link", LINKS)
+async def test_a_killed_node_fails_the_group_naming_it(link, idle):
+    """Node 1 runs in its own process and is SIGKILLed. Node 0 fails with ``InstanceLost``
+    naming node 1, whether it was in a round or idle (the death wakes it), and releases
+    every fd; no process is left."""
+    fds_before = open_fds()
+    addresses = [("127.0.0.1", p) for p in free_ports(2)]
+    proc = subprocess.Popen([sys.executable, "-c", NODE_MAIN, json.dumps(addresses), link], stdout=subprocess.PIPE,
+                            text=True)
+    group = NodeGroup(1, 0, addresses, "tcp://127.0.0.1:1", link=link)
+    try:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(group.run)
+                assert (await group.allreduce(0, np.array([0], np.int64))).tolist() == [1]
+                line = ""
+                while line != "ready\n":  # after its log lines
+                    line = await trio.to_thread.run_sync(proc.stdout.readline)
+                    assert line, "node 1 exited before its first round"
+                seen = group.wake_gen
+                proc.kill()
+                proc.wait()
+                if idle:
+                    await group.wait_woken(seen)
+                async with trio.open_nursery() as ranks:
+                    ranks.start_soon(group.cancel_on_failure, ranks.cancel_scope)
+                    await group.allreduce(0, np.array([0], np.int64))
+                    raise AssertionError("a round with a dead node completed")
+                nursery.cancel_scope.cancel()
+        assert isinstance(group.failure, InstanceLost) and "node(s) [1] gone" in str(group.failure)
+    finally:
+        proc.kill()
+        proc.wait(GUARD_S)
+        proc.stdout.close()
+    assert open_fds() == fds_before
+
+
+@pytest.mark.parametrize("link", LINKS)
+async def test_a_local_failure_names_the_peer_node_whose_death_caused_it(link):
+    """Node 0's runtime fails first (its all-to-all lost node 1's runtime); node 1's engine
+    process dies a moment later. The failure waits for that death to show and names node 1."""
+    fds_before = open_fds()
+    addresses = [("127.0.0.1", p) for p in free_ports(2)]
+    proc = subprocess.Popen([sys.executable, "-c", NODE_MAIN, json.dumps(addresses), link], stdout=subprocess.PIPE,
+                            text=True)
+    group = NodeGroup(1, 0, addresses, "tcp://127.0.0.1:1", link=link)
+    try:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(group.run)
+                await group.allreduce(0, np.array([0], np.int64))
+                group.fail(RuntimeError("runtime of rank 0 died: its all-to-all lost a peer"))
+                assert group.failure is None  # held: a peer may be dying
+                proc.kill()
+                proc.wait()  # blocks the loop: by the time the grace is judged, the death shows
+                await group.cancel_on_failure(nursery.cancel_scope)
+        assert isinstance(group.failure, InstanceLost)
+        assert "node(s) [1] gone" in str(group.failure) and "all-to-all lost a peer" in str(group.failure)
+    finally:
+        proc.kill()
+        proc.wait(GUARD_S)
+        proc.stdout.close()
+    assert open_fds() == fds_before
+
+
+@pytest.mark.parametrize("link", LINKS)
+async def test_a_purely_local_failure_stops_the_peers_too(link):
+    """With every peer alive, a local failure is committed after the grace, as itself, and
+    the node leaves the link: the peer's next round fails naming it."""
+    fds_before = open_fds()
+    addresses = [("127.0.0.1", p) for p in free_ports(2)]
+    groups = [NodeGroup(1, i, addresses, "tcp://127.0.0.1:1", link=link) for i in range(2)]
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            await start_groups(nursery, groups)
+            groups[0].fail(RuntimeError("runtime of rank 0 died"))
+            async with trio.open_nursery() as ranks:
+                ranks.start_soon(groups[1].cancel_on_failure, ranks.cancel_scope)
+                await groups[1].allreduce(0, np.array([1], np.int64))
+            await groups[0].cancel_on_failure(nursery.cancel_scope)
+    assert str(groups[0].failure) == "runtime of rank 0 died"
+    assert isinstance(groups[1].failure, InstanceLost) and "node(s) [0] gone" in str(groups[1].failure)
+    assert open_fds() == fds_before

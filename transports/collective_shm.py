@@ -14,6 +14,11 @@ is: its pidfd becomes readable, the waiter raises ``RankFailed`` and writes the 
 into the segment's ``failed`` word and every eventfd, so the ranks waiting on live peers
 fail too. Counters are read and written as aligned native u64s (one load or store each).
 Store order is x86's (as in ``shm_ring``).
+
+An idle rank that must join a round a peer began (a DEP node parked on its mailbox) watches
+with ``wait_posted``. Every rank is reached by the schedule's own messages except an extra
+rank of a non-power-of-two group, whose partner only waits for it: so the partner first
+``nudges`` it (writes the call number into its ``nudge`` word).
 """
 
 from __future__ import annotations
@@ -51,8 +56,8 @@ def _lines(words: int) -> int:
 
 @attrs.frozen
 class _Layout:
-    """Word offsets in the segment: header line, pids, gone flags, sleeping flags (a line
-    each: written on every long wait), then the mailboxes (whole lines each)."""
+    """Word offsets in the segment: header line, pids, gone flags, nudges, sleeping flags
+    (a line each: written on every long wait), then the mailboxes (whole lines each)."""
 
     size: int
     max_values: int
@@ -71,8 +76,11 @@ class _Layout:
     def gone(self, r: int) -> int:
         return _LINE_WORDS + _lines(self.size) + r
 
+    def nudge(self, r: int) -> int:
+        return _LINE_WORDS + 2 * _lines(self.size) + r
+
     def sleeping(self, r: int) -> int:
-        return _LINE_WORDS + 2 * _lines(self.size) + _LINE_WORDS * r
+        return _LINE_WORDS + 3 * _lines(self.size) + _LINE_WORDS * r
 
     def slot(self, sender: int, rnd: int) -> int:
         """Parity 0's mailbox; parity 1's is ``slot_words`` further."""
@@ -145,6 +153,11 @@ def send_group(sock: socket.socket, group: ShmGroup) -> None:
 
 def recv_group(sock: socket.socket, max_size: int = 252) -> ShmGroup:
     msg, fds, _, _ = socket.recv_fds(sock, _GROUP_HDR.size, max_size + 1)
+    return unpack_group(msg, fds)
+
+
+def unpack_group(msg: bytes, fds: list[int]) -> ShmGroup:
+    """The group from what ``send_group`` sent; closes the fds if it is not one."""
     size, max_values = _GROUP_HDR.unpack(msg) if len(msg) == _GROUP_HDR.size else (-1, 0)
     if len(fds) != size + 1:
         for fd in fds:
@@ -177,6 +190,8 @@ class ShmCollective:
         self._stride = lay.slot_words  # parity 1's mailbox is this far from parity 0's
         self._plan = [_Leg(s, lay.slot(rank, s.round), lay.slot(s.peer, s.round), lay.sleeping(s.peer))
                       for s in schedule(rank, lay.size)]
+        first = self._plan[0].step if self._plan else None  # a fold partner waits first: nudge it
+        self._nudge = first.peer if first is not None and not first.send else None
         self._group, self._efds = group, group.event_fds
         if spin_s is None:  # ranks that outnumber this host's cores delay each other by spinning
             spin_s = 50e-6 if lay.size <= len(os.sched_getaffinity(0)) else 0.0
@@ -245,7 +260,15 @@ class ShmCollective:
         if not self._plan:
             acc = acc.copy()  # a group of one: still never hand back the caller's array
         self._calls += 1
+        if self._nudge is not None:
+            self._poke(self._nudge, self._calls)
         return acc, self._calls, len(acc) | (OPS.index(op) << 32)
+
+    def _poke(self, peer: int, call: int) -> None:
+        """Wake ``peer`` for ``call`` if it idles in ``wait_posted``."""
+        self._q[self._lay.nudge(peer)] = call
+        if self._q[self._lay.sleeping(peer)]:
+            os.eventfd_write(self._efds[peer], 1)
 
     def _post(self, leg: _Leg, acc: np.ndarray, call: int, meta: int) -> None:
         q, box = self._q, leg.out + (call & 1) * self._stride
@@ -302,7 +325,8 @@ class ShmCollective:
                 nap = min(nap + 1, len(_SLEEP_MS) - 1)
                 self._drain()
         finally:
-            q[me] = 0
+            if self._map is not None:
+                q[me] = 0
 
     async def _wait_async(self, idx: int, call: int, peer: int) -> None:
         q, clock = self._q, time.perf_counter
@@ -330,7 +354,54 @@ class ShmCollective:
                 nap = min(nap + 1, len(_SLEEP_MS) - 1)
                 self._drain()
         finally:
-            q[me] = 0
+            if self._map is not None:  # closed meanwhile (a cancelled waiter unwinding)
+                q[me] = 0
+
+    async def wait_posted(self) -> None:
+        """Return once a peer began this rank's next call (its first message for it, or a
+        nudge, is here) or a peer failed, left or died: what an idle rank watches to know it
+        must join a round. Consumes nothing; the call that follows reads it all."""
+        if self._failed is not None:
+            return  # the next call raises
+        if self._map is None:
+            raise RuntimeError(f"rank {self.rank}'s all-reduce link is closed")
+        q, call, me, efd = self._q, self._calls + 1, self._lay.sleeping(self.rank), self._efds[self.rank]
+        boxes = [leg.inbox + (call & 1) * self._stride for leg in self._plan if leg.step.recv]
+        nap = 0
+        q[me] = 1
+        try:
+            while not self._stirred(boxes, call):
+                with trio.move_on_after(_SLEEP_MS[nap] / 1000):
+                    await trio.lowlevel.wait_readable(efd)
+                nap = min(nap + 1, len(_SLEEP_MS) - 1)
+                self._drain()
+        finally:
+            if self._map is not None:
+                q[me] = 0
+
+    def _stirred(self, boxes: list[int], call: int) -> bool:
+        q, lay = self._q, self._lay
+        if q[_FAILED_W] or q[lay.nudge(self.rank)] == call or any(q[b] == call for b in boxes):
+            return True
+        return bool(self._down([leg.step.peer for leg in self._plan]))
+
+    def _down(self, ranks) -> list[int]:
+        """Those of ``ranks`` that left the group or whose process is gone."""
+        q, out, fds = self._q, [], {}
+        for r in ranks:
+            if q[self._lay.gone(r)]:
+                out.append(r)
+            elif (fd := self._pidfd(r)) is not None:
+                fds[fd] = r
+        if fds:
+            out += [fds[fd] for fd in select.select(list(fds), [], [], 0)[0]]
+        return sorted(set(out))
+
+    def dead_peers(self) -> list[int]:
+        """Ranks that left the group or died (empty once this rank closed its link)."""
+        if self._map is None:
+            return []
+        return self._down(r for r in range(self.size) if r != self.rank)
 
     def _drain(self) -> None:
         try:
@@ -342,6 +413,8 @@ class ShmCollective:
     def _check(self, idx: int, call: int, peer: int, waited: float) -> None:
         """Raise if the group failed, ``peer`` is dead or gone, or the caller's deadline
         passed; a message already there wins (a peer writes all it sends before dying)."""
+        if self._failed is not None:  # this rank failed or left meanwhile (``leave``)
+            raise self._failed
         q = self._q
         failed = q[_FAILED_W]
         if failed and failed - 1 != self.rank:
@@ -385,8 +458,20 @@ class ShmCollective:
         for fd in self._efds:
             os.eventfd_write(fd, 1)
 
+    def leave(self) -> None:
+        """Tell the peers this rank is gone (the ones waiting on it get ``RankFailed`` at
+        once) but keep the mapping: tasks of this process may still be parked in a wait,
+        and they now raise too. ``close`` releases everything."""
+        if self._map is None:
+            return
+        if self._failed is None:
+            self._failed = CollectiveError(f"rank {self.rank} left the all-reduce group")
+        self._q[self._lay.gone(self.rank)] = 1
+        self._wake_all()
+
     def close(self) -> None:
-        """Leave the group: peers still waiting on this rank get ``RankFailed``."""
+        """Leave the group (peers still waiting on this rank get ``RankFailed``) and release
+        the mapping and every fd."""
         if self._map is None:
             return
         self._q[self._lay.gone(self.rank)] = 1

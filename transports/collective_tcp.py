@@ -10,6 +10,11 @@ its other peers before it closes, so every survivor's ``RankFailed`` names the r
 died, not the messenger. A killed process's kernel closes its sockets, so the peer sees EOF
 at once; keepalive probes (about 4 s) catch a host that vanished without a FIN. A slow peer
 is not a failure: its kernel answers the probes.
+
+An idle rank that must join a round a peer began watches its sockets (``wait_posted``).
+The schedule's own frames reach every rank except an extra rank of a non-power-of-two
+group, whose partner only waits for it; so that partner first sends it a ``NUDGE`` frame
+(no payload), which the extra rank's next receive skips.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from lockstep.policy.allreduce import (OPS, CollectiveError, CollectiveTimeout, 
 _FRAME = struct.Struct("<IQHBB")
 _HELLO = struct.Struct("<QQQ")  # magic, rank, size: the dialling rank introduces itself
 _MAGIC = 0x6C6F636B74637031
-_DATA, _FAILED = 0, 1
+_DATA, _FAILED, _NUDGE = 0, 1, 2
 _LE_I64 = np.dtype("<i8")
 _KEEPALIVE = ((socket.TCP_KEEPIDLE, 1), (socket.TCP_KEEPINTVL, 1), (socket.TCP_KEEPCNT, 3))
 
@@ -60,6 +65,8 @@ class TcpCollective:
     def __init__(self, rank: int, size: int, readers: dict[int, _Reader], *, timeout_s: float | None = None):
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self._plan = schedule(rank, size)
+        first = self._plan[0] if self._plan else None  # a fold partner waits first: nudge it
+        self._nudge = first.peer if first is not None and not first.send else None
         self._readers = readers
         self._calls = 0
         self._failed: CollectiveError | None = None
@@ -102,6 +109,8 @@ class TcpCollective:
         acc = check_values(values, op).copy()  # never hand back the caller's array (size 1)
         self._calls += 1
         try:
+            if self._nudge is not None:
+                await self._send(self._nudge, _frame(self._calls, 0, _NUDGE, op, acc[:0]))
             for s in self._plan:
                 if s.send:
                     await self._send(s.peer, _frame(self._calls, s.round, _DATA, op, acc))
@@ -126,6 +135,8 @@ class TcpCollective:
         reader = self._readers[s.peer]
         with trio.move_on_after(self.timeout_s if self.timeout_s is not None else float("inf")) as scope:
             length, call, rnd, kind, got_op = _FRAME.unpack(await reader.read(_FRAME.size))
+            while kind == _NUDGE:  # the partner woke us for this call; its values come next
+                length, call, rnd, kind, got_op = _FRAME.unpack(await reader.read(_FRAME.size))
             if kind == _FAILED:
                 raise RankFailed(call, f"failed (rank {s.peer} saw it)")
             if (call, rnd, got_op, length) != (self._calls, s.round, OPS.index(op), 8 * n):
@@ -149,6 +160,43 @@ class TcpCollective:
                         await reader.stream.send_all(notice)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
                         pass
+        self.close()
+
+    async def wait_posted(self) -> None:
+        """Return once a peer's socket turns readable (its first frame of the next call, a
+        nudge, a failure notice, or EOF): what an idle rank watches to know it must join a
+        round. Reads nothing; the call that follows reads it all."""
+        readers = self._readers or {}
+        if self._failed is not None or not readers or any(r._buf for r in readers.values()):
+            return  # the next call raises, or a frame was already read ahead
+        async with trio.open_nursery() as nursery:
+            async def one(sock):
+                await trio.lowlevel.checkpoint_if_cancelled()
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except (trio.ClosedResourceError, OSError):
+                    pass  # closed under us (this rank failed): the next call says so
+                nursery.cancel_scope.cancel()
+            for r in readers.values():
+                nursery.start_soon(one, r.stream.socket)
+
+    def dead_peers(self) -> list[int]:
+        """Peers whose connection reached EOF or broke (they died): a peek, nothing consumed."""
+        out = []
+        for peer, r in (self._readers or {}).items():
+            try:  # trio's socket reads only async: peek through a plain duplicate
+                with socket.fromfd(r.stream.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+                    if dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                        out.append(peer)
+            except BlockingIOError:
+                pass
+            except OSError:
+                out.append(peer)
+        return sorted(out)
+
+    def leave(self) -> None:
+        """What a rank that fails for its own reasons does: close (trio's close wakes any
+        task of ours blocked on a socket, and the peers see EOF)."""
         self.close()
 
     def close(self) -> None:

@@ -52,10 +52,14 @@ class EngineConfig:
     # ``node_rank`` and hosts dep / nodes of its ranks; ``node_addresses`` (HOST:PORT, one per
     # node) are where the nodes' per-step all-reduce links listen; ``dist_init`` is the
     # runtimes' shared torch.distributed rendezvous (tcp://HOST:PORT on node 0's host).
+    # ``node_link``: how the nodes all-reduce: "shm" (shared memory, every node on this
+    # host), "tcp", or "auto": shm when the node addresses all name one host (all loopback,
+    # or all the same host string), else tcp.
     nodes: int = 1
     node_rank: int = 0
     node_addresses: tuple[str, ...] = ()
     dist_init: str = ""
+    node_link: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -96,6 +100,9 @@ class EngineConfig:
         if self.dep > 1 and self.draft_model.startswith("layers:"):
             raise ConfigError(f"engine.draft_model {self.draft_model!r}: with dep {self.dep} the draft must be a "
                               "model of its own (a preset or a checkpoint), not the target's own sharded layers")
+        if self.node_link not in ("auto", "tcp", "shm"):
+            raise ConfigError(f"engine.node_link must be 'auto', 'tcp' or 'shm' (auto: shared memory when the "
+                              f"node addresses all name one host), got {self.node_link!r}")
         if self.nodes != 1:
             self._check_nodes()
         runtimes = available()

@@ -1,39 +1,58 @@
 """A DEP instance spread over several engine processes (nodes), each hosting some of its ranks.
 
 Within a node the ranks meet in the in-process barrier of ``LocalGroup``; the last local rank
-to arrive carries the node's values into the recursive-doubling all-reduce over TCP with the
-other nodes (``lockstep.transports.collective_tcp``), and everyone gets the result. Ranks are
-numbered node by node: node i hosts ranks [i * local, (i + 1) * local), and its runtimes join
-one torch.distributed group (the expert all-to-alls) at the shared ``dist_init`` address.
+to arrive carries the node's values into the recursive-doubling all-reduce with the other
+nodes, and everyone gets the result. Ranks are numbered node by node: node i hosts ranks
+[i * local, (i + 1) * local), and its runtimes join one torch.distributed group (the expert
+all-to-alls) at the shared ``dist_init`` address.
 
-Waking: a node whose ranks are all idle watches its links. A request reaching another node
-makes that node start a round, and the round's first frame arriving here is the wake-up (the
-schedule reaches every node, directly or through a woken peer), so no rank ever waits in
-the all-reduce for a node parked on its mailbox. The watch never reads: it waits for the
-sockets to turn readable and leaves the bytes to the all-reduce.
+Two links (``node_link``): shared memory when every node is on this host
+(``lockstep.transports.collective_shm``; the group's memfd and eventfds reach the nodes over
+an abstract Unix socket named after node 0's address, ``shm_rendezvous``), TCP otherwise
+(``lockstep.transports.collective_tcp``, listening at each node's address). "auto" takes
+shared memory when the node addresses all name one host: all loopback, or all the same host
+string. A DEP instance whose nodes span hosts uses TCP between all of them (no mix yet).
 
-Failure ends the instance: a dead peer node shows as a closed connection (``RankFailed``
-naming its first rank), a dead local runtime closes this node's links so the peers learn at
-once, and every node then fails its requests and stops with that error; restarting the set
-is the job of whatever supervises the node processes.
+Waking: a node whose ranks are all idle watches its link (``wait_posted``). A request
+reaching another node makes that node start a round, and the round's first message arriving
+here is the wake-up (the schedule reaches every node, directly, through a woken peer, or by
+a nudge from its fold partner), so no rank ever waits in the all-reduce for a node parked on
+its mailbox. The watch never reads: it leaves the values to the all-reduce.
+
+Failure ends the instance: a dead peer node shows as a closed connection or a dead process
+(``RankFailed`` naming it), a dead local runtime makes this node leave the link so the peers
+learn at once, and every node then fails its requests and stops with that error; restarting
+the set is the job of whatever supervises the node processes. A local runtime often dies
+*because* a peer node died (its expert all-to-all lost the peer's runtime), a moment before
+that node's own link shows it; so a local failure waits up to ``_NAME_GRACE_S`` for a dead
+peer to show, and names it if one does.
 """
 
 from __future__ import annotations
 
-import socket
+import ipaddress
 from collections.abc import Sequence
 
 import numpy as np
+import structlog
 import trio
 
-from lockstep.policy.allreduce import RankFailed
+from lockstep.policy.allreduce import CollectiveError, RankFailed
+from lockstep.transports import shm_rendezvous
+from lockstep.transports.collective_shm import ShmCollective
 from lockstep.transports.collective_tcp import TcpCollective, open_listener
 
 from .group import LocalGroup
 
+log = structlog.get_logger("lockstep.nodes")
+_NAME_GRACE_S = 1.0  # well inside the 5 s in which a lost node must be reported
+
 
 class InstanceLost(RuntimeError):
     """A node of this DEP instance failed; the instance cannot go on without it."""
+
+
+NODE_LINKS = ("auto", "tcp", "shm")
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -43,58 +62,95 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def choose_link(setting: str, addresses: Sequence[tuple[str, int]]) -> str:
+    """The link ``setting`` ("auto", "tcp" or "shm") means for nodes at ``addresses``."""
+    if setting not in NODE_LINKS:
+        raise ValueError(f"node_link must be one of {NODE_LINKS}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    hosts = {host for host, _ in addresses}
+    return "shm" if len(hosts) == 1 or all(_is_loopback(h) for h in hosts) else "tcp"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: not resolved here (no I/O in a config decision)
+
+
 class NodeGroup(LocalGroup):
-    def __init__(self, local_size: int, node: int, addresses: Sequence[tuple[str, int]], dist_init: str):
+    def __init__(self, local_size: int, node: int, addresses: Sequence[tuple[str, int]], dist_init: str,
+                 link: str = "auto"):
         super().__init__(local_size, lambda: dist_init)
         self.node, self.nodes = node, len(addresses)
         self.addresses = list(addresses)
-        self.link: TcpCollective | None = None
+        self.link_kind = choose_link(link, self.addresses)
+        self.link: TcpCollective | ShmCollective | None = None
         self._idle = 0  # local ranks parked in wait_woken
         self._all_idle = trio.Event()
         self._watch: trio.CancelScope | None = None
+        self._suspect: BaseException | None = None  # a local failure, not yet committed
+        self._suspected = trio.Event()
 
     def global_rank(self, local: int) -> int:
         return self.node * self.size + local
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Connect to the other nodes, then watch the links while every local rank idles."""
-        listener, _ = await open_listener(*self.addresses[self.node])
-        try:
-            self.link = await TcpCollective.connect(self.node, self.nodes, self.addresses, listener)
-        finally:
-            await listener.aclose()
+        """Connect to the other nodes, then watch the link while every local rank idles."""
+        self.link = await self._connect()
+        log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind)
         task_status.started()
         try:
-            while True:
-                await self._all_idle.wait()
-                with trio.CancelScope() as self._watch:
-                    await self._any_readable()
-                    if self._idle == self.size:
-                        self.wake()  # a peer node began a round
-                self._watch = None
-                await trio.sleep(0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._judge)
+                await self._watch_while_idle()
         finally:
             self.link.close()
 
-    async def _any_readable(self) -> None:
-        readers = self.link._readers or {}
-        if any(r._buf for r in readers.values()):
-            return  # a frame already read ahead
-        async with trio.open_nursery() as nursery:
-            async def one(sock):
-                await trio.lowlevel.wait_readable(sock)
-                nursery.cancel_scope.cancel()
-            for r in readers.values():
-                nursery.start_soon(one, r.stream.socket)
+    async def _watch_while_idle(self) -> None:
+        while True:
+            await self._all_idle.wait()
+            if self._idle < self.size:
+                continue  # a rank left idle while we waited on the old event: no watch now
+            # no checkpoint from the check to here, so a rank that leaves idle cancels the watch
+            with trio.CancelScope() as self._watch:
+                await self.link.wait_posted()
+                if self._idle == self.size:
+                    self.wake()  # a peer node began a round
+            self._watch = None
+            await trio.sleep(0)
+
+    async def _judge(self) -> None:
+        """Commit a local failure once a dead peer shows, or after the grace without one."""
+        await self._suspected.wait()
+        with trio.move_on_after(_NAME_GRACE_S):
+            while self.failure is None and not self.link.dead_peers():
+                await trio.sleep(0.01)
+        self._commit(self._suspect)
+
+    async def _connect(self) -> TcpCollective | ShmCollective:
+        if self.link_kind == "shm":
+            host, port = self.addresses[0]
+            return await shm_rendezvous.join(self.node, self.nodes, shm_rendezvous.abstract_name(f"{host}:{port}"))
+        listener, _ = await open_listener(*self.addresses[self.node])
+        try:
+            return await TcpCollective.connect(self.node, self.nodes, self.addresses, listener)
+        finally:
+            await listener.aclose()
 
     # -- the LocalGroup interface, across nodes -------------------------------------------------
     async def _reduce(self, local: np.ndarray) -> np.ndarray:
-        """This node's ranks' maximum, all-reduced with the other nodes' over TCP."""
+        """This node's ranks' maximum, all-reduced with the other nodes' over the link."""
         try:
             return await self.link.allreduce_async(local, "max")
         except RankFailed as e:
             self.fail(InstanceLost(f"DEP node {self.node}: node(s) [{e.rank}] gone ({e})"))
-            await trio.sleep_forever()  # cancel_on_failure takes every local rank down
+        except CollectiveError as e:  # this node left the link (a local runtime died) mid-call
+            self.fail(InstanceLost(f"DEP node {self.node}: {e}"))
+        await trio.sleep_forever()  # cancel_on_failure takes every local rank down
 
     def wake(self) -> None:
         if self._watch is not None:
@@ -115,29 +171,23 @@ class NodeGroup(LocalGroup):
                     self._watch.cancel()
 
     def fail(self, error: BaseException) -> None:
-        if self.failure is None and self.link is not None:
-            gone = self._closed_peers()
-            if gone and not isinstance(error, InstanceLost):  # say which node, not the symptom
-                error = InstanceLost(f"DEP node {self.node}: node(s) {gone} gone (link closed); here: "
-                                     f"{str(error).splitlines()[0]}")
-            super().fail(error)
-            self.link.close()  # the peers see EOF now, not at their next timeout
-        else:
-            super().fail(error)
+        if self.failure is not None or self.link is None:
+            return super().fail(error)
+        if isinstance(error, InstanceLost) or self.link.dead_peers():
+            return self._commit(error)
+        if self._suspect is None:  # a local cause: give a dying peer node a moment to show
+            self._suspect = error
+            self._suspected.set()
 
-    def _closed_peers(self) -> list[int]:
-        """Peer nodes whose link has reached EOF (they died): a peek, nothing consumed."""
-        out = []
-        for node, r in (self.link._readers or {}).items():
-            try:
-                with socket.fromfd(r.stream.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
-                    if dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                        out.append(node)
-            except BlockingIOError:
-                pass
-            except OSError:
-                out.append(node)
-        return sorted(out)
+    def _commit(self, error: BaseException) -> None:
+        if self.failure is not None:
+            return
+        gone = self.link.dead_peers()
+        if gone and not isinstance(error, InstanceLost):  # say which node, not the symptom
+            error = InstanceLost(f"DEP node {self.node}: node(s) {gone} gone (link closed); here: "
+                                 f"{str(error).splitlines()[0]}")
+        super().fail(error)
+        self.link.leave()  # the peers learn now, not at their next timeout
 
     def restarted(self) -> None:
         raise InstanceLost(f"the DEP instance lost a node and stops: {self.failure}") from self.failure
