@@ -17,7 +17,7 @@ a replicated expert split to level its replicas' GPUs, "even" = split evenly):
   0.01: every layer within 1% of the fresh plan's heaviest GPU, or the fresh layer), with the
   balancedness the fresh and incremental plans reach on the new window; x_fewer = fresh /
   incremental moves, x_vs_renum = renumbered fresh / incremental;
-- ms: CPU time (process time, single-threaded numpy) of our fresh plan (median of 3), of the
+- ms: CPU time (process time, single-threaded numpy) of our fresh plan (median of 5), of the
   incremental plan (which includes a fresh plan as its reference), and of the baseline.
 
 Bound: an upper bound on any placement's balancedness under the same rules with an even
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="only EP32/288 and EP64/320")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each fresh plan")
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs of each fresh plan (median)")
     args = ap.parse_args()
     settings = [(32, 288), (64, 320)] if args.quick else SETTINGS
     rows = [run_setting(ep, slots, nodes, skew, args.seed, args.repeat)

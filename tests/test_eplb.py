@@ -243,3 +243,94 @@ def test_relaxed_value_counts_the_mean_per_replica_and_node_terms():
     assert relaxed_value(w, np.ones((1, 4)), home, 1, 3)[0] == pytest.approx(8.0)  # the hot expert
     two = home_nodes(4, 2)  # node 0 holds experts 0 and 1 (12 tokens) on one of two GPUs
     assert relaxed_value(w, np.array([[2, 1, 1, 1]]), two, 2, 2)[0] == pytest.approx(8.0)
+
+
+# --- packing and pair re-splits ----------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([(4, 2), (8, 4), (6, 5), (3, 7)]))
+def test_differencing_gives_every_bin_one_item_of_each_group_and_levels_them(seed, shape):
+    from lockstep.policy.eplb_pack import differencing
+
+    m, k = shape
+    rng = np.random.default_rng(seed)
+    load = -np.sort(-rng.pareto(1.5, (3, m * k)), axis=1)  # heaviest first
+    gpu = differencing(load, m)
+    for row in range(3):
+        assert np.bincount(gpu[row], minlength=m).tolist() == [k] * m
+        for g in range(k):  # the j-th group of m items lands one per bin
+            assert sorted(gpu[row, g * m : (g + 1) * m].tolist()) == list(range(m))
+    sums = np.stack([np.bincount(gpu[row], weights=load[row], minlength=m) for row in range(3)])
+    rounds = load.reshape(3, k, m).sum(1)  # the naive layout: item i to bin i mod m
+    assert (sums.max(1) <= rounds.max(1) + 1e-9).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([1, 2]))
+def test_balanced_pack_never_puts_two_replicas_of_an_expert_on_a_gpu(seed, nodes):
+    from lockstep.policy.eplb_pack import balanced_pack, sorted_items
+
+    topo = Topology(12, 24, 4, nodes)  # 6 slots per GPU: a hot expert's replicas straddle groups
+    w = zipf(4, 12, 1.5, seed)
+    counts = [4, 3, 3, 2, 2, 2, 2, 2, 1, 1, 1, 1] if nodes == 1 else [2] * 12  # 2 nodes: all on both GPUs
+    r = np.tile(np.array(counts), (4, 1))
+    items, load, _ = sorted_items(w / r, r)
+    node = topo.home()[items]
+    order = np.argsort(node, axis=1, kind="stable")
+    lead = np.take_along_axis(r, items, 1) >= 2
+    p2l = balanced_pack(np.take_along_axis(items, order, 1), np.take_along_axis(load, order, 1),
+                        np.take_along_axis(node, order, 1), topo.shape(), np.take_along_axis(lead, order, 1))
+    Placement.from_phy2log(p2l, 12).check_integrity(topo)
+    assert (np.sort(p2l, axis=1) == np.sort(items, axis=1)).all()  # the same replicas, re-laid
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([(16, 20, 4, 2), (24, 32, 8, 4), (32, 40, 8, 1)]))
+def test_pair_resplits_keep_the_rules_and_never_raise_a_layers_heaviest_gpu(seed, shape):
+    from lockstep.policy.eplb_pairs import repartition
+    from lockstep.policy.eplb_search import SearchState
+
+    experts, slots, ranks, nodes = shape
+    topo = Topology(experts, slots, ranks, nodes)
+    w = zipf(3, experts, 1.2, seed)
+    rng = np.random.default_rng(seed)
+    p2l = plan(w, topo).placement.phy2log
+    p2l = np.stack([row.reshape(ranks, -1)[rng.permutation(ranks)].ravel() if nodes == 1 else row for row in p2l])
+    st_ = SearchState.build(p2l, w, topo.shape())
+    before = st_.load.max(1)
+    repartition(st_, topo.shape(), rounds=6)
+    Placement.from_phy2log(st_.p2l, experts).check_integrity(topo)
+    fresh = SearchState.build(st_.p2l, w, topo.shape())  # the incremental state is exact
+    assert np.allclose(fresh.load, st_.load) and (fresh.has == st_.has).all() and (fresh.at_home == st_.at_home).all()
+    assert (st_.load.max(1) <= before + 1e-9).all()
+
+
+def test_replica_slots_list_each_experts_slots_in_order():
+    from lockstep.policy.eplb_split import replica_slots
+
+    p2l = np.array([[2, 0, 2, 1, 0, 2], [1, 1, 0, 2, 0, 1]])
+    assert replica_slots(p2l, 3).tolist() == [[[1, 4, -1], [3, -1, -1], [0, 2, 5]], [[2, 4, -1], [0, 1, 5], [3, -1, -1]]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([(12, 18, 6, 2), (16, 24, 8, 4), (10, 14, 4, 2)]))
+def test_greedy_counts_with_nodes_match_the_step_by_step_rule(seed, shape):
+    """The counts keep their state up to date step by step; recompute every step instead."""
+    from lockstep.policy.eplb_count import node_sums
+
+    experts, slots, gpus, nodes = shape
+    rng = np.random.default_rng(seed)
+    w = rng.pareto(1.0, (3, experts)) + 0.01
+    home = home_nodes(experts, nodes)
+    r = np.ones(w.shape, dtype=np.int64)
+    rows = np.arange(3)
+    for _ in range(slots - experts):  # the rule, from scratch each step
+        per = np.where(r < gpus, w / r, -1.0)
+        pick = per.argmax(1)
+        load = node_sums(w / r, home, nodes) * (nodes / gpus)
+        worst = load.argmax(1)
+        gain = np.where((home == worst[:, None]) & (r < gpus), w / (r * (r + 1.0)), -1.0)
+        use = (load[rows, worst] > np.maximum(per[rows, pick], w.sum(1) / gpus)) & (gain.max(1) > 0)
+        r[rows, np.where(use, gain.argmax(1), pick)] += 1
+    assert (greedy_counts(w, slots, home, nodes, gpus) == r).all()

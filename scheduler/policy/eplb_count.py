@@ -38,34 +38,47 @@ def relaxed_value(w: np.ndarray, r: np.ndarray, home: np.ndarray, nodes: int, gp
     return np.maximum(np.maximum(w.sum(1) / gpus, per.max(1)), node_term)
 
 
-def bottleneck_expert(w: np.ndarray, r: np.ndarray, home: np.ndarray, nodes: int, gpus: int) -> np.ndarray:
-    """Per layer, the expert whose next replica lowers T(r) (or, at its floor, the largest
-    load per replica, which makes the items easier to pack).
+def greedy_counts(w: np.ndarray, slots: int, home: np.ndarray, nodes: int, gpus: int,
+                  companions: np.ndarray | float = 0.0) -> np.ndarray:
+    """Replica counts: one extra slot at a time, each to the current bottleneck expert.
 
     Normally that is the expert with the largest load per replica (greedy by max(w / r) is
     optimal for the largest per-replica load). When a node's primaries alone would overload
     its GPUs, it is the expert of that node whose next replica takes the most load off the
-    node, w / (r (r + 1)); that replica may live on another node.
+    node, w / (r (r + 1)); that replica may live on another node (or, at its floor, the
+    largest load per replica, which makes the items easier to pack). A node counts as
+    overloaded only above the largest load per replica plus ``companions`` (per layer): the
+    GPU holding that replica also holds k - 1 others. Each step changes one expert per
+    layer, so the state is updated in place, not recomputed.
     """
-    rows = np.arange(w.shape[0])
-    per = np.where(r < gpus, w / r, -1.0)
-    pick = per.argmax(1)
-    if nodes == 1:
-        return pick
-    load = node_sums(w / r, home, nodes) * (nodes / gpus)
-    worst = load.argmax(1)
-    gain = np.where((home == worst[:, None]) & (r < gpus), w / (r * (r + 1.0)), -1.0)
-    floor = np.maximum(per[rows, pick], w.sum(1) / gpus)
-    use_node = (load[rows, worst] > floor) & (gain.max(1) > 0)
-    return np.where(use_node, gain.argmax(1), pick)
-
-
-def greedy_counts(w: np.ndarray, slots: int, home: np.ndarray, nodes: int, gpus: int) -> np.ndarray:
-    """Replica counts: one extra slot at a time, each to the current bottleneck expert."""
+    layers, experts = w.shape
+    rows = np.arange(layers)
     r = np.ones(w.shape, dtype=np.int64)
-    rows = np.arange(w.shape[0])
-    for _ in range(slots - w.shape[1]):
-        r[rows, bottleneck_expert(w, r, home, nodes, gpus)] += 1
+    per = np.where(r < gpus, w, -1.0)  # load per replica; -1 once on every GPU
+    mean = w.sum(1) / gpus
+    if nodes > 1:
+        starts = np.searchsorted(home, np.arange(nodes))
+        pos = np.arange(experts) - starts[home]  # place of each expert in its node's group
+        size = int(np.bincount(home, minlength=nodes).max())
+        node_load = node_sums(w, home, nodes) * (nodes / gpus)
+        gain = np.full((layers, nodes, size), -1.0)  # w / (r (r + 1)) laid out by node
+        gain[:, home, pos] = np.where(gpus > 1, w / 2.0, -1.0)
+    for _ in range(slots - experts):
+        e = per.argmax(1)
+        if nodes > 1:
+            worst = node_load.argmax(1)
+            g = gain[rows, worst]
+            j = g.argmax(1)
+            floor = np.maximum(per[rows, e] + companions, mean)
+            use = (node_load[rows, worst] > floor) & (g[rows, j] > 0)
+            e = np.where(use, starts[worst] + j, e)
+        old = r[rows, e]
+        r[rows, e] = new = old + 1
+        we = w[rows, e]
+        per[rows, e] = np.where(new < gpus, we / new, -1.0)
+        if nodes > 1:
+            node_load[rows, home[e]] += (we / new - we / old) * (nodes / gpus)
+            gain[rows, home[e], pos[e]] = np.where(new < gpus, we / (new * (new + 1.0)), -1.0)
     return r
 
 

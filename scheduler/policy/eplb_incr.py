@@ -24,6 +24,7 @@ from .eplb_split import replica_slots
 
 HEAVY = 4  # heavy GPUs per layer whose experts and slots are candidates each round
 COLD = 4  # coldest experts offered as new replicas on heavy GPUs
+FRUGAL_STALL = 2e-4  # the repair works every last gain out of a layer: a fallback costs far more moves
 
 
 def repair(w: np.ndarray, p2l: np.ndarray, shape: Shape, goal: np.ndarray, max_rounds: int | None = None) -> SearchState:
@@ -36,7 +37,7 @@ def repair(w: np.ndarray, p2l: np.ndarray, shape: Shape, goal: np.ndarray, max_r
         if active.size == 0:
             break
         active = active[_repair_round(st, shape, active, goal[active])]
-    return search(st, shape, goal, frugal=True)  # what excess cannot see: the heaviest alone
+    return search(st, shape, goal, frugal=True, stall=FRUGAL_STALL)  # what excess cannot see: the heaviest alone
 
 
 def _excess(load: np.ndarray, goal: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ import numpy as np
 from .eplb_pack import Shape
 
 PAIR_BUDGET = 256  # replica pairs scored per row before a layer falls back to all GPUs
+COVER_OFFERS = 96  # replicas offered to a GPU without one: those on the lightest GPUs
 
 
 def partners(load: np.ndarray, shape: Shape, wide: bool, h: np.ndarray) -> np.ndarray:
@@ -169,8 +170,9 @@ def best_cover_swap(st, shape: Shape, layers: np.ndarray, h: np.ndarray, spare: 
     lr, col = np.arange(n), layers[:, None]
     load = st.load[layers]
     give = spare[lr[:, None], np.arange(shape.slots) // k] & (st.r[col, st.p2l[layers]] >= 2)
-    width = max(int(give.sum(1).max()), 1)
-    b_slot = np.argsort(~give, axis=1, kind="stable")[:, :width]  # the replicas on offer
+    width = min(max(int(give.sum(1).max()), 1), COVER_OFFERS)
+    key = np.where(give, np.repeat(load, k, axis=1), np.inf)  # the lightest GPUs' first
+    b_slot = np.argpartition(key, width - 1, axis=1)[:, :width] if width < shape.slots else np.argsort(key, axis=1)
     offered = np.take_along_axis(give, b_slot, 1)
     b_gpu = b_slot // k
     a_slot = h[:, None] * k + np.arange(k)

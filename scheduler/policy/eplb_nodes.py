@@ -1,7 +1,8 @@
 """Node level of the EPLB planner: which node each replica goes to.
 
 Every expert's first replica (its primary) lives on its home node; the others form a pool
-that fills the nodes' remaining slots, heaviest first onto the node with the least load.
+that fills the nodes' remaining slots, heaviest first onto the nodes with the least load,
+then swaps between the heaviest node and the lightest ones level the nodes.
 A node whose own experts are heavy still has to fill its remaining slots, and the pool holds
 replicas of hot experts only, so it can end up overloaded however the pool is dealt. The fix
 is in the counts: such a node gives up some pool slots to *fillers*, second replicas of its
@@ -14,7 +15,10 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from .eplb_count import node_sums
 from .eplb_pack import Shape, sorted_items
+
+LIGHT = 3  # nodes whose pool replicas the heaviest node may swap with
 
 
 @attrs.define
@@ -32,8 +36,9 @@ class Deal:
 
 
 def assign_nodes(w: np.ndarray, r: np.ndarray, stay: np.ndarray, shape: Shape) -> Deal:
-    """Deal replicas to nodes: primaries and fillers home, the pool heaviest first onto the
-    node with the least load that has a slot left and no replica of it on every GPU."""
+    """Deal replicas to nodes: primaries and fillers home, the pool heaviest first in rounds
+    onto the nodes with slots left, the heaviest of a round to the lightest node; a node
+    left with more replicas of an expert than it has GPUs trades one away after."""
     layers = w.shape[0]
     rows = np.arange(layers)
     items, load, first = sorted_items(w / r, r)
@@ -41,22 +46,35 @@ def assign_nodes(w: np.ndarray, r: np.ndarray, stay: np.ndarray, shape: Shape) -
     node_of = np.where(forced, shape.home[items], 0)
     node_load = _sum_by_node(load * forced, node_of, shape.nodes)
     left = shape.slots // shape.nodes - _sum_by_node(forced.astype(np.int64), node_of, shape.nodes)
-    copies = np.zeros((layers, w.shape[1], shape.nodes), dtype=np.int64)
-    np.add.at(copies, (rows[:, None], items, node_of), forced.astype(np.int64))
+    cell = (rows[:, None] * w.shape[1] + items) * shape.nodes + node_of
+    copies = np.bincount(cell.ravel(), weights=forced.ravel(), minlength=layers * w.shape[1] * shape.nodes)
+    copies = copies.astype(np.int64).reshape(layers, w.shape[1], shape.nodes)
     per_node = shape.gpus // shape.nodes
-    order = np.argsort(forced, axis=1, kind="stable")[:, : int((~forced).sum(1).max())]
-    for i in order.T:
-        live, e = ~forced[rows, i], items[rows, i]
-        ok = (left > 0) & (copies[rows, e] < per_node)
-        ok = np.where(ok.any(1)[:, None], ok, left > 0)  # fixed below
-        n = np.where(ok, node_load, np.inf).argmin(1)
-        node_of[rows[live], i[live]] = n[live]
-        node_load[rows[live], n[live]] += load[rows[live], i[live]]
-        left[rows[live], n[live]] -= 1
-        copies[rows[live], e[live], n[live]] += 1
+    _deal_rounds(items, load, forced, node_of, node_load, left, copies)
     deal = Deal(items, load, node_of, ~forced, node_load, copies, r.copy())
     _repair_copies(deal, w, per_node)
     return deal
+
+
+def _deal_rounds(items, load, forced, node_of, node_load, left, copies) -> None:
+    """The pool (items not ``forced``) in rounds of one per node with a slot left, each
+    round's i-th heaviest to the i-th lightest such node (arrays updated in place)."""
+    layers, slots = items.shape
+    rows = np.arange(layers)[:, None]
+    pool = np.argsort(forced, axis=1, kind="stable")  # pool positions first, heaviest first
+    count = (~forced).sum(1)
+    done = np.zeros(layers, dtype=np.int64)
+    j = np.arange(left.shape[1])
+    while (done < count).any():
+        free = left > 0
+        lightest = np.argsort(np.where(free, node_load, np.inf), axis=1, kind="stable")
+        take = (j < free.sum(1)[:, None]) & (done[:, None] + j < count[:, None])
+        pos = pool[rows, np.minimum(done[:, None] + j, slots - 1)]
+        node_of[rows, pos] = np.where(take, lightest, node_of[rows, pos])
+        node_load[rows, lightest] += np.where(take, load[rows, pos], 0.0)
+        left[rows, lightest] -= take
+        copies[rows, items[rows, pos], lightest] += take
+        done += take.sum(1)
 
 
 def _repair_copies(d: Deal, w: np.ndarray, per_node: int) -> None:
@@ -95,19 +113,28 @@ def _sum_by_node(x: np.ndarray, node_of: np.ndarray, nodes: int) -> np.ndarray:
     return np.bincount(flat, weights=x.ravel().astype(np.float64), minlength=layers * nodes).reshape(layers, nodes).astype(x.dtype)
 
 
-def plan_nodes(w: np.ndarray, r: np.ndarray, shape: Shape, passes: int = 2, slack: float = 1e-3):
+def plan_nodes(w: np.ndarray, r: np.ndarray, shape: Shape, slack: float = 1e-3):
     """Counts with fillers, and the node of every replica, so each node's load fits its GPUs at
-    the mean (within ``slack``) where it can. Returns (r, deal)."""
+    the mean (within ``slack``) where it can. Returns (r, deal).
+
+    Fillers are taken in one round, or two where every node has two spare slots per GPU or
+    more: a heavy node then has many pool slots to give up, and one round leaves it over.
+    With few spare slots (EP72 on 9 nodes with 288 slots: 3 or 4 for 8 GPUs) the redundant
+    replicas that more fillers cost are better spent splitting hot experts."""
     r, stay = r.copy(), np.zeros(r.shape, dtype=bool)
     cap = w.sum(1) / shape.nodes * (1 + slack)  # a node's share of the layer
+    passes = 2 if shape.spare().min() >= 2 * (shape.gpus // shape.nodes) else 1
     for i in range(passes + 1):
-        deal = balance_nodes(assign_nodes(w, r, stay, shape), shape)
+        last = i == passes
+        deal = balance_nodes(assign_nodes(w, r, stay, shape), shape, rounds=12 if last else 0)
         r = deal.r
+        if last:
+            return r, deal
         need = _fillers_needed(deal.load, deal.node_of, deal.pool, deal.node_load, cap, shape.nodes)
         need = np.minimum(need, _filler_room(w, r, stay, shape))
-        if i == passes or not need.any():
-            return r, deal
-        _drop_increments(w, r, stay, need.sum(1))
+        if not need.any():
+            return r, balance_nodes(deal, shape)
+        _drop_increments(w, r, stay, need.sum(1), shape)
         _add_fillers(w, r, stay, need, shape)
 
 
@@ -116,7 +143,7 @@ def balance_nodes(d: Deal, shape: Shape, rounds: int = 12, width: int = 8) -> De
     lowers it; the heaviest node offers its ``width`` largest pool replicas."""
     per_node = shape.gpus // shape.nodes
     size = int(d.pool.sum(1).max())
-    if size == 0:
+    if size == 0 or rounds == 0:
         return d
     pos = np.argsort(~d.pool, axis=1, kind="stable")[:, :size]  # pool items, heaviest first
     valid = np.take_along_axis(d.pool, pos, 1)
@@ -129,24 +156,33 @@ def balance_nodes(d: Deal, shape: Shape, rounds: int = 12, width: int = 8) -> De
 
 
 def _balance_round(d: Deal, layers, pos, valid, per_node: int, width: int) -> np.ndarray:
+    """One swap per layer between the heaviest node's ``width`` largest pool replicas and
+    the pool replicas of the ``LIGHT`` lightest nodes; returns which layers moved."""
     n, col = layers.size, layers[:, None]
     lr = np.arange(n)
-    node_of, load, items = d.node_of[col, pos], d.load[col, pos], d.items[col, pos]  # (n, pool)
-    hn = d.node_load[layers].argmax(1)
+    node_of = d.node_of[col, pos]  # (n, pool)
+    node_load = d.node_load[layers]
+    hn = node_load.argmax(1)
     mine = valid & (node_of == hn[:, None])
-    a = np.argsort(~mine, axis=1, kind="stable")[:, :width]
-    a_ok, ea, la = mine[lr[:, None], a], items[lr[:, None], a], load[lr[:, None], a]
-    delta = la[:, :, None] - load[:, None, :]
-    top = d.node_load[layers, hn]
-    score = np.maximum(top[:, None, None] - delta, d.node_load[col, node_of][:, None, :] + delta)
-    ok = a_ok[:, :, None] & (valid & (node_of != hn[:, None]))[:, None, :] & (delta > 0)
-    ok &= d.copies[layers[:, None, None], ea[:, :, None], node_of[:, None, :]] < per_node
-    ok &= (d.copies[col, items, hn[:, None]] < per_node)[:, None, :] & (ea[:, :, None] != items[:, None, :])
+    a = pos[lr[:, None], np.argsort(~mine, axis=1, kind="stable")[:, :width]]
+    a_ok = d.pool[col, a] & (d.node_of[col, a] == hn[:, None])
+    rank = np.argsort(np.argsort(node_load, axis=1), axis=1)  # 0 = lightest
+    light = valid & (rank[lr[:, None], node_of] < LIGHT) & (node_of != hn[:, None])
+    m = max(int(light.sum(1).max()), 1)
+    pick = np.argsort(~light, axis=1, kind="stable")[:, :m]
+    b, b_ok = pos[lr[:, None], pick], np.take_along_axis(light, pick, 1)
+    ea, la, eb, lb, nb = d.items[col, a], d.load[col, a], d.items[col, b], d.load[col, b], d.node_of[col, b]
+    delta = la[:, :, None] - lb[:, None, :]
+    top = node_load[lr, hn]
+    score = np.maximum(top[:, None, None] - delta, node_load[lr[:, None], nb][:, None, :] + delta)
+    ok = a_ok[:, :, None] & b_ok[:, None, :] & (delta > 0) & (ea[:, :, None] != eb[:, None, :])
+    ok &= d.copies[layers[:, None, None], ea[:, :, None], nb[:, None, :]] < per_node
+    ok &= (d.copies[col, eb, hn[:, None]] < per_node)[:, None, :]
     score = np.where(ok, score, np.inf).reshape(n, -1)
     best = score.argmin(1)
     moved = score[lr, best] < top * (1 - 1e-12)
-    i, j = np.divmod(best[moved], pos.shape[1])
-    _swap_nodes(d, layers[moved], pos[moved][np.arange(i.size), a[lr[moved], i]], pos[moved][np.arange(j.size), j])
+    i, j = np.divmod(best[moved], m)
+    _swap_nodes(d, layers[moved], a[moved, i], b[moved, j])
     return moved
 
 
@@ -166,12 +202,20 @@ def _swap_nodes(d: Deal, layers: np.ndarray, ia: np.ndarray, ib: np.ndarray) -> 
 
 def _fillers_needed(load, node_of, pool, node_load, cap, nodes) -> np.ndarray:
     """(layers, nodes): how many of its largest pool replicas each node must give up."""
-    need = np.zeros(node_load.shape, dtype=np.int64)
-    for n in range(nodes):
-        mine = np.sort(np.where(pool & (node_of == n), load, 0.0), axis=1)[:, ::-1]
-        before = node_load[:, n : n + 1] - (np.cumsum(mine, axis=1) - mine)  # load before dropping each
-        need[:, n] = ((before > cap[:, None]) & (mine > 0)).sum(1)
-    return need
+    layers = load.shape[0]
+    group = np.where(pool, node_of, nodes)  # primaries and fillers: a group of their own
+    order = np.lexsort((-load, group), axis=1)  # by node, largest first
+    g, x = np.take_along_axis(group, order, 1), np.take_along_axis(load, order, 1)
+    done = np.cumsum(x, axis=1) - x  # load of the earlier items of the row
+    start = np.ones(g.shape, dtype=bool)
+    start[:, 1:] = g[:, 1:] != g[:, :-1]
+    first = np.maximum.accumulate(np.where(start, np.arange(g.shape[1]), 0), axis=1)
+    dropped = done - np.take_along_axis(done, first, 1)  # the node's larger items, dropped first
+    before = np.take_along_axis(node_load, np.minimum(g, nodes - 1), 1) - dropped
+    count = (before > cap[:, None]) & (x > 0) & (g < nodes)
+    flat = (g + (nodes + 1) * np.arange(layers)[:, None]).ravel()
+    per = np.bincount(flat, weights=count.ravel(), minlength=layers * (nodes + 1)).reshape(layers, nodes + 1)
+    return per[:, :nodes].astype(np.int64)
 
 
 def _filler_room(w, r, stay, shape: Shape) -> np.ndarray:
@@ -183,22 +227,34 @@ def _filler_room(w, r, stay, shape: Shape) -> np.ndarray:
     return np.stack([(free & (shape.home == n)).sum(1) for n in range(shape.nodes)], axis=1)
 
 
-def _drop_increments(w, r, stay, count) -> None:
-    """Take ``count`` (per layer) replicas back from the experts that miss them least."""
+def _drop_increments(w, r, stay, count, shape: Shape) -> None:
+    """Take ``count`` (per layer) replicas back from the experts that miss them least: the
+    drop that leaves the smallest of (the expert's load per replica, its home node's
+    primaries per GPU). Counting the node matters: the replicas that let a heavy node shed
+    load are cheap by load per replica alone."""
     rows = np.arange(w.shape[0])
+    per_node = shape.gpus // shape.nodes
+    node = node_sums(w / r, shape.home, shape.nodes)
+    companions = np.sort(w, axis=1)[:, : shape.k - 1].sum(1, keepdims=True)
     for step in range(int(count.max())):
         live = step < count
-        cost = np.where((r >= 2) & ~stay, w / np.maximum(r - 1, 1), np.inf)
+        rm = np.maximum(r - 1, 1)
+        grow = w / rm - w / r
+        cost = np.maximum(w / rm + companions, (node[:, shape.home] + grow) / per_node)
+        cost = np.where((r >= 2) & ~stay, cost, np.inf)
         x = cost.argmin(1)
         live &= np.isfinite(cost[rows, x])
+        node[rows[live], shape.home[x[live]]] += grow[rows[live], x[live]]
         r[rows[live], x[live]] -= 1
 
 
 def _add_fillers(w, r, stay, need, shape: Shape) -> None:
     """Give each node ``need`` fillers: its coldest experts that have one replica."""
-    for n in range(shape.nodes):
-        cand = np.where((shape.home == n) & (r == 1) & ~stay, w, np.inf)
-        rank = np.argsort(np.argsort(cand, axis=1, kind="stable"), axis=1)
-        pick = (rank < need[:, n : n + 1]) & np.isfinite(cand)
-        stay |= pick
-        r += pick
+    cand = np.where((r == 1) & ~stay, w, np.inf)
+    order = np.lexsort((cand, np.broadcast_to(shape.home, w.shape)), axis=1)  # by node, coldest first
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(w.shape[1])[None, :].repeat(w.shape[0], 0), axis=1)
+    rank -= np.searchsorted(shape.home, shape.home)  # place within the node's group
+    pick = (rank < np.take_along_axis(need, np.broadcast_to(shape.home, w.shape), 1)) & np.isfinite(cand)
+    stay |= pick
+    r += pick

@@ -1,12 +1,11 @@
 """Local search for the EPLB planner: level the GPUs of a placement by small changes.
 
-``level_pairs`` first pairs each node's heaviest GPUs with its lightest and swaps within the
-pairs, all at once (cheap bulk work). ``search`` then works off the heaviest GPUs of every
-layer still above its target: each round, each of a layer's few heaviest GPUs makes its best
-swap with one of the lightest GPUs; changes made in the same round touch disjoint GPUs and
-experts, so each one's check stays true. Only when that finds nothing does the heaviest GPU
-look at all GPUs and at transfers and fills (``eplb_moves``). A layer leaves the search when
-its heaviest GPU is within target, or when even that finds nothing.
+``search`` works off the heaviest GPUs of every layer still above its target: each round,
+each of a layer's few heaviest GPUs makes its best swap with one of the lightest GPUs;
+changes made in the same round touch disjoint GPUs and experts, so each one's check stays
+true. Only when that finds nothing does the heaviest GPU look at all GPUs and at transfers
+and fills (``eplb_moves``). A layer leaves the search when its heaviest GPU is within
+target, or when even that finds nothing.
 """
 
 from __future__ import annotations
@@ -52,51 +51,8 @@ class SearchState:
         self.load[layers] = gpu_loads(self.slot_load[layers], gpus)
 
 
-def level_pairs(st: SearchState, shape: Shape, rounds: int = 10) -> SearchState:
-    """Each round pairs the i-th heaviest GPU with the i-th lightest, within each node and
-    (every other round, with several nodes) across all GPUs, and makes the swap that leaves
-    each pair most level, in all pairs and layers at once. Across nodes only replicas away
-    from their home node move, so concurrent swaps cannot strand an expert."""
-    layers = st.p2l.shape[0]
-    calm = 0
-    for i in range(rounds if shape.gpus > 1 else 0):
-        groups = shape.nodes if (i % 2 == 0 and shape.gpus > shape.nodes) or shape.nodes == 1 else 1
-        per = shape.gpus // groups
-        order = np.argsort(st.load.reshape(layers, groups, per), axis=2) + (np.arange(groups) * per)[None, :, None]
-        heavy = order[:, :, ::-1][:, :, : per // 2].reshape(layers, -1)
-        light = order[:, :, : per // 2].reshape(layers, -1)
-        calm = 0 if _level_round(st, shape, heavy, light, cross=groups < shape.nodes) else calm + 1
-        if calm == (2 if shape.nodes > 1 else 1):
-            break
-    return st
-
-
-def _level_round(st: SearchState, shape: Shape, g1: np.ndarray, g2: np.ndarray, cross: bool) -> bool:
-    k = shape.k
-    lr, lr3 = np.arange(g1.shape[0])[:, None], np.arange(g1.shape[0])[:, None, None]
-    s1 = g1[:, :, None] * k + np.arange(k)  # (layers, pairs, k)
-    s2 = g2[:, :, None] * k + np.arange(k)
-    e1, e2 = st.p2l[lr3, s1], st.p2l[lr3, s2]
-    l1, l2 = st.load[lr, g1], st.load[lr, g2]
-    delta = st.slot_load[lr3, s1][..., :, None] - st.slot_load[lr3, s2][..., None, :]
-    score = np.maximum(l1[..., None, None] - delta, l2[..., None, None] + delta)
-    bad = (delta <= 0) | st.has[lr3, g1[:, :, None], e2][..., None, :] | st.has[lr3, g2[:, :, None], e1][..., :, None]
-    if cross:
-        node = shape.gpu_node
-        apart = (node[g1] != node[g2])[..., None]
-        bad |= (apart & (shape.home[e1] == node[g1][..., None]))[..., :, None]
-        bad |= (apart & (shape.home[e2] == node[g2][..., None]))[..., None, :]
-    score = np.where(bad, np.inf, score).reshape(*g1.shape, -1)
-    best = score.argmin(2)
-    gain = np.take_along_axis(score, best[..., None], 2)[..., 0] < l1 * (1 - 1e-12)
-    layer, pair = np.nonzero(gain)
-    i, j = np.divmod(best[layer, pair], k)
-    apply_swap(st, shape, layer, s1[layer, pair, i], s2[layer, pair, j])
-    return bool(gain.any())
-
-
 def search(st: SearchState, shape: Shape, target: np.ndarray, heavy: int | None = None,
-           band: float = 3e-3, stall: float = 2e-4, frugal: bool = False,
+           band: float = 3e-3, stall: float = 3e-3, frugal: bool = False,
            max_rounds: int | None = None) -> SearchState:
     """Improve until every layer's heaviest GPU is <= target (per layer) or nothing helps.
 
@@ -177,7 +133,7 @@ def _wide_round(st: SearchState, shape: Shape, layers: np.ndarray) -> np.ndarray
     return moved
 
 
-def cover(st: SearchState, shape: Shape, slack: float = 2e-3, heavy: int = 8, rounds: int = 4) -> SearchState:
+def cover(st: SearchState, shape: Shape, slack: float = 2e-3, heavy: int = 4, rounds: int = 2) -> SearchState:
     """Give every GPU a replica of some replicated expert where the counts allow, by swaps
     that leave the layer's heaviest GPU no heavier than (1 + slack) times what it is now.
     Why: the per-batch token split can only shift load along replicated experts; a GPU

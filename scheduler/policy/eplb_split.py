@@ -31,12 +31,12 @@ def replica_slots(p2l: np.ndarray, experts: int) -> np.ndarray:
     layers, slots = p2l.shape
     r = replica_counts(p2l, experts)
     order = np.argsort(p2l, axis=1, kind="stable")  # slots grouped by expert, ascending
+    expert = np.take_along_axis(p2l, order, 1)
     start = np.cumsum(r, axis=1) - r
-    width = max(int(r.max()), 1)
-    idx = start[:, :, None] + np.arange(width)
-    valid = np.arange(width) < r[:, :, None]
-    got = np.take_along_axis(order, np.minimum(idx, slots - 1).reshape(layers, -1), 1)
-    return np.where(valid, got.reshape(layers, experts, width), -1)
+    nth = np.arange(slots) - np.take_along_axis(start, expert, 1)  # replica number within its expert
+    out = np.full((layers, experts, max(int(r.max()), 1)), -1, dtype=np.int64)
+    out[np.arange(layers)[:, None], expert, nth] = order
+    return out
 
 
 def split_loads(p2l: np.ndarray, w: np.ndarray, gpus: int, split: str = "even", sweeps: int = 4) -> np.ndarray:
