@@ -56,6 +56,9 @@ class StepLoad:
     loaded: np.ndarray | float = 0.0  # tokens of KV loaded from the host tier
 
 
+VECTOR_RUN = 12  # runs from this many steps are priced with numpy (a Python loop below it)
+
+
 class AnalyticCost:
     needs_mix = False  # a measured model (sim.profile) wants each rank's decode/prefill split
 
@@ -133,11 +136,12 @@ class AnalyticCost:
         return (self.host_floor + extra if self.host_overlap else extra) + self.host_added
 
     def decode_run_ends(self, t: float, ns: list[float], bases: list[float], k: int,
-                        until: float) -> list[float]:
+                        until: float, last_free: bool = False) -> list[float]:
         """End times of up to k identical decode steps from t, stopping before the first
-        that reaches ``until``. Rank r feeds ns[r] tokens and reads bases[r] + ns[r] * j of
-        context in step j: ``step_time`` on those loads, summed one step at a time (as
-        stepping would), in Python floats with its operations in its order."""
+        that reaches ``until`` (``last_free``: the k-th step may end later). Rank r feeds
+        ns[r] tokens and reads bases[r] + ns[r] * j of context in step j: ``step_time`` on
+        those loads, summed one step at a time (as stepping would), in Python floats with its
+        operations in its order."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         pad = max(ns)  # the DP sync rule, as in rank_step_time
         kk = m.top_k
@@ -153,6 +157,23 @@ class AnalyticCost:
                 continue
             t_r = max((dense + kvb * (base + tok)) / hbm, gemm + afpp * base * layers / flops)
             idle = max(idle, t_r if a2a is None else t_r + a2a)
+        if k >= VECTOR_RUN:  # the same operations elementwise, then a sequential running sum
+            j = np.arange(k, dtype=np.float64)
+            worst = np.full(k, idle)
+            for tok, base, gemm, a2a in ranks:
+                ctx = base + tok * j
+                t_r = np.maximum((dense + kvb * (ctx + tok)) / hbm, gemm + afpp * ctx * layers / flops)
+                if a2a is not None:
+                    t_r = t_r + a2a
+                np.maximum(worst, t_r, out=worst)
+            steps = np.empty(k + 1)
+            steps[0] = t
+            np.add(np.maximum(worst, self.host_floor), self.host_added, out=steps[1:])
+            ends = np.cumsum(steps)[1:]  # add.accumulate runs left to right: t + s0, then + s1, ...
+            late = ends >= until
+            if last_free:
+                late[-1] = False
+            return ends[: int(np.argmax(late)) if late.any() else k].tolist()
         ends = []
         for j in range(k):
             worst = idle
@@ -163,7 +184,7 @@ class AnalyticCost:
                     t_r = t_r + a2a
                 worst = t_r if t_r > worst else worst
             t = t + ((worst if worst > self.host_floor else self.host_floor) + self.host_added)
-            if t >= until:
+            if t >= until and not (last_free and j == k - 1):
                 break
             ends.append(t)
         return ends

@@ -176,6 +176,12 @@ class PDFlow:
             extra.append(host)
         return extra if any_work else None
 
+    def _joins_in(self, idx: int, plans: list[StepPlan]) -> bool:
+        """Whether a pulled request runs its first step in these plans (``_start_pulls``
+        charges it)."""
+        return any(self._joining[(idx, rank)] and not self._joining[(idx, rank)].isdisjoint(p.req_ids.tolist())
+                   for rank, p in enumerate(plans))
+
     def _pull_plan(self, idx: int, rank: int, plan: StepPlan, now: float) -> float:
         kvt, host, started = self.kvt, 0.0, 0
         offs = plan.block_offsets.tolist()
@@ -225,6 +231,15 @@ class PDFlow:
                           kv_loads_done=np.array([pull.rid], dtype=np.int64))
         inst.cores[pull.rank].update(plan, done, t)
         self._dispatch(pull.inst, t, inst.plan(t))
+
+    def _report_pulls(self, idx: int, t: float) -> None:
+        """Report the pulls that finished during a step no plan of a rank stands for."""
+        for rank, core in enumerate(self.instances[idx].cores):
+            got, self._done[(idx, rank)] = self._done[(idx, rank)], []
+            if got:
+                plan = _completions_only()
+                core.update(plan, StepResult(step_id=plan.step_id, num_sampled=plan.slots, token_ids=plan.slots,
+                                             kv_loads_done=np.array(got, dtype=np.int64)), t)
 
     def _loads_done(self, idx: int, rank: int, plan: StepPlan) -> np.ndarray:
         """What the result of this rank's step reports done: host-tier loads the step ran,

@@ -55,18 +55,19 @@ class Metrics:
         """One token for each request in ``rids`` at time t."""
         if len(rids) == 0:
             return
-        ntok, last, first = self.ntok, self.last, self.first
-        second = self.second
-        for r in rids.tolist():
-            if ntok[r] > 0:
-                self._itl_v.append(t - last[r])
-                self._itl_w.append(1.0)
-                if ntok[r] == 1:
+        ntok, last, first, second = self.ntok, self.last, self.first, self.second
+        itl_v, itl_w = self._itl_v, self._itl_w
+        for r in rids.tolist():  # item() and Python floats: a step is one or a few requests
+            n = ntok.item(r)
+            if n:
+                itl_v.append(t - last.item(r))
+                itl_w.append(1.0)
+                if n == 1:
                     second[r] = t
             else:
                 first[r] = t
             last[r] = t
-            ntok[r] += 1
+            ntok[r] = n + 1
         self._tok_t.append(t)
         self._tok_n.append(len(rids))
 

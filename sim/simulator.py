@@ -7,7 +7,10 @@ DEP instance's ranks step together; the step costs what its slowest rank costs.
 
 Runs of identical decode steps are applied at once with ``SchedulerCore.advance(k)``: the
 simulator's cost grows with events (arrivals, admissions, block boundaries, completions),
-not with steps. Plans skipped by an advance are not materialized.
+not with steps. Plans skipped by an advance are not materialized. A run reaches through the
+step in which its first requests finish (``SchedulerCore.decode_run``): that step is applied
+with the run, not planned, dispatched and updated on its own, but its end stays an event at
+the time a single step would end, so everything is recorded in the order stepping records it.
 
 Pools are all colocated, or split into prefill and decode pools (``sim.disagg``: hand-offs,
 KV pulls over a link, the prefill side's held blocks).
@@ -45,6 +48,14 @@ from .traces import TraceRequest, segment_tokens
 OUTPUT_SEG_BASE = 1 << 42  # output content ids for trace requests (disjoint from prompts)
 PROMPT_BATCH = 64  # prompts materialized in one pass, up to this many tokens:
 PROMPT_BATCH_TOKENS = 1 << 20
+
+
+class Folded:
+    """What an instance runs after an advance applied its last step too: that step's
+    outputs per rank, recorded when it ends."""
+
+    def __init__(self, outs: list):
+        self.outs = outs
 
 
 class Instance:
@@ -111,6 +122,7 @@ class Simulator(PDFlow):
         # Where arrivals go: every rank, or with P/D the prefill ranks.
         self._ranks = [(i, c) for i, inst in enumerate(self.instances) if inst.role != "decode"
                        for c in inst.cores]
+        self._one_rank = sum(len(i.cores) for i in self.instances) == 1
         total_blocks = sum(len(i.cores) * i.cores[0].config.num_blocks for i in self.instances)
         self.metrics = Metrics(len(self.workload), total_blocks)
         self._events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, argument)
@@ -232,7 +244,8 @@ class Simulator(PDFlow):
         heapq.heappush(self._events, (t, self._seq, kind, arg))
         self._seq += 1
 
-    def _dispatch(self, idx: int, now: float, plans: list[StepPlan] | None) -> None:
+    def _dispatch(self, idx: int, now: float, plans: list[StepPlan] | None, t_end: float | None = None) -> None:
+        """Start a step; ``t_end``: its end where ``_try_advance`` already priced it."""
         inst = self.instances[idx]
         inst.executing = plans
         if plans is None:
@@ -242,7 +255,9 @@ class Simulator(PDFlow):
             for rank, p in enumerate(plans):
                 self.on_plan(inst, rank, p)
         host = self._start_pulls(idx, plans, now) if inst.role == "decode" else None
-        if inst.spec is not None:  # runs the step as the runtime would: draws, draft passes
+        if t_end is not None and host is None:
+            pass
+        elif inst.spec is not None:  # runs the step as the runtime would: draws, draft passes
             t_end = now + inst.spec.step(plans, host)
         else:
             t_end = now + self._step_time(inst, plans, host)
@@ -261,24 +276,36 @@ class Simulator(PDFlow):
 
     def _step_done(self, idx: int, t: float, next_arrival: float) -> None:
         inst = self.instances[idx]
-        for rank, (core, plan) in enumerate(zip(inst.cores, inst.executing)):
-            # Host-tier loads are charged inside the step, so they are done when it ends;
-            # a decode rank also reports the pulls that finished meanwhile.
-            done = self._loads_done(idx, rank, plan) if inst.role == "decode" else plan.kv_load_req_ids
-            if plan.num_reqs or len(done):
-                self._apply(idx, rank, core, plan, t, done)
+        if isinstance(inst.executing, Folded):  # the last step of a run, applied with it
+            for rank, out in inst.executing.outs:
+                self.metrics.tokens(out.req_ids, t)
+                self._finished(idx, rank, out, t)
+            if inst.role == "decode":  # (a run stops before hand-offs: none are expected)
+                self._report_pulls(idx, t)
+        else:
+            for rank, (core, plan) in enumerate(zip(inst.cores, inst.executing)):
+                # Host-tier loads are charged inside the step, so they are done when it ends;
+                # a decode rank also reports the pulls that finished meanwhile.
+                done = self._loads_done(idx, rank, plan) if inst.role == "decode" else plan.kv_load_req_ids
+                if plan.num_reqs or len(done):
+                    self._apply(idx, rank, core, plan, t, done)
         self.metrics.kv_sample(idx, t, sum(c.pool.num_used for c in inst.cores))
         plans = inst.planned
         if plans is None and any(c.has_work() for c in inst.cores):
             plans = inst.plan(t)
+        t_end = None
         if plans is not None and self.use_advance:
             # An advance run must not cross a window boundary: its steps' costs would change,
             # nor a hand-off's arrival on a decode instance.
             until = min(next_arrival, self._next_window)
             if inst.role == "decode":
                 until = min(until, self._next_handoff())
-            plans, t = self._try_advance(idx, plans, t, until)
-        self._dispatch(idx, t, plans)
+            got = self._try_advance(idx, plans, t, until)
+            if got is not None:
+                plans, t, t_end = got
+                if plans is None:  # the run's last step is applied: its end is an event already
+                    return
+        self._dispatch(idx, t, plans, t_end)
 
     def _apply(self, idx: int, rank: int, core: SchedulerCore, plan: StepPlan, t: float,
                done: np.ndarray) -> None:
@@ -311,20 +338,39 @@ class Simulator(PDFlow):
                 self.metrics.finish[rid] = t
 
     # -- advance ------------------------------------------------------------------------------
-    def _try_advance(self, idx: int, plans: list[StepPlan], t: float, next_arrival: float):
+    def _try_advance(self, idx: int, plans: list[StepPlan], t: float, until: float):
+        """Apply the run of identical decode steps that starts with ``plans`` in flight;
+        None if there is none of at least two steps (as stepping would find it). Returns
+        (plans left in flight, time, the end of the next step if already priced, else
+        None), or (None, time, None) where the run's last step is the one in which requests
+        finish: applied with the run (the instance runs ``Folded``), its end is an event as
+        a single step's is, and the step after it is planned then."""
         inst = self.instances[idx]
-        k = self._identical_steps(inst, plans)
-        if k < 2:
-            return plans, t
+        k, finishes = self._identical_steps(inst, plans)
+        if finishes and inst.role == "decode" and self._joins_in(idx, plans):
+            # A pulled request's first step pays host time when a step is dispatched with it
+            # (``_start_pulls``), which the run's steps are not: its last step stays single.
+            k, finishes = k - 1, False
+        if k - finishes < 2:
+            return None
         # Every boundary inside the run, and the one at its end (where the next plan is
-        # made), must come before the next arrival, or that plan would miss it.
-        ends = self._decode_ends(inst, k, t, next_arrival)
+        # made), must come before the next arrival, or that plan would miss it. A finishing
+        # round is priced as the single step it stands for, which may end later.
+        ends = self._decode_ends(inst, k, t, until, last_free=finishes)
+        fold, priced = False, None
+        if finishes and len(ends) == k:
+            # The last step may end after ``until`` only where nothing there reads this
+            # instance's state: with one rank, no routing does. Else it is a single step.
+            if ends[-1] < until or self._one_rank:
+                fold = True
+            else:
+                priced = ends.pop()
+        if len(ends) - fold < 2:
+            return None
         k = len(ends)
-        if k < 2:
-            return plans, t
-        self.metrics.kv_sample(idx, ends, self._decode_kv_use(inst, k))
-        new_plans = []
-        for core, plan in zip(inst.cores, plans):
+        used = self._decode_kv_use(inst, k - fold)
+        new_plans, outs = [], []
+        for rank, (core, plan) in enumerate(zip(inst.cores, plans)):
             if not plan.num_reqs:  # an idle rank: its dummy steps change nothing
                 new_plans.append(plan)
                 continue
@@ -332,28 +378,41 @@ class Simulator(PDFlow):
             rids = core.s_rid[slots]
             tok = self.out_base[rids] + core.s_nout[slots] + self.out_skip[rids]
             out, nxt = core.advance(k, self.out_tokens[tok[:, None] + np.arange(k)])
-            self.metrics.token_run(out.req_ids, ends)
-            for rid, _ in out.finished:
-                self.metrics.finish[rid] = ends[-1]
+            outs.append((rank, out))
             new_plans.append(nxt)
+        body = ends[:-1] if fold else ends
+        for _, out in outs:
+            self.metrics.token_run(out.req_ids, body)
+        self.metrics.kv_sample(idx, body, used)
         self.metrics.steps += k
         if self.pd:
             self.pd_stats.steps[idx].extend([b - a for a, b in zip([t] + ends, ends)])
-        return new_plans, ends[-1]
+        if not fold:
+            return new_plans, ends[-1], priced
+        inst.executing = Folded(outs)
+        inst.planned = None if all(p.is_empty() for p in new_plans) else new_plans
+        inst.t_end = ends[-1]
+        self._push(ends[-1], STEP, idx)
+        return None, ends[-1], None
 
-    def _identical_steps(self, inst: Instance, plans: list[StepPlan]) -> int:
-        k = 1 << 62
+    def _identical_steps(self, inst: Instance, plans: list[StepPlan]) -> tuple[int, bool]:
+        """(rounds of the run, whether its last round finishes requests) over the ranks."""
+        k, finishing = 1 << 62, []
         for core, plan in zip(inst.cores, plans):
             n = core.num_running
             if n == 0:
                 if core.num_waiting:
-                    return 0
+                    return 0, False
                 continue
             decode_only = plan.num_reqs == n and all(plan.samples.tolist()) and set(plan.num_new.tolist()) == {1}
             if not decode_only or len(plan.kv_load_req_ids):
-                return 0
-            k = min(k, core.identical_decode_steps())
-        return 0 if k == 1 << 62 else k
+                return 0, False
+            kc, fc = core.decode_run()
+            k = min(k, kc)
+            finishing.append((kc, fc))
+        if k == 1 << 62:
+            return 0, False
+        return k, any(fc and kc == k for kc, fc in finishing)
 
     # -- cost inputs --------------------------------------------------------------------------
     def _step_time(self, inst: Instance, plans: list[StepPlan], host: list[float] | None = None) -> float:
@@ -374,13 +433,13 @@ class Simulator(PDFlow):
                 pairs.append(0.0)
         return inst.cost.rank_step_time(tokens, ctx, pairs, loaded, host, mix=mix)
 
-    def _decode_ends(self, inst: Instance, k: int, t: float, until: float) -> list[float]:
+    def _decode_ends(self, inst: Instance, k: int, t: float, until: float, last_free: bool = False) -> list[float]:
         ns, bases = [], []
         for core in inst.cores:
             act = core.active_slots()
             ns.append(float(len(act)))
             bases.append(float(sum(core.s_ncomp[act].tolist())))  # plan j feeds positions ncomp-1+j
-        return inst.cost.decode_run_ends(t, ns, bases, k, until)
+        return inst.cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free)
 
     def _decode_kv_use(self, inst: Instance, k: int) -> list[int]:
         """Blocks in use at each step end of the run: plan j takes the blocks its fed

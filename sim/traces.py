@@ -99,11 +99,42 @@ def segment_tokens(
         raise ValueError(f"vocab_size must be in [1, 2**31), got {vocab_size}")
     seed_key = _splitmix64(np.array([seed & (2**64 - 1)], dtype=np.uint64))
     keys = _splitmix64(ids.astype(np.uint64) ^ seed_key)  # a bijection: distinct ids, distinct keys
+    # Token j of segment s is output j of a splitmix64 stream keyed by the segment (so a cut
+    # segment is a prefix): splitmix64(key_s + j * G), whose input is key_s + (j + 1) * G. At
+    # flat index i = start_s + j that is G * (i + 1) + (key_s - G * start_s), mod 2**64.
     starts = np.cumsum(lens) - lens
-    pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(starts, lens)
-    # Token j is output j of a splitmix64 stream keyed by the segment, so a cut segment is a prefix.
-    z = _splitmix64(np.repeat(keys, lens) + pos.astype(np.uint64) * _GAMMA)
-    return (z % np.uint64(vocab_size)).astype(np.int32)
+    z = np.repeat(keys - starts.astype(np.uint64) * _GAMMA, lens)
+    out = np.empty(len(z), dtype=np.int32)
+    step = np.arange(1, min(len(z), _CHUNK) + 1, dtype=np.uint64) * _GAMMA  # G * (i + 1)
+    t = np.empty(len(step), dtype=np.uint64)
+    vocab = np.uint64(vocab_size)
+    for lo in range(0, len(z), _CHUNK):  # a cache-sized chunk at a time, in place
+        zz = z[lo : lo + _CHUNK]
+        tt = t[: len(zz)]
+        zz += np.uint64(int(_GAMMA) * lo % 2**64)
+        zz += step[: len(zz)]
+        _mix_into(zz, tt)
+        np.floor_divide(zz, vocab, out=tt)  # zz % vocab: 1.6x faster than np.remainder
+        tt *= vocab
+        zz -= tt
+        out[lo : lo + len(zz)] = zz
+    return out
+
+
+_CHUNK = 1 << 14
+
+
+def _mix_into(z: np.ndarray, t: np.ndarray) -> None:
+    """splitmix64's finalizer on z in place (t: scratch of z's length); what _splitmix64
+    does after adding the increment."""
+    np.right_shift(z, np.uint64(30), out=t)
+    z ^= t
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    np.right_shift(z, np.uint64(27), out=t)
+    z ^= t
+    z *= np.uint64(0x94D049BB133111EB)
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
 
 
 def output_tokens(output_seg: int, n: int, vocab_size: int, seed: int) -> np.ndarray:

@@ -12,7 +12,7 @@ one Python int per block.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -35,11 +35,15 @@ class HostTier:
 
     def put(self, lane0: list[int], lane1: list[int]) -> None:
         lru = self._lru
-        for k, v in zip(lane0, lane1):
-            lru[k] = v
-            lru.move_to_end(k)
-        while len(lru) > self.capacity:
-            lru.popitem(last=False)
+        if len(lane0) > 1 and lru.keys().isdisjoint(lane0) and len(set(lane0)) == len(lane0):
+            lru.update(zip(lane0, lane1))  # all new: appended in order, as one at a time
+        else:
+            for k, v in zip(lane0, lane1):
+                lru[k] = v
+                lru.move_to_end(k)
+        pop = lru.popitem
+        for _ in range(len(lru) - self.capacity):
+            pop(last=False)
 
     def match(self, hashes: np.ndarray, *, touch: bool = True) -> int:
         """How many leading blocks of ``hashes`` the tier holds."""
@@ -106,7 +110,7 @@ class BlockPool:
             chunk = hashes[n : n + 64]
             for key, lane1 in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist()):
                 block = table.get(key)
-                if block is None or self._hash[block, 1] != lane1:
+                if block is None or self._hash.item(block, 1) != lane1:
                     return found
                 found.append(block)
             n += len(chunk)
@@ -191,10 +195,8 @@ class BlockPool:
         out = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self._ring_pos[out] = -1
         self._n_ring -= len(out)
-        table = self._table
         lane0 = self._hash[out, 0].tolist()
-        for key in lane0:
-            del table[key]
+        deque(map(self._table.__delitem__, lane0), maxlen=0)  # a loop in C
         if self.host is not None:  # offload what the GPU cache drops
             self.host.put(lane0, self._hash[out, 1].tolist())
         self._hashed[out] = False
@@ -210,38 +212,45 @@ class BlockPool:
         self._n_ring -= len(idle)
         np.add.at(self.ref, idx, 1)  # counts every occurrence, unlike ref[idx] += 1
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference on each block; pass a request's blocks tail first."""
+    def free(self, blocks: list[int], *, distinct: bool = False) -> None:
+        """Drop one reference on each block; pass a request's blocks tail first
+        (``distinct``: the caller knows no block is listed twice, as in a request's table)."""
         if not blocks:
             return
-        idx = np.asarray(blocks, dtype=np.int64)
-        if len(set(blocks)) == len(blocks):  # a request's table: ufunc.at is slow, not needed
-            self.ref[idx] -= 1
-            zero = idx[self.ref[idx] == 0]
+        idx = np.array(blocks, dtype=np.int64)
+        ref = self.ref
+        if distinct or len(set(blocks)) == len(blocks):  # ufunc.at is slow, not needed
+            left = ref.take(idx)
+            left -= 1
+            ref[idx] = left
+            z = left == 0
+            zero = idx if np.count_nonzero(z) == len(z) else idx[z]
         else:
-            np.subtract.at(self.ref, idx, 1)  # counts every occurrence, unlike ref[idx] -= 1
-            zero = idx[self.ref[idx] == 0]
+            np.subtract.at(ref, idx, 1)  # counts every occurrence, unlike ref[idx] -= 1
+            zero = idx[ref[idx] == 0]
             if len(zero) > 1 and len(np.unique(zero)) < len(zero):  # keep the first of repeats
                 zero = np.asarray(list(dict.fromkeys(zero.tolist())), dtype=np.int64)
-        hashed = self._hashed[zero]
-        plain = zero[~hashed]
-        self._stack[self._n_stack : self._n_stack + len(plain)] = plain
-        self._n_stack += len(plain)
-        cached = zero[hashed]
-        if len(cached):
-            self._push_ring(cached)
+        hashed = self._hashed.take(zero)
+        n_hashed = np.count_nonzero(hashed)
+        if n_hashed < len(zero):
+            plain = zero[~hashed] if n_hashed else zero
+            self._stack[self._n_stack : self._n_stack + len(plain)] = plain
+            self._n_stack += len(plain)
+        if n_hashed:
+            self._push_ring(zero[hashed] if n_hashed < len(zero) else zero)
 
     def _push_ring(self, blocks: np.ndarray) -> None:
-        if self._tail + len(blocks) > len(self._ring):
+        n = len(blocks)
+        if self._tail + n > len(self._ring):
             live = self._live_ring()
             self._ring[: len(live)] = live
             self._ring_pos[live] = np.arange(len(live))
             self._head, self._tail = 0, len(live)
-        pos = np.arange(self._tail, self._tail + len(blocks))
-        self._ring[pos] = blocks
-        self._ring_pos[blocks] = pos
-        self._tail += len(blocks)
-        self._n_ring += len(blocks)
+        tail = self._tail
+        self._ring[tail : tail + n] = blocks
+        self._ring_pos[blocks] = np.arange(tail, tail + n)
+        self._tail = tail + n
+        self._n_ring += n
 
     def cache(self, blocks: list[int], hashes: np.ndarray) -> None:
         """Publish full blocks under their hashes; a hash already present keeps its block."""
@@ -254,17 +263,17 @@ class BlockPool:
                 self._hash[block] = hashes[0]
                 self._hashed[block] = True
             return
-        idx = np.asarray(blocks, dtype=np.int64)
-        open_ = ~self._hashed[idx]
-        if not open_.all():
+        idx = np.array(blocks, dtype=np.int64)
+        open_ = ~self._hashed.take(idx)
+        if np.count_nonzero(open_) < len(idx):
             idx, hashes = idx[open_], hashes[open_]
         keys, ids = hashes[:, 0].tolist(), idx.tolist()
-        # One lookup per key: an open block is in no table entry, so setdefault returns it
-        # only where it took the key (a key already present, or repeated in this batch,
-        # keeps its first block).
-        add = self._table.setdefault
-        keep = [add(key, block) == block for key, block in zip(keys, ids)]
-        if not all(keep):
+        # One lookup per key, in a loop in C: an open block is in no table entry, so
+        # setdefault returns it only where it took the key (a key already present, or
+        # repeated in this batch, keeps its first block).
+        got = list(map(self._table.setdefault, keys, ids))
+        if got != ids:
+            keep = [g == b for g, b in zip(got, ids)]
             idx, hashes = idx[keep], hashes[keep]
         self._hash[idx] = hashes
         self._hashed[idx] = True

@@ -1,6 +1,7 @@
 """SchedulerCore's bulk path: k identical decode steps applied at once, for the simulator.
 
 ``identical_decode_steps`` says how many upcoming steps repeat the in-flight decode batch;
+``decode_run`` adds the round in which the first requests finish, where it can;
 ``advance(k, tokens)`` applies them with work per round that takes or fills a block, never
 per plain step, and is tested equal to k single steps (same tokens, same pool state).
 """
@@ -10,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from .request import Request
-from .step import StepOutputs, StepPlan
+from .step import EMPTY_I64, StepOutputs, StepPlan
+from .update import SMALL_BATCH
 
 
 
@@ -24,35 +26,76 @@ class BulkDecode:
         decoding, nothing waiting can start (blocks only shrink while nobody finishes), and
         no request reaches its last token sooner.
         """
-        if self.config.num_spec_tokens:  # steps differ by how many drafts each accepts
-            return 0
-        slots = self.active_slots()
-        if not len(slots) or not all(self.s_decodable[slots].tolist()):
-            return 0
-        nknown, ncomp = self.s_nknown[slots].tolist(), self.s_ncomp[slots].tolist()
-        if any(a - c != 1 for a, c in zip(nknown, ncomp)) or any(t != -2 for t in self.s_stop[slots].tolist()):
-            return 0
-        if any(c < e for c, e in zip(ncomp, self.s_prefill_end[slots].tolist())):
-            return 0  # a one-token prefill chunk left
-        if self._waiting and self._free_slots and self._could_admit_head():
-            return 0
-        k = min(t - a for t, a in zip(self.s_maxtotal[slots].tolist(), nknown))
-        if k <= 0:
-            return 0
-        return self._steps_blocks_allow(ncomp, self.s_nblocks[slots].tolist(), k)
+        k, finishes = self.decode_run()
+        return k - 1 if finishes else k
 
-    def _could_admit_head(self) -> bool:
+    def decode_run(self) -> tuple[int, bool]:
+        """``identical_decode_steps``, and one round more where that round is the one in which
+        the first requests finish (their last plan is in flight; the plan made in that round
+        leaves them out): (rounds ``advance`` may apply, whether the last of them finishes
+        requests). A caller that applies the completion this way needs no single step for it.
+        """
+        if self.config.num_spec_tokens:  # steps differ by how many drafts each accepts
+            return 0, False
+        slots = self._active
+        if not slots:
+            return 0, False
+        dec, nknown_a, ncomp_a, stop = self.s_decodable, self.s_nknown, self.s_ncomp, self.s_stop
+        if len(slots) <= SMALL_BATCH:
+            if not all(dec.item(s) for s in slots) or any(stop.item(s) != -2 for s in slots):
+                return 0, False
+            nknown, ncomp = [nknown_a.item(s) for s in slots], [ncomp_a.item(s) for s in slots]
+            pend, maxtotal = [self.s_prefill_end.item(s) for s in slots], [self.s_maxtotal.item(s) for s in slots]
+            nblk = [self.s_nblocks.item(s) for s in slots]
+        else:
+            idx = np.array(slots, dtype=np.int64)
+            if not dec[idx].all() or (stop[idx] != -2).any():
+                return 0, False
+            nknown, ncomp = nknown_a[idx].tolist(), ncomp_a[idx].tolist()
+            pend, maxtotal = self.s_prefill_end[idx].tolist(), self.s_maxtotal[idx].tolist()
+            nblk = self.s_nblocks[idx].tolist()
+        if any(a - c != 1 for a, c in zip(nknown, ncomp)):
+            return 0, False
+        if any(c < e for c, e in zip(ncomp, pend)):
+            return 0, False  # a one-token prefill chunk left
+        if self._waiting and self._free_slots and self._could_admit_head():
+            return 0, False
+        rem = [t - a for t, a in zip(maxtotal, nknown)]
+        k = min(rem)
+        if k <= 0:
+            return 0, False
+        got = self._steps_blocks_allow(ncomp, nblk, k)
+        if got < k or self._blocks_need(ncomp, nblk, [min(r, k + 1) for r in rem]) > self.pool.num_free:
+            return got, False
+        # The finishing round schedules only the others, which leaves token budget to a
+        # waiting request: it must not be able to start there either (blocks only shrink
+        # until then, so what cannot start now with that budget cannot start then).
+        if self._waiting and self._free_slots and self._could_admit_head(self.num_running - rem.count(k)):
+            return k, False
+        return k + 1, True
+
+    def _could_admit_head(self, decodes: int | None = None) -> bool:
+        """Whether the next schedule could start the head of the queue, ``decodes`` tokens
+        of its budget (all running requests by default) going to decodes."""
         req = self._waiting[0][1]
         if req.remote_kv_tokens and req.num_cached_tokens < 0:
             return True
-        budget = self.config.max_num_batched_tokens - self.num_running
+        # As the next schedule sees it: with this step's caps, not what the last one used
+        # (no one reads the caps between schedules; each resets them first).
+        self.caps.start_step()
+        budget = self.config.max_num_batched_tokens - (self.num_running if decodes is None else decodes)
         return budget > 0 and self._admission_need(req, budget)[2] > 0
 
+    def _blocks_need(self, ncomp: list[int], nblk: list[int], rounds: list[int]) -> int:
+        """Blocks the slots take when slot i is scheduled in ``rounds[i]`` more rounds."""
+        bs = self.bs
+        return sum(max(-(-(c + j) // bs) - b, 0) for c, b, j in zip(ncomp, nblk, rounds))
+
     def _steps_blocks_allow(self, ncomp: list[int], nblk: list[int], k: int) -> int:
-        free, bs = self.pool.num_free, self.bs
+        free = self.pool.num_free
 
         def need(j: int) -> int:
-            return sum(max(-(-(c + j) // bs) - b, 0) for c, b in zip(ncomp, nblk))
+            return self._blocks_need(ncomp, nblk, [j] * len(ncomp))
 
         if need(k) <= free:
             return k  # the common case: plenty of free blocks
@@ -72,37 +115,64 @@ class BulkDecode:
         ``tokens[:, j]`` (shape (n_active, k), slots ascending). Returns the tokens confirmed
         and the plan left in flight. Work is done per round that takes or fills a block (in
         the order single steps would do it, so evictions and publications interleave alike),
-        never per plain step.
+        never per plain step. k may include the round in which requests finish (see
+        ``decode_run``): that round's plan leaves them out, and they finish after it is made,
+        as in a single step.
         """
-        slot_arr = self.active_slots()
-        slots = slot_arr.tolist()
+        slots = list(self._active)
+        n = len(slots)
         self._plan_epochs.clear()  # the one plan in flight is consumed; the new one replaces it
         reqs = [self.s_req[s] for s in slots]
-        ncomp0, nblk0 = self.s_ncomp[slot_arr].tolist(), self.s_nblocks[slot_arr].tolist()
-        nout0, maxout = self.s_nout[slot_arr].tolist(), self.s_maxout[slot_arr].tolist()
-        rids = self.s_rid[slot_arr]
-        pos0 = [t - m + o for t, m, o in zip(self.s_maxtotal[slot_arr].tolist(), maxout, nout0)]
+        if n <= SMALL_BATCH:
+            ncomp0, nblk0 = [self.s_ncomp.item(s) for s in slots], [self.s_nblocks.item(s) for s in slots]
+            nout0, maxout = [self.s_nout.item(s) for s in slots], [self.s_maxout.item(s) for s in slots]
+            maxtotal, rids = [self.s_maxtotal.item(s) for s in slots], [self.s_rid.item(s) for s in slots]
+        else:
+            slot_idx = np.array(slots, dtype=np.int64)
+            ncomp0, nblk0 = self.s_ncomp[slot_idx].tolist(), self.s_nblocks[slot_idx].tolist()
+            nout0, maxout = self.s_nout[slot_idx].tolist(), self.s_maxout[slot_idx].tolist()
+            maxtotal, rids = self.s_maxtotal[slot_idx].tolist(), self.s_rid[slot_idx].tolist()
+        pos0 = [t - m + o for t, m, o in zip(maxtotal, maxout, nout0)]
+        # Rounds each slot is scheduled in: all k, but a request whose last token is in
+        # flight in round k is not scheduled again.
+        sched = [min(k, t - c - 1) for t, c in zip(maxtotal, ncomp0)]
         self._flush_tails(slots, reqs, pos0)  # outputs since the last block boundary
         for req, a, row in zip(reqs, nout0, tokens):
             req.output[a : a + k] = row
         bs = self.bs
-        extra = [max(-(-(c + k) // bs) - b, 0) for c, b in zip(ncomp0, nblk0)]
+        extra = [max(-(-(c + j) // bs) - b, 0) for c, b, j in zip(ncomp0, nblk0, sched)]
         last_new = self._advance_blocks(slots, reqs, ncomp0, nblk0, extra, pos0, k)
-        self.s_nblocks[slot_arr] += extra
-        self.s_ncomp[slot_arr] += k
-        self.s_nknown[slot_arr] += k
-        self.s_nout[slot_arr] += k
+        if n <= SMALL_BATCH:
+            s_nblocks, s_ncomp, s_nknown, s_nout = self.s_nblocks, self.s_ncomp, self.s_nknown, self.s_nout
+            for s, e, j, b, c in zip(slots, extra, sched, nblk0, ncomp0):
+                s_nblocks[s] = b + e
+                s_ncomp[s] = c + j
+                s_nknown[s] += j
+                s_nout[s] += k
+        else:
+            self.s_nblocks[slot_idx] += extra
+            self.s_ncomp[slot_idx] += sched
+            self.s_nknown[slot_idx] += sched
+            self.s_nout[slot_idx] += k
         self._step += k - 1
-        self.s_tail[slot_arr, :] = 0
         self._refill_tails(slots, reqs, [p + k for p in pos0])
-        done = np.array([o + k >= m for o, m in zip(nout0, maxout)])
-        finished = self._finish_slots(slot_arr[done], tokens[done, -1]) if done.any() else ()
+        done = [o + k >= m for o, m in zip(nout0, maxout)]
+        # The plan of round k is made before that round's update finishes anyone.
+        if any(done):
+            live = np.array([s for s, d in zip(slots, done) if not d], dtype=np.int64)
+            plan = self._build_plan(live, self._still_owned(last_new, live) if len(live) else (EMPTY_I64, EMPTY_I64),
+                                    [], [])
+            idx = [i for i, d in enumerate(done) if d]
+            finished = self._finish_slots(np.array([slots[i] for i in idx], dtype=np.int64), tokens[idx, -1])
+        else:
+            plan = self._build_plan(np.array(slots, dtype=np.int64), last_new, [], [])
+            finished = ()
+        rid_arr = np.array(rids, dtype=np.int64)
+        first = [i for i, o in enumerate(nout0) if o == 0]
         out = StepOutputs(
-            req_ids=rids, num_tokens=np.full(len(slots), k, np.int32), token_ids=tokens.ravel(),
-            finished=finished, first_token_ids=rids[[i for i, o in enumerate(nout0) if o == 0]],
+            req_ids=rid_arr, num_tokens=np.full(n, k, np.int32), token_ids=tokens.ravel(),
+            finished=finished, first_token_ids=rid_arr[first] if first else EMPTY_I64,
         )
-        live = slot_arr[~done]
-        plan = self._build_plan(live, self._still_owned(last_new, live), [], [])
         return out, plan
 
     def _advance_blocks(self, slots, reqs, ncomp0, nblk0, extra, pos0, k):

@@ -376,7 +376,7 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         slot = req.slot
         req.num_output = int(self.s_nout[slot])
         self._flush_tails([slot], [req], [req.prompt_len + req.num_output])
-        self.pool.free(req.blocks[::-1])
+        self.pool.free(req.blocks[::-1], distinct=True)
         req.blocks = []
         self._prefilling.discard(slot)
         self.s_req[slot] = None
