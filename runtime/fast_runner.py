@@ -36,12 +36,18 @@ _PAD = (0, 0, -1, 0)  # token id, position, KV slot, table row of a padding toke
 class FastRunner:
     def __init__(self, fast: FastDeepseek, kv: list, *, max_num_seqs: int, max_blocks: int,
                  max_model_len: int, device: torch.device, graphs: str = "on",
-                 sizes: tuple[int, ...] = GRAPH_SIZES):
+                 sizes: tuple[int, ...] = GRAPH_SIZES, collective=None):
         if graphs not in ("on", "off", "padded"):
             raise ValueError(f"cuda_graphs must be on, off or padded, got {graphs!r}")
         if graphs == "on" and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this runtime's is {device}")
         self.fast, self.kv, self.device, self.mode = fast, kv, device, graphs
+        # Expert parallelism with padded dispatch: ``collective(size)`` readies the MoE layers
+        # for a forward of ``size`` tokens per rank. Every rank must then run the same
+        # collectives in every step: graphs are captured at load only (the same ones on every
+        # rank), a step pads to the size the ranks agreed on, and a context bound without a
+        # graph uses the smallest larger one captured, or runs eagerly.
+        self.collective = collective
         self.len_cap = len_bucket(max_model_len, 1 << 30)
         fast.len_cap = self.len_cap
         self.tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
@@ -67,16 +73,45 @@ class FastRunner:
         self.tables[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     # -- a step -----------------------------------------------------------------------------------
-    def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits of hb.sample_index's rows, expert counts)."""
+    def forward(self, hb: HostBatch, pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits of hb.sample_index's rows, expert counts); ``pad_to``: the token count
+        the DEP ranks agreed on for a decode step (padded expert dispatch), else 0."""
         b = len(hb.seq_lens)
-        if self.mode != "off" and hb.is_decode() and b <= self.sizes[-1]:
-            size = next(s for s in self.sizes if s >= b)
+        # With padded expert dispatch a graph holds padded all-to-alls: a step the ranks did
+        # not agree to pad (some rank prefills) runs eagerly, with exact dispatch.
+        graphs = self.mode != "off" and (self.collective is None or pad_to > 0)
+        if graphs and hb.is_decode() and max(b, pad_to) <= self.sizes[-1]:
+            size = self.pad_size(max(b, pad_to))
             key = (size, len_bucket(int(hb.seq_lens.max()), self.len_cap))
-            if key not in self.graph_errors:
+            if self.collective is not None and self.mode == "on":
+                key = self._captured(key)
+            if key is not None and key not in self.graph_errors:
                 return self._replay(hb, key)
         self.eager_steps += 1
         return self._eager(hb)
+
+    def pad_size(self, tokens: int) -> int:
+        """The batch size a decode step of ``tokens`` sequences runs at: the next graph size,
+        or ``tokens`` beyond the largest."""
+        return next((s for s in self.sizes if s >= tokens), tokens)
+
+    def _captured(self, key: tuple[int, int]) -> tuple[int, int] | None:
+        bounds = [b for (s, b) in self._graphs if s == key[0] and b >= key[1]]
+        return (key[0], min(bounds)) if bounds else None
+
+    def dummy(self, size: int) -> None:
+        """A step with no tokens of this rank's own, padded to ``size`` (expert parallelism:
+        the collectives must run): a captured graph's replay on padding only, or eagerly."""
+        keys = sorted(k for k in self._graphs if k[0] == size)
+        if keys:
+            self._staged[:, :size] = np.array(_PAD, dtype=np.int64)[:, None]
+            self._static.copy_(self._staging, non_blocking=True)
+            self._graphs[keys[0]][0].replay()
+            self.replays += 1
+            return
+        self._static[:, :size] = torch.tensor(_PAD, device=self.device)[:, None]
+        self.fast.forward(self._static_inputs(size, len_bucket(1, self.len_cap)), self.kv)
+        self.eager_steps += 1
 
     def _eager(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         tok_rows = np.repeat(hb.rows, hb.num_new)
@@ -92,7 +127,9 @@ class FastRunner:
         size, b = key[0], len(hb.seq_lens)
         got = None
         if self.mode == "on":
-            got = self._graphs.get(key) or self._capture(key)  # before staging: capture clobbers the inputs
+            got = self._graphs.get(key)
+            if got is None and self.collective is None:
+                got = self._capture(key)  # before staging: capture clobbers the inputs
             if got is None:
                 self.eager_steps += 1
                 return self._eager(hb)
@@ -101,6 +138,8 @@ class FastRunner:
         st[:, b:size] = np.array(_PAD, dtype=np.int64)[:, None]
         self._static.copy_(self._staging, non_blocking=True)  # whole rows: one contiguous copy
         if got is None:
+            if self.collective is not None:  # as a captured graph would: its dispatch is baked in
+                self.collective(size)
             logits, counts = self.fast.forward(self._static_inputs(*key), self.kv)
         else:
             graph, logits, counts = got
@@ -134,6 +173,8 @@ class FastRunner:
         inputs: a captured forward's launches do not depend on the data."""
         inp = self._static_inputs(*key)
         self._static[:, :key[0]] = torch.tensor(_PAD, device=self.device)[:, None]
+        if self.collective is not None:
+            self.collective(key[0])
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))

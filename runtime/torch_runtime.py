@@ -14,7 +14,11 @@ samples on the device; only the sampled ids and expert counts cross to the host.
 ``fast`` (bool), ``cuda_graphs`` (on/off/padded), ``cuda_graph_sizes`` (list),
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
-block-scaled expert weights for fused MoE).
+block-scaled expert weights for fused MoE), ``ep_dispatch`` (expert parallelism: ``padded``,
+the default on the fast path without a draft model, or ``exact``; see
+``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
+padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
+size) as a CUDA graph, all-to-alls included; other steps use exact dispatch.
 """
 
 from __future__ import annotations
@@ -112,6 +116,15 @@ class TorchRuntime:
         self.slot_req = np.full(spec.max_num_seqs, -1, np.int64)
         self.slot_float = np.zeros((spec.max_num_seqs, 2), np.float64)  # temperature, top_p
         self.slot_int = np.zeros((spec.max_num_seqs, 3), np.int64)  # top_k, seed (63 bits), logprobs
+        dispatch = spec.options.get("ep_dispatch", "exact")
+        if dispatch not in ("exact", "padded"):
+            raise ValueError(f"runtime option ep_dispatch must be 'exact' or 'padded', got {dispatch!r}")
+        if dispatch == "padded" and spec.options.get("draft_model"):
+            raise ValueError("runtime option ep_dispatch 'padded' does not run with a draft model (speculative "
+                             "steps feed several tokens per request): use 'exact'")
+        # Decode steps with padded dispatch (the fast path turns it on by default for DEP; a
+        # single rank with expert slots takes it only when asked: tests).
+        self.ep_padded = self.placements is not None and dispatch == "padded"
         self.runner = self._fast_runner(spec)
         self.forward_model = self.model if self.runner is None else self.runner.fast
         self.spec = self._speculator(spec)
@@ -133,12 +146,15 @@ class TorchRuntime:
         cuda = self.device.type == "cuda"
         fast = FastDeepseek(self.model, fused_moe=bool(opts.get("fused_moe", self.placements is None)),
                             compile=bool(opts.get("compile", cuda)), moe_fp8=bool(opts.get("moe_fp8", False)))
-        # Expert parallelism syncs the host inside every MoE layer: no graphs there.
-        graphs = opts.get("cuda_graphs", "on" if cuda and self.placements is None else "off")
+        if self.world > 1 and "ep_dispatch" not in opts and not opts.get("draft_model"):
+            self.ep_padded = True  # the fast path's default
+        # Exact expert dispatch syncs the host inside every MoE layer: no graphs there.
+        graphs = opts.get("cuda_graphs", "on" if cuda and (self.placements is None or self.ep_padded) else "off")
         graphs = {True: "on", False: "off"}.get(graphs, graphs)
         runner = FastRunner(fast, self.kv, max_num_seqs=spec.max_num_seqs, max_blocks=self.tables.shape[1],
                             max_model_len=spec.max_model_len, device=self.device, graphs=graphs,
-                            sizes=tuple(opts.get("cuda_graph_sizes", GRAPH_SIZES)))
+                            sizes=tuple(opts.get("cuda_graph_sizes", GRAPH_SIZES)),
+                            collective=self._ep_mode if self.ep_padded else None)
         capture_len = int(opts.get("capture_len", min(spec.max_model_len, 4096)))
         if capture_len > 0:  # 0: capture each graph when a step first needs it
             runner.capture(capture_len)
@@ -247,16 +263,30 @@ class TorchRuntime:
         if self.placements is None:
             return self._execute(plan)
         self.placements.use(plan.placement_gen)  # a switch, at this step boundary, if the plan says so
+        padded = self.ep_padded and plan.uniform_decode
+        self._ep_mode(self._pad_size(plan.num_padded_tokens) if padded else 0)
         result = self._execute(plan)
         self.placements.step_done()
         return attrs.evolve(result, placement_ready=self.placements.ready_gen())
+
+    def _pad_size(self, tokens: int) -> int:
+        return tokens if self.runner is None else self.runner.pad_size(tokens)
+
+    def _ep_mode(self, pad_tokens: int) -> None:
+        """This step's expert dispatch on every MoE layer: padded to ``pad_tokens`` per
+        rank (the same on every rank), or exact where 0."""
+        for layer in self.placements.layers:
+            layer.dispatch, layer.pad_tokens = ("padded", pad_tokens) if pad_tokens else ("exact", 0)
 
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self._update_tables(plan)
         if plan.num_reqs == 0 or (len(plan.token_ids) == 0 and self.world == 1):
             if self.world > 1:  # a dummy step: the MoE collectives must still run here
-                self.model(self._empty_batch(), self.kv)
+                if self.ep_padded and plan.uniform_decode and self.runner is not None:
+                    self.runner.dummy(self._pad_size(plan.num_padded_tokens))
+                else:
+                    self.model(self._empty_batch(), self.kv)
             done, failed = self._kv_loads(plan)
             return StepResult(step_id=plan.step_id, num_sampled=np.zeros(plan.num_reqs, np.int32),
                               token_ids=np.zeros(0, np.int32), kv_loads_done=done, kv_loads_failed=failed)
@@ -283,7 +313,8 @@ class TorchRuntime:
     def _execute_fast(self, plan: StepPlan, t0: float) -> StepResult:
         hb = self._host_batch(plan)
         t1 = time.perf_counter()
-        logits, counts = self.runner.forward(hb)
+        pad = plan.num_padded_tokens if self.ep_padded and plan.uniform_decode else 0
+        logits, counts = self.runner.forward(hb, pad_to=pad)
         temp, top_p, top_k, seed, want = self._slot_params(plan)
         tokens = sample_on_device(logits, temp, top_p, top_k, seed, hb.positions[hb.sample_index], self.gen)
         # One transfer (and the step's one sync) for the sampled ids and the expert counts.

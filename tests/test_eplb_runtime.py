@@ -69,6 +69,28 @@ def test_any_placement_computes_what_the_unsharded_experts_do():
         assert torch.equal(sharded(x, w, ids), want)
 
 
+@pytest.mark.parametrize("split", ["even", "proportional"])
+def test_padded_dispatch_computes_what_exact_dispatch_does(split):
+    """Fixed-size buffers, padding tokens (ids past the last expert) choosing nothing, and the
+    local experts through a fused kernel's reference: the same sums as exact dispatch."""
+    from lockstep.kernels.fused_moe import fused_moe_reference
+
+    x, w, ids = routed()
+    want = moe_layer().experts(x, w, ids)
+    layer = ShardedExperts(moe_layer().experts, np.array([7, 3, 5, 1, 0, 2, 6, 4]), rank=0, world=1, split=split)
+    assert torch.equal(layer(x, w, ids), want)
+    layer.dispatch, layer.pad_tokens = "padded", 32
+    pad = torch.cat([ids, torch.full((4, ids.shape[1]), 8)])  # four padding tokens
+    xp, wp = torch.cat([x, torch.randn(4, x.shape[1], dtype=x.dtype)]), torch.cat([w, torch.ones(4, w.shape[1])])
+    got = layer(xp, wp, pad)
+    assert torch.equal(got[:24], want) and not got[24:].any()
+    fused = layer(xp, wp, pad, local=fused_moe_reference)
+    assert torch.allclose(fused[:24], want, rtol=1e-5, atol=1e-6) and not fused[24:].any()
+    layer.pad_tokens = 20
+    with pytest.raises(ValueError, match="28 tokens exceed the step's pad_tokens 20"):
+        layer(xp, wp, pad)
+
+
 # -- staging and switching ----------------------------------------------------------------------
 def test_a_staged_placement_switches_only_when_ready_and_keeps_the_math():
     x, w, ids = routed()
@@ -171,6 +193,29 @@ async def test_dep2_rebalances_mid_generation_with_greedy_tokens_unchanged():
     assert stats.generation >= 1 and stats.moved_experts > 0
     assert all(st.running >= 1 for st in status)  # the placement advanced on both ranks
     _check_switch(log, gen=1)
+
+
+@pytest.mark.parametrize("split", ["even", "proportional"])
+async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split):
+    """Decode steps with padded dispatch (fixed-size all-to-alls, nothing on the host: what a
+    CUDA graph holds), prefill steps with exact dispatch, and a placement switched in place
+    mid-generation: greedy tokens unchanged."""
+    ps = E.prompts()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    cfg = attrs.evolve(E.config(tokenizer=None), dep=2,
+                       eplb=EplbConfig(redundant_experts=2, window_steps=3, token_split=split),
+                       runtime_options={"ep_dispatch": "padded"})
+    got = [None] * len(ps)
+    async with open_engine(cfg) as engine:
+        async def one(i):
+            got[i], _ = await E.collect(engine, ps[i], params)
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+        stats = engine.balancer_statistics()
+    for p, g in zip(ps, got):
+        assert g == E.reference_greedy(p, params.max_tokens)
+    assert stats.generation >= 1
 
 
 async def test_dep2_proportional_token_split_keeps_greedy_tokens():

@@ -134,7 +134,7 @@ def test_fp8_experts_stay_close_to_bf16():
     assert rows.median() < 0.1 and (got[True].argmax(-1) == got[False].argmax(-1)).float().mean() >= 0.8
 
 
-def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0):
+def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0, dp_sync=False):
     """Serve prompts through a real SchedulerCore (chunked prefill, staggered arrivals, so
     steps mix prefill chunks and decodes), executing each plan on every runtime; later
     runtimes are fed the first one's tokens, so their samples compare position by position."""
@@ -152,6 +152,9 @@ def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0):
         plan = core.schedule(float(step))
         if placement_gen:
             plan = attrs.evolve(plan, placement_gen=placement_gen)
+        if dp_sync:  # what the DP sync of a one-rank instance would set
+            plan = attrs.evolve(plan, num_padded_tokens=plan.num_tokens,
+                                uniform_decode=bool(plan.num_reqs) and int(plan.num_new.max()) <= 1)
         if plan.num_reqs:
             got = [rt.execute(plan) for rt in runtimes]
             for rt in runtimes[1:]:
@@ -235,6 +238,31 @@ def test_fast_path_with_expert_slots_computes_through_them():
     assert calls
     for a, b in zip(want, got):
         assert np.array_equal(a.token_ids, b.token_ids)
+
+
+def test_padded_expert_dispatch_on_the_fast_path_follows_exact_dispatch():
+    """Decode steps through padded expert dispatch (fixed-size buffers, the local experts as
+    one fused MoE: what a DEP decode graph holds), padded to a graph size; prefill steps
+    through exact dispatch. The tokens follow exact dispatch's."""
+    exact = _runtime(fast=True, cuda_graphs="padded", compile=False, redundant_experts=0)
+    padded = _runtime(fast=True, cuda_graphs="padded", compile=False, redundant_experts=0, ep_dispatch="padded")
+    assert padded.ep_padded and not exact.ep_padded
+    layer = padded.placements.layers[0]
+    seen = []
+    inner = layer.forward
+    layer.forward = lambda *a, **k: seen.append((layer.dispatch, layer.pad_tokens, a[0].shape[0])) or inner(*a, **k)
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    want, got = _drive([exact, padded], prompts, dp_sync=True)
+    assert ("padded", 4, 4) in seen and ("padded", 2, 2) in seen  # 3 decodes pad to a graph size of 4
+    assert any(d == "exact" for d, _, _ in seen)
+    sampled = [(a, b) for a, b in zip(want, got) if len(a.token_ids)]
+    err = max(float(np.abs(b.logprobs - a.logprobs).max()) for a, b in sampled)
+    assert err < 0.1
+    for a, b in zip(want, got):
+        if len(a.token_ids):
+            clear = a.top_logprobs[:, 0] - a.top_logprobs[:, 1] > 2 * err
+            assert np.array_equal(a.token_ids[clear], b.token_ids[clear])
+            assert np.array_equal(b.expert_counts.sum(-1), a.expert_counts.sum(-1))
 
 
 def test_sample_on_device_greedy_seeded_and_distribution():

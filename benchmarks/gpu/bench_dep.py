@@ -47,10 +47,11 @@ async def greedy(dep: int) -> list[list[int]]:
     return out
 
 
-async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: int) -> dict:
+async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: int, dispatch: str | None = None) -> dict:
     sched = SchedulerConfig(num_blocks=16384, max_num_seqs=per_rank, max_num_batched_tokens=16384, max_model_len=4096)
     cfg = EngineConfig(model="v2-lite", device="cuda", dtype="bfloat16", dep=dep, tokenizer=None, scheduler=sched,
-                       runtime_options={"preset_overrides": {"num_hidden_layers": layers}})
+                       runtime_options={"preset_overrides": {"num_hidden_layers": layers},
+                                        **({"ep_dispatch": dispatch} if dispatch else {})})
     rng = np.random.default_rng(1)
     n = per_rank * dep
     prompts = [rng.integers(10, 500, prompt).astype(np.int32) for _ in range(n)]
@@ -86,7 +87,7 @@ async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: 
         wall = time.perf_counter() - t
     full = max((k for k, _ in steps), default=0)  # the router may give a rank a few more or fewer
     decode = [g for k, g in steps if k == full]
-    return {"dep": dep, "gpus": dep, "layers": layers, "requests": n, "output_tokens_per_s": tokens / wall,
+    return {"dep": dep, "gpus": dep, "ep_dispatch": dispatch or ("padded" if dep > 1 else "-"), "layers": layers, "requests": n, "output_tokens_per_s": tokens / wall,
             "tokens_per_s_per_gpu": tokens / wall / dep, "decode_step_ms": 1e3 * float(np.median(decode)) if decode else float("nan"),
             "sync_ms_per_step": 1e3 * float(np.median(sync)) if sync else 0.0}
 

@@ -1,7 +1,9 @@
 """Multi-GPU runs (issue 10), all in one call, on as many GPUs as the host has (2 or 4):
 
 1. DEP: bench_dep.py's runs (greedy tokens of DEP-n equal one GPU's; v2-lite decode tokens/s
-   per GPU with DEP1 and DEP-n, and the per-step sync's time).
+   per GPU with DEP1 and DEP-n, DEP-n with padded expert dispatch (decode steps as CUDA
+   graphs, all-to-alls included) and with exact dispatch (a host sync per MoE layer, no
+   graphs), and the per-step sync's time).
 2. P/D: bench_pd.py's runs (KV pulled GPU 0 -> GPU 1 over NIXL against the peer copy; greedy
    tokens through P/D; TTFT and TPOT on a Mooncake slice against colocated serving).
 3. Live rebalancing on DEP-n: the v2-lite shape with skewed routing (runtime option
@@ -149,8 +151,8 @@ def main() -> None:
         g1, gn = trio.run(bench_dep.greedy, 1), trio.run(bench_dep.greedy, gpus)
         info[f"greedy_dep{gpus}_equals_dep1"] = g1 == gn
         print(f"greedy DEP{gpus} == DEP1:", g1 == gn, flush=True)
-        for dep in (1, gpus):
-            r = trio.run(bench_dep.throughput, dep, args.layers, args.per_rank, args.prompt, args.output)
+        for dep, dispatch in ((1, None), (gpus, "padded"), (gpus, "exact")):
+            r = trio.run(bench_dep.throughput, dep, args.layers, args.per_rank, args.prompt, args.output, dispatch)
             print("dep:", r, flush=True)
             rows.append({"run": f"DEP{dep} decode", **r})
     if "pd" in parts:

@@ -242,7 +242,7 @@ async def serve_slice(mode: str, reqs, args) -> dict:
     sched = SchedulerConfig(num_blocks=args.kv_blocks, block_size=BS, max_num_seqs=args.max_seqs,
                             max_num_batched_tokens=args.chunk, max_model_len=args.max_input + args.max_output + BS)
     cpu = args.device == "cpu"  # a smoke test of the script on a machine without GPUs
-    opts = {"init_on_device": not cpu, "capture_len": 0}
+    opts = {"init_on_device": not cpu, "capture_len": args.capture_len}
     pd = dict(prefill_instances=1, instances=1, kv_transport="nixl") if mode == "pd" else dict(instances=2)
     cfg = EngineConfig(model=args.model, device=args.device, dtype="float32" if cpu else "bfloat16", tokenizer=None,
                        scheduler=sched, runtime_options=opts, **pd)
@@ -250,6 +250,11 @@ async def serve_slice(mode: str, reqs, args) -> dict:
     t_start = time.perf_counter()
     async with open_engine(cfg) as engine:
         started = time.perf_counter() - t_start
+        if args.router_slack is not None:  # the prefix-affinity router's slack, in tokens
+            engine.frontend.router.slack_tokens = args.router_slack
+        steps = []  # (rank, tokens, requests, GPU seconds) of every step after the warm-up
+        for rank, sch in enumerate(engine.schedulers):
+            sch.on_result = lambda p, r, rank=rank: steps.append((rank, p.num_tokens, p.num_reqs, r.gpu_s))
         # warm up both GPUs' kernels and graphs at the sizes the run uses
         async with trio.open_nursery() as n:
             for k in range(4):
@@ -257,6 +262,7 @@ async def serve_slice(mode: str, reqs, args) -> dict:
                                                         dtype=np.int32) % args.vocab,
                              SamplingParams(max_tokens=8, ignore_eos=True))
         t0 = time.perf_counter()
+        steps.clear()
 
         async def one(at: float, toks: np.ndarray, max_tokens: int):
             nonlocal out_tokens
@@ -276,11 +282,17 @@ async def serve_slice(mode: str, reqs, args) -> dict:
         wall = time.perf_counter() - t0
         stats = engine.statistics()
     q = lambda v, p: 1e3 * float(np.percentile(v, p))  # noqa: E731
+    st = np.array(steps, dtype=np.float64).reshape(-1, 4)
+    big = st[st[:, 1] > 1024]
     return {"mode": "P/D: 1 prefill + 1 decode GPU, NIXL" if mode == "pd" else "colocated: 2 instances, 1 GPU each",
+            "router_slack_tokens": args.router_slack if mode != "pd" else None,
             "requests": len(reqs), "prompt_tokens": int(sum(len(t) for _, t, _ in reqs)), "output_tokens": out_tokens,
             "ttft_ms_p50": q(ttft, 50), "ttft_ms_p90": q(ttft, 90), "tpot_ms_p50": q(tpot, 50),
             "tpot_ms_p90": q(tpot, 90), "e2e_s_p50": float(np.median(e2e)), "wall_s": wall,
             "output_tokens_per_s": out_tokens / wall, "startup_s": started,
+            "steps": len(st), "gpu_busy_s_per_rank": [float(st[st[:, 0] == r, 3].sum()) for r in range(int(st[:, 0].max()) + 1)] if len(st) else [],
+            "step_gpu_ms_max": 1e3 * float(st[:, 3].max()) if len(st) else float("nan"),
+            "step_gpu_ms_p50_over_1k_tokens": 1e3 * float(np.median(big[:, 3])) if len(big) else float("nan"),
             "kv_pulls": getattr(stats, "kv_pulls", None), "kv_pull_failures": getattr(stats, "kv_pull_failures", None)}
 
 
@@ -299,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-blocks", type=int, default=40_000, help="per runtime (16 tokens, 497,664 B each)")
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens")
+    ap.add_argument("--capture-len", type=int, default=0,
+                    help="decode graphs captured at load for contexts up to this (0: each when first used)")
+    ap.add_argument("--router-slack", type=int, default=None,
+                    help="colocated: the router's slack in tokens (default 32768; 0 balances by load first)")
     ap.add_argument("--modes", default="colocated,pd", help="trace runs, in this order (the first pays JIT warm-up)")
     ap.add_argument("--model", default="v2-lite", help=argparse.SUPPRESS)
     ap.add_argument("--vocab", type=int, default=102_400, help=argparse.SUPPRESS)

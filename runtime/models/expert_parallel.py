@@ -17,6 +17,19 @@ missing experts are copied into storage entries that no slot of the active place
 replacing the tables, with no copy. torch.distributed carries the all-to-alls: Gloo on CPU,
 NCCL on GPU. Every rank must run every layer's collectives in every step, so a rank with no
 tokens (a dummy step) sends and receives empty buffers.
+
+Two dispatches:
+- ``exact``: the ranks first exchange how many pairs each sends each, then exactly those
+  rows. The sizes reach the host (a sync in every MoE layer), so no CUDA graph can hold it.
+- ``padded`` (the shape of DeepEP's low-latency mode): every rank sends every rank a buffer
+  of ``pad_tokens * top_k`` rows, enough for all its pairs, whose unused rows carry no
+  expert. No sizes travel and nothing waits on the host, so a decode step, all-to-alls
+  included, replays as one CUDA graph. ``pad_tokens`` must be the same on every rank in a
+  step (the runtime sets it from the DP sync's padded token count) and at least the tokens
+  this rank feeds. The local experts run as one fused MoE over the received rows (``local``,
+  the fast path's kernel) or, on CPU, per expert.
+The tables a placement switch changes are updated in place, so a captured graph reads the
+active placement.
 """
 
 from __future__ import annotations
@@ -50,14 +63,26 @@ class Staged(NamedTuple):
     copies: list[tuple[int, int]]
 
 
-def choose_slots(flat: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tensor, rank: int) -> torch.Tensor:
-    """The physical slot of each (token, expert) pair, ``flat`` being the experts in token
-    order: the n-th pair for expert e goes to replica (n + rank) mod replicas[e]."""
+def _bincount(v: torch.Tensor, n: int) -> torch.Tensor:
+    """``torch.bincount(v, minlength=n)`` for v in [0, n), without reading max(v) on the host."""
+    return torch.zeros(n, dtype=torch.int64, device=v.device).scatter_add_(0, v, torch.ones_like(v))
+
+
+def _nth(flat: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(how many earlier entries of ``flat`` equal each entry, how many entries equal each
+    value in [0, n))."""
     order = torch.argsort(flat, stable=True)
-    count = torch.bincount(flat, minlength=len(replicas))
+    count = _bincount(flat, n)
     start = torch.cumsum(count, 0) - count
     nth = torch.empty_like(flat)
     nth[order] = torch.arange(len(flat), device=flat.device) - start[flat[order]]
+    return nth, count
+
+
+def choose_slots(flat: torch.Tensor, log2phy: torch.Tensor, replicas: torch.Tensor, rank: int) -> torch.Tensor:
+    """The physical slot of each (token, expert) pair, ``flat`` being the experts in token
+    order: the n-th pair for expert e goes to replica (n + rank) mod replicas[e]."""
+    nth, _ = _nth(flat, len(replicas))
     return log2phy[flat, (nth + rank) % replicas[flat]]
 
 
@@ -91,26 +116,26 @@ def proportional_slots(flat: torch.Tensor, log2phy: torch.Tensor, replicas: torc
     cum = torch.cumsum(frac, 1)
     # The n-th of this rank's c pairs of expert e sits at (n + 1/2) / c of the way, shifted
     # by rank / world; it goes to the replica whose cumulative share covers that point.
-    order = torch.argsort(flat, stable=True)
-    count = torch.bincount(flat, minlength=E)
-    start = torch.cumsum(count, 0) - count
-    nth = torch.empty_like(flat)
-    nth[order] = torch.arange(len(flat), device=flat.device) - start[flat[order]]
+    nth, count = _nth(flat, E)
     u = torch.remainder((nth.to(torch.float64) + 0.5) / count[flat].clamp(min=1) + rank / world, 1.0)
     j = (cum[flat] <= u[:, None]).sum(1).clamp(max=replicas[flat] - 1)
     return log2phy[flat, j]
 
 
 SPLITS = ("even", "proportional")
+DISPATCHES = ("exact", "padded")
 
 
 class ShardedExperts(nn.Module):
     def __init__(self, experts: nn.Module, phy2log: np.ndarray, rank: int, world: int, *,
-                 spare: int = 0, group=None, split: str = "even"):
+                 spare: int = 0, group=None, split: str = "even", dispatch: str = "exact"):
         super().__init__()
         if split not in SPLITS:
             raise ValueError(f"expert token split must be one of {SPLITS}, got {split!r}")
-        self.split = split
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"expert dispatch must be one of {DISPATCHES}, got {dispatch!r}")
+        self.split, self.dispatch = split, dispatch
+        self.pad_tokens = 0  # padded dispatch: tokens every rank's buffers hold this step
         phy2log = np.asarray(phy2log, dtype=np.int64)
         if len(phy2log) % world:
             raise ValueError(f"{len(phy2log)} expert slots do not split evenly over {world} ranks")
@@ -140,7 +165,11 @@ class ShardedExperts(nn.Module):
         if p.replicas.min() < 1:
             raise ValueError(f"placement {phy2log.tolist()} leaves an expert with no slot")
         dev = self.gate_up_proj.device
-        return Tables(phy2log, torch.tensor(p.log2phy[0], device=dev), torch.tensor(p.replicas[0], device=dev),
+        # An expert has at most one replica per rank (``prepare`` checks), so a table of
+        # ``world`` columns holds any placement: switches copy into the same tensors.
+        log2phy = np.full((self.num_experts, max(self.world, p.log2phy.shape[2])), -1, np.int64)
+        log2phy[:, :p.log2phy.shape[2]] = p.log2phy[0]
+        return Tables(phy2log, torch.tensor(log2phy, device=dev), torch.tensor(p.replicas[0], device=dev),
                       torch.as_tensor(store, dtype=torch.int64, device=dev), store)
 
     def prepare(self, phy2log: np.ndarray) -> Staged:
@@ -173,19 +202,39 @@ class ShardedExperts(nn.Module):
             self.down_proj[entry].copy_(self._source[1][e], non_blocking=True)
 
     def switch(self, staged: Staged) -> None:
-        self.tables = staged.tables
+        """Make ``staged`` the active placement: its tables copied into the active tensors
+        (a captured graph reads those), queued after any step already launched."""
+        old, new = self.tables, staged.tables
+        for a, b in zip(old[1:4], new[1:4]):
+            a.copy_(b, non_blocking=True)
+        self.tables = Tables(new.phy2log, old.log2phy, old.replicas, old.store_of, new.store_np)
 
     # -- forward ---------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, local=None) -> torch.Tensor:
+        """The routed experts' output for ``x`` (tokens, hidden) with ``weights`` and ``ids``
+        (tokens, top_k); ids outside [0, experts) (padding tokens) choose nothing. ``local``:
+        padded dispatch's fused kernel (x, gate_up, down, weights, ids) for this rank's rows."""
         t = self.tables
+        if self.dispatch == "exact" and ids.numel() and int(ids.max()) >= self.num_experts:
+            keep = (ids < self.num_experts).all(1)  # padding tokens (exact dispatch syncs anyway)
+            out = torch.zeros_like(x)
+            out[keep] = self.forward(x[keep], weights[keep], ids[keep])
+            return out
         flat = ids.flatten()
+        real = None
+        if self.dispatch == "padded":  # padding tokens' pairs count for expert 0 and go nowhere
+            real = (flat >= 0) & (flat < self.num_experts)
+            flat = torch.where(real, flat, 0)
         if self.split == "proportional":  # every rank, every layer, every step: one all-reduce
-            total = torch.bincount(flat, minlength=self.num_experts)
+            total = _bincount(flat, self.num_experts) if real is None else torch.zeros(
+                self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, real.long())
             if self.world > 1:
                 dist.all_reduce(total, group=self.group)
             slot = proportional_slots(flat, t.log2phy, t.replicas, self.rank, self.world, total, self.k)
         else:
             slot = choose_slots(flat, t.log2phy, t.replicas, self.rank)
+        if real is not None:
+            return self._padded(x, weights, ids.shape[1], slot, real, local)
         dest = torch.div(slot, self.k, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
         token = torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])[order]
@@ -197,6 +246,40 @@ class ShardedExperts(nn.Module):
         back = self._exchange(self._local(rx, t.store_of[local]), send_split, recv_split)
         out = torch.zeros_like(x)
         out.index_add_(0, token, (back * weights.flatten()[order, None]).to(x.dtype))
+        return out
+
+    def _padded(self, x: torch.Tensor, weights: torch.Tensor, top_k: int, slot: torch.Tensor, real: torch.Tensor,
+                local) -> torch.Tensor:
+        tokens, world = x.shape[0], self.world
+        cap = self.pad_tokens * top_k  # rows per destination: room for every pair of this rank
+        if tokens > self.pad_tokens:
+            raise ValueError(f"padded expert dispatch: {tokens} tokens exceed the step's pad_tokens {self.pad_tokens}")
+        # Row of each pair in the (world * cap) send buffer: its destination's block, in
+        # token order; a padding token's pairs go to one extra row that is never sent.
+        dest = torch.where(real, torch.div(slot, self.k, rounding_mode="floor"), world)
+        nth, _ = _nth(dest, world + 1)
+        row = torch.where(real, dest * cap + nth, world * cap)
+        token = torch.arange(tokens, device=x.device).repeat_interleave(top_k)
+        send = x.new_zeros((world * cap + 1, x.shape[1]))
+        send[row] = x[token]
+        # The storage entry each row runs through on its destination; "none" past the end.
+        none = len(self.gate_up_proj)
+        entry = torch.full((world * cap + 1,), -1, dtype=torch.int64, device=x.device)
+        entry[row] = slot - dest * self.k
+        rx = self._exchange(send[:-1], None, None)
+        r_local = self._exchange(entry[:-1], None, None)
+        r_entry = torch.where(r_local >= 0, self.tables.store_of[r_local.clamp(min=0)], none)
+        if local is not None:
+            ones = torch.ones(len(r_entry), 1, dtype=torch.float32, device=x.device)
+            y = local(rx, self.gate_up_proj, self.down_proj, ones, r_entry[:, None])
+        else:
+            y = torch.zeros_like(rx)
+            rows = (r_entry < none).nonzero(as_tuple=True)[0]
+            y[rows] = self._local(rx[rows], r_entry[rows])
+        back = torch.cat([self._exchange(y, None, None), y.new_zeros(1, y.shape[1])])
+        out = torch.zeros_like(x)
+        w = torch.where(real, weights.flatten(), 0)
+        out.index_add_(0, token, (back[row] * w[:, None]).to(x.dtype))
         return out
 
     def _exchange(self, t: torch.Tensor, recv_split: list[int] | None, send_split: list[int] | None) -> torch.Tensor:
@@ -217,7 +300,7 @@ class ShardedExperts(nn.Module):
 
 
 def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, *, spare: int = 0,
-                  group=None, split: str = "even") -> list[ShardedExperts]:
+                  group=None, split: str = "even", dispatch: str = "exact") -> list[ShardedExperts]:
     """Replace every MoE layer's experts by this rank's slots of ``phy2log`` (MoE layers,
     slots); the full weights stay only as the host-side source of later copies."""
     from .deepseek_v3 import MoE
@@ -226,5 +309,6 @@ def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, 
     if len(moe) != len(phy2log):
         raise ValueError(f"placement has {len(phy2log)} layers, the model {len(moe)} MoE layers")
     for mlp, row in zip(moe, phy2log):
-        mlp.experts = ShardedExperts(mlp.experts, row, rank, world, spare=spare, group=group, split=split)
+        mlp.experts = ShardedExperts(mlp.experts, row, rank, world, spare=spare, group=group, split=split,
+                                     dispatch=dispatch)
     return [mlp.experts for mlp in moe]

@@ -16,7 +16,9 @@ forward, so a decode forward can be captured as a CUDA graph.
   bytes), which every kernel takes with its ``scale`` argument. The pool's layout is the
   reference path's, so P/D moves the same block spans either way.
 - Routed experts through ``kernels.fused_moe`` when this rank holds them all; expert
-  parallelism keeps the model's own ``experts`` module (its all-to-alls sync the host).
+  parallelism keeps the model's own ``experts`` module: with exact dispatch its all-to-alls
+  sync the host, with padded dispatch they do not and its local experts run through
+  ``kernels.fused_moe`` too (one row per received pair).
   ``moe_fp8``: the experts also as e4m3 with 128x128 block scales (DeepSeek's layout), which
   the kernel reads instead (half the bytes; the bf16 copy stays for the reference path).
 - The small elementwise steps between GEMMs (norms, rope, SiLU·mul, the router) are pure
@@ -395,7 +397,9 @@ class FastDeepseek:
         if step.valid is not None:  # padding tokens choose no expert: they cost no weight reads
             ids = torch.where(step.valid[:, None], ids, cfg.n_routed_experts)
         chosen.append(ids)
-        if not self.use_fused_moe:
+        if not self.use_fused_moe:  # expert parallelism: this rank's slots, all-to-alls
+            if getattr(moe.experts, "dispatch", None) == "padded":
+                return moe.experts(h, weights, ids, local=self._fused_moe)
             return moe.experts(h, weights, ids)
         if self.moe_fp8:
             w13, s13, w2, s2 = lw.fp8

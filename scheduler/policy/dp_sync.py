@@ -4,7 +4,8 @@ Each rank contributes its local state; one all-reduce (max, element-wise) gives 
 the same view, and ``decide`` turns it into the same decision everywhere: whether the step
 runs at all, the token count every rank pads to (the MoE all-to-alls need equal shapes), and
 the expert-placement generation every rank has ready (the load balancer switches to a new
-placement only once all have it). A rank with nothing to run in a step that runs sends a
+placement only once all have it), and whether every rank only decodes (one token per
+request), which lets all of them take the decode path together. A rank with nothing to run in a step that runs sends a
 dummy plan, so the collectives line up. Min is carried as max of the negation.
 """
 
@@ -15,7 +16,7 @@ import numpy as np
 
 from .step import EMPTY_I64, StepPlan
 
-NUM_FIELDS = 4  # tokens, has a plan, wants pause, -(ready placement generation)
+NUM_FIELDS = 5  # tokens, has a plan, wants pause, -(ready placement generation), longest feed
 
 
 @attrs.frozen
@@ -24,20 +25,24 @@ class SyncDecision:
     padded_tokens: int
     pause: bool
     placement_gen: int
+    uniform_decode: bool = False  # no rank feeds any request more than one token
 
 
 def local_state(plan: StepPlan | None, *, wants_pause: bool = False, ready_gen: int = 0) -> np.ndarray:
     tokens = 0 if plan is None else plan.num_tokens
-    return np.array([tokens, plan is not None, wants_pause, -ready_gen], dtype=np.int64)
+    longest = int(plan.num_new.max()) if plan is not None and plan.num_reqs else 0
+    return np.array([tokens, plan is not None, wants_pause, -ready_gen, longest], dtype=np.int64)
 
 
 def decide(reduced_max: np.ndarray) -> SyncDecision:
     return SyncDecision(run=bool(reduced_max[1]), padded_tokens=int(reduced_max[0]),
-                        pause=bool(reduced_max[2]), placement_gen=int(-reduced_max[3]))
+                        pause=bool(reduced_max[2]), placement_gen=int(-reduced_max[3]),
+                        uniform_decode=bool(reduced_max[4] <= 1))
 
 
 def padded(plan: StepPlan, d: SyncDecision) -> StepPlan:
-    return attrs.evolve(plan, num_padded_tokens=d.padded_tokens, placement_gen=d.placement_gen)
+    return attrs.evolve(plan, num_padded_tokens=d.padded_tokens, placement_gen=d.placement_gen,
+                        uniform_decode=d.uniform_decode)
 
 
 def dummy(d: SyncDecision) -> StepPlan:
@@ -47,4 +52,4 @@ def dummy(d: SyncDecision) -> StepPlan:
                     samples=np.zeros(0, bool), token_ids=i32, token_offsets=np.zeros(1, np.int64),
                     block_start=i32, block_ids=i32, block_offsets=np.zeros(1, np.int64),
                     num_tokens=0, num_padded_tokens=d.padded_tokens, is_dummy=True,
-                    placement_gen=d.placement_gen)
+                    placement_gen=d.placement_gen, uniform_decode=d.uniform_decode)

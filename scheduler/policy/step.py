@@ -55,6 +55,9 @@ class StepPlan:
     num_padded_tokens: int = 0  # set by the DP sync; == num_tokens without DP
     is_dummy: bool = False
     placement_gen: int = 0
+    # Set by the DP sync: every rank's plan feeds at most one token per request (or is a
+    # dummy), so the ranks may all take the decode path (padded expert dispatch, graphs).
+    uniform_decode: bool = False
 
     @property
     def num_reqs(self) -> int:
