@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
+from lockstep.policy.step import EMPTY_I32, PLACEHOLDER, StepPlan, StepResult
 
 from .models.batch import ForwardBatch
 from .sampling import _probs, _row_seed
@@ -85,8 +85,13 @@ class Speculator:
         proposals, qs = self._propose(entries)
         ns = np.zeros(plan.num_reqs, dtype=np.int32)
         out, counts = self._verify(plan, entries, proposals, qs, ns)
+        proposed = EMPTY_I32
+        if self.adaptive:  # fewer drafts than planned, maybe: say how many
+            proposed = np.zeros(plan.num_reqs, dtype=np.int32)
+            for i, got in proposals.items():
+                proposed[i] = len(got)
         return StepResult(step_id=plan.step_id, num_sampled=ns, token_ids=np.asarray(out, dtype=np.int32),
-                          expert_counts=counts, gpu_s=time.perf_counter() - t0)
+                          expert_counts=counts, num_drafts=proposed, gpu_s=time.perf_counter() - t0)
 
     def _propose(self, entries) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
         """Drafts per plan index, and the draft's distributions where they were sampled.

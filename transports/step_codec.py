@@ -67,7 +67,7 @@ _LAYOUTS = {
         "kv_loads_done": (_I64, 1, False), "kv_loads_failed": (_I64, 1, False),
         "expert_counts": (_I32, 2, True),
         "logprobs": (_F32, 1, True), "top_ids": (_I32, 2, True), "top_logprobs": (_F32, 2, True),
-        "host_s": "d", "gpu_s": "d", "sync_s": "d", "placement_ready": "q",
+        "num_drafts": (_I32, 1, False), "host_s": "d", "gpu_s": "d", "sync_s": "d", "placement_ready": "q",
     },
 }
 

@@ -76,13 +76,15 @@ class SpecDecoding:
         for i in np.flatnonzero(live).tolist():
             slot, rid = int(slots[i]), int(plan.req_ids[i])
             toks = result.token_ids[offs[i] : offs[i + 1]]
-            d = int(drafts[i])
-            if len(toks) > d + 1:
-                raise ValueError(f"step {plan.step_id}: request {rid} got {len(toks)} tokens for {d} drafts")
-            if d:
+            d = int(drafts[i])  # positions reserved
+            proposed = int(result.num_drafts[i]) if len(result.num_drafts) else d
+            if len(toks) > proposed + 1 or proposed > d:
+                raise ValueError(f"step {plan.step_id}: request {rid} got {len(toks)} tokens for {proposed} "
+                                 f"drafts proposed of {d} planned")
+            if proposed:
                 acc = len(toks) - 1
                 self.spec_drafts += 1
-                self.spec_draft_tokens += d
+                self.spec_draft_tokens += proposed
                 self.spec_accepted_tokens += acc
                 self.spec_accepted_per_pos[:acc] += 1
             taken, reason = 0, None

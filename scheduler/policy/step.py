@@ -79,6 +79,9 @@ class StepResult:
     logprobs: np.ndarray | None = None  # float32 (rows,): log-probability of the sampled token
     top_ids: np.ndarray | None = None  # int32 (rows, k): the k most likely tokens
     top_logprobs: np.ndarray | None = None  # float32 (rows, k)
+    # Drafts the runtime proposed per plan entry where it may propose fewer than planned
+    # (adaptive k); empty: as planned. The counters count these, not the reserved positions.
+    num_drafts: np.ndarray = EMPTY_I32
     host_s: float = 0.0
     gpu_s: float = 0.0
     sync_s: float = 0.0
