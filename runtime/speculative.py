@@ -20,6 +20,12 @@ that the next step overwrites.
 
 The draft is a preset (random weights), a checkpoint directory, or ``layers:N``: the target's
 own first N layers with its embeddings and head (self-speculation; shares the weights).
+
+With expert parallelism (DEP) the draft's routed experts are replicated on every rank
+(runtime option ``draft_experts`` "replicated", the default: a rank drafts on its own), or
+sharded over the ranks like the target's ("sharded", and always for ``layers:N``): then each
+draft pass has all-to-alls, so every rank runs the step's agreed ``draft_passes`` (the DP
+sync's maximum), padding with empty passes.
 """
 
 from __future__ import annotations
@@ -55,8 +61,11 @@ class Speculator:
     ADAPT_WEIGHT = 1 / 16  # how far each speculative decode moves the running mean
 
     def __init__(self, runtime, draft, num_blocks: int, block_size: int, max_num_seqs: int, seed: int,
-                 adaptive: bool = False):
+                 adaptive: bool = False, lockstep: bool = False):
         self.rt, self.draft, self.bs = runtime, draft, block_size
+        # A draft with sharded experts: each pass has all-to-alls, so every rank runs the
+        # plan's draft_passes, padding its own with empty ones.
+        self.lockstep = lockstep
         self.gen = torch.Generator().manual_seed(seed)  # unseeded requests' draws, on the host
         self.kv_pool, self.kv = draft.make_kv_pool(num_blocks, block_size)
         self.pos = np.full(max_num_seqs, -1, dtype=np.int64)  # position of each slot's last sampled token
@@ -65,6 +74,7 @@ class Speculator:
         # reserves d; it rolls back whatever was not proposed or not accepted.
         self.adaptive, self.mean_accepted = adaptive, None
         self.pending: list[list[int]] = [[] for _ in range(max_num_seqs)]  # true tokens the draft has not seen
+        self.draft_passes = 0  # draft forwards run, in all
 
     # -- one step -----------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -82,7 +92,9 @@ class Speculator:
                 entries.append((i, slot, None, int(self.pos[slot]), self._drafts(k - 1), params))
             else:
                 entries.append((i, slot, toks, int(plan.start_pos[i]), 0, params))
+        passes = self.draft_passes
         proposals, qs = self._propose(entries)
+        self.pad_passes(self.draft_passes - passes, plan.draft_passes)
         ns = np.zeros(plan.num_reqs, dtype=np.int32)
         out, counts = self._verify(plan, entries, proposals, qs, ns)
         proposed = EMPTY_I32
@@ -132,9 +144,9 @@ class Speculator:
     def _verify(self, plan, entries, proposals, qs, ns) -> tuple[list[int], np.ndarray | None]:
         """One target forward over everything: the tokens each sampling entry gets, and the
         target's tokens per (layer, expert). With expert parallelism the forward runs even with
-        nothing to verify, since the other ranks' all-to-alls wait for this rank's. (The
-        draft is a model of its own on every rank, experts unsharded: its passes, as many as
-        this rank's requests need, wait for nobody.)"""
+        nothing to verify, since the other ranks' all-to-alls wait for this rank's. (A draft
+        with replicated experts drafts as many passes as this rank's requests need, waiting for
+        nobody; one with sharded experts runs the plan's draft_passes, see ``pad_passes``.)"""
         rt = self.rt
         feed, rows, spans = [], [], []
         n_rows = 0
@@ -168,6 +180,16 @@ class Speculator:
                 self.mean_accepted = m + self.ADAPT_WEIGHT * (len(got) - 1 - m)
         return out, counts.cpu().numpy()
 
+    def pad_passes(self, ran: int, agreed: int) -> None:
+        """Empty draft forwards up to the ``agreed`` passes of this step (lockstep drafts)."""
+        if not self.lockstep:
+            return
+        if ran > agreed:
+            raise RuntimeError(f"this rank ran {ran} draft passes, the ranks agreed on {agreed}")
+        for _ in range(agreed - ran):
+            self.draft(self.rt._empty_batch(), self.kv)
+            self.draft_passes += 1
+
     def _drafts(self, planned: int) -> int:
         """Drafts to propose for a decode the core planned with ``planned``."""
         if not self.adaptive or self.mean_accepted is None or planned == 0:
@@ -179,6 +201,8 @@ class Speculator:
         """Run ``model`` over [(slot, tokens, first position)] through the slots' tables:
         (logits of ``sample_rows``, tokens per (layer, expert))."""
         rt, bs = self.rt, self.bs
+        if model is self.draft:
+            self.draft_passes += 1
         lens = np.array([len(t) for _, t, _ in feed], dtype=np.int64)
         ids = np.concatenate([t for _, t, _ in feed])
         starts = np.array([s for _, _, s in feed], dtype=np.int64)

@@ -165,16 +165,28 @@ class TorchRuntime:
         name = spec.options.get("draft_model")
         if not name:
             return None
-        if self.world > 1 and str(name).startswith("layers:"):
-            raise ValueError(f"draft_model {name!r}: with {self.world} expert-parallel ranks the draft must be a "
-                             "model of its own (a preset or a checkpoint): the target's own layers hold sharded "
-                             "experts, whose all-to-all would need every rank to draft as many passes")
+        placement = spec.options.get("draft_experts", "replicated")
+        if placement not in ("replicated", "sharded"):
+            raise ValueError(f"runtime option draft_experts must be 'replicated' or 'sharded', got {placement!r}")
         from .speculative import Speculator, load_draft
 
         draft = load_draft(str(name), self.model, dtype=self.model.dtype, device=self.device,
                            seed=int(spec.options.get("draft_seed", spec.seed)))
+        # With expert parallelism a draft's experts are sharded over the ranks when asked, and
+        # always for "layers:N" (the target's own, already sharded, layers). Every rank then
+        # runs as many draft passes as the busiest (the DP sync's draft_passes).
+        own_layers = str(name).startswith("layers:")
+        lockstep = self.world > 1 and (own_layers or placement == "sharded")
+        if lockstep and not own_layers:
+            from lockstep.policy.eplb import Topology, naive
+
+            from .models.expert_parallel import shard_experts
+
+            e = draft.cfg.n_routed_experts
+            moe = sum(draft.cfg.is_moe_layer(i) for i in range(draft.cfg.num_hidden_layers))
+            shard_experts(draft, naive(Topology(e, e, self.world), moe).phy2log, spec.rank, self.world)
         return Speculator(self, draft, spec.num_blocks, spec.block_size, spec.max_num_seqs, spec.seed,
-                          adaptive=bool(spec.options.get("spec_adaptive", False)))
+                          adaptive=bool(spec.options.get("spec_adaptive", False)), lockstep=lockstep)
 
     def _kv_endpoint(self, spec: RuntimeSpec):
         """P/D: the pool lives in (or is registered with) a KV transport."""
@@ -283,6 +295,8 @@ class TorchRuntime:
         self._update_tables(plan)
         if plan.num_reqs == 0 or (len(plan.token_ids) == 0 and self.world == 1):
             if self.world > 1:  # a dummy step: the MoE collectives must still run here
+                if self.spec is not None:
+                    self.spec.pad_passes(0, plan.draft_passes)
                 if self.ep_padded and plan.uniform_decode and self.runner is not None:
                     self.runner.dummy(self._pad_size(plan.num_padded_tokens))
                 else:

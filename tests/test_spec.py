@@ -76,11 +76,33 @@ async def test_speculation_across_dep_ranks_keeps_greedy_tokens_and_feeds_the_ba
     assert bal.plans >= 1
 
 
-def test_dep_refuses_a_draft_made_of_the_targets_sharded_layers():
+@pytest.mark.parametrize("draft,experts,adaptive", [("tiny", "sharded", False), ("layers:2", "replicated", False),
+                                                    ("tiny-draft", "sharded", True)])
+async def test_a_draft_with_sharded_experts_runs_in_lockstep_across_dep_ranks(draft, experts, adaptive):
+    """The draft's experts sharded over the ranks (or the target's own sharded layers): each
+    draft pass has all-to-alls, so every rank runs the step's agreed passes, an idle or less
+    busy rank (fewer requests, fewer drafts with adaptive k) padding with empty ones."""
+    ps = prompts()
+    cfg = config(tokenizer=None, draft_model=draft, num_spec_tokens=3, dep=2, draft_experts=experts,
+                 spec_adaptive=adaptive)
+    async with open_engine(cfg) as engine:
+        got = await run_all(engine, ps, LONG)
+        sp = engine.spec_statistics()
+        for s in engine.schedulers:
+            s.core.check_integrity()
+            assert s.core.pool.num_used == 0
+    for p, g in zip(ps, got):
+        assert g == reference_greedy(p, LONG.max_tokens)
+    assert sp["drafts"] > 0
+    if draft == "tiny":
+        assert sp["accepted_tokens"] == sp["draft_tokens"]
+
+
+def test_draft_experts_setting_is_checked():
     from lockstep.policy.config import ConfigError
 
-    with pytest.raises(ConfigError, match="draft_model"):
-        config(tokenizer=None, draft_model="layers:2", dep=2)
+    with pytest.raises(ConfigError, match="draft_experts must be 'replicated' or 'sharded', got 'split'"):
+        config(tokenizer=None, draft_model="tiny", dep=2, draft_experts="split")
 
 
 async def test_speculation_with_sampling_and_seeds_is_reproducible():

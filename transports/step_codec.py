@@ -60,7 +60,7 @@ _LAYOUTS = {
         "kv_load_first_block": (_I32, 1, False), "kv_load_num_blocks": (_I32, 1, False),
         "kv_send_req_ids": (_I64, 1, False), "finished_req_ids": (_I64, 1, False),
         "num_tokens": "q", "num_padded_tokens": "q", "is_dummy": "?", "placement_gen": "q",
-        "uniform_decode": "?",
+        "uniform_decode": "?", "draft_passes": "q",
     },
     StepResult: {
         "step_id": "q", "num_sampled": (_I32, 1, False), "token_ids": (_I32, 1, False),

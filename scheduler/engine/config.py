@@ -47,6 +47,10 @@ class EngineConfig:
     draft_model: str = ""
     num_spec_tokens: int = 3
     spec_adaptive: bool = False  # propose fewer drafts while acceptance is low
+    # With dep > 1: the draft's routed experts "replicated" on every rank, or "sharded" over
+    # the ranks like the target's (every rank then runs as many draft passes; "layers:N" is
+    # always sharded, being the target's own layers).
+    draft_experts: str = "replicated"
     kv_cache_dtype: str = "auto"  # "fp8": e4m3 with a scale per token and layer (half of bf16)
     # A DEP instance spread over several engine processes (nodes): this process is node
     # ``node_rank`` and hosts dep / nodes of its ranks; ``node_addresses`` (HOST:PORT, one per
@@ -97,9 +101,8 @@ class EngineConfig:
                 or (Path(self.draft_model) / "config.json").is_file()):
             raise ConfigError(f"engine.draft_model must be a preset {preset_names()}, 'layers:N' or a checkpoint "
                               f"directory holding config.json, got {self.draft_model!r}")
-        if self.dep > 1 and self.draft_model.startswith("layers:"):
-            raise ConfigError(f"engine.draft_model {self.draft_model!r}: with dep {self.dep} the draft must be a "
-                              "model of its own (a preset or a checkpoint), not the target's own sharded layers")
+        if self.draft_experts not in ("replicated", "sharded"):
+            raise ConfigError(f"engine.draft_experts must be 'replicated' or 'sharded', got {self.draft_experts!r}")
         if self.node_link not in ("auto", "tcp", "shm"):
             raise ConfigError(f"engine.node_link must be 'auto', 'tcp' or 'shm' (auto: shared memory when the "
                               f"node addresses all name one host), got {self.node_link!r}")
@@ -192,6 +195,8 @@ class EngineConfig:
             options.setdefault("draft_model", self.draft_model)
             if self.spec_adaptive:
                 options.setdefault("spec_adaptive", True)
+            if self.draft_experts != "replicated":
+                options.setdefault("draft_experts", self.draft_experts)
         if self.kv_cache_dtype != "auto":
             options.setdefault("kv_cache_dtype", self.kv_cache_dtype)
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,

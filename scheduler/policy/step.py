@@ -58,6 +58,9 @@ class StepPlan:
     # Set by the DP sync: every rank's plan feeds at most one token per request (or is a
     # dummy), so the ranks may all take the decode path (padded expert dispatch, graphs).
     uniform_decode: bool = False
+    # Set by the DP sync: draft forwards every rank runs this step (speculation with a draft
+    # whose experts are sharded over the ranks: each pass has all-to-alls every rank joins).
+    draft_passes: int = 0
 
     @property
     def num_reqs(self) -> int:
