@@ -22,7 +22,9 @@ with a leading layer axis), which is what keeps 61 layers within the planner's 1
 budget on one core. With a current placement, GPUs and
 slots are renumbered to keep what stays (``eplb_align``). Incremental plan: the fresh plan
 is the reference; the current placement is repaired until each layer is within ``eps`` of
-it, with as few moves as it can (``eplb_incr``).
+it, with as few moves as it can (``eplb_incr``); where a node's own experts outgrew its GPUs
+and the repair gets stuck, the repair starts instead from the current layout given the fresh
+plan's replicas node by node (``eplb_adopt``).
 
 Balancedness = mean / max of tokens per GPU in a forward pass, averaged over layers (also
 given as the sum of means over the sum of maxima).
@@ -33,6 +35,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from .eplb_adopt import adopt, adopt_fresh_nodes, fewest_moves, heavy_nodes
 from .eplb_align import align, moves
 from .eplb_count import greedy_counts, home_nodes, partition_bound, relaxed_bound, relaxed_value
 from .eplb_incr import repair
@@ -157,7 +160,8 @@ def plan(load: np.ndarray, topo: Topology, current: Placement | None = None, *,
     with ``current`` it is renumbered to keep as much of it as it can. ``incremental`` instead
     repairs ``current`` until each layer's heaviest GPU is within ``eps`` of the fresh plan's
     (which stands in for the bound), with as few moves as it can; a layer it cannot repair
-    so takes the fresh plan's layer.
+    so is repaired from the fresh plan's replicas node by node, or takes the fresh plan's
+    nodes it has to (``_incremental``).
     """
     w = _check_load(load, topo)
     if current is not None:
@@ -175,13 +179,26 @@ def plan(load: np.ndarray, topo: Topology, current: Placement | None = None, *,
 
 
 def _incremental(w, old: np.ndarray, shape: Shape, fresh_top: np.ndarray, eps: float, fresh: np.ndarray):
-    """Repair ``old`` aiming halfway into ``eps`` of the fresh plan's heaviest GPU; a layer
-    that ends beyond ``eps``, or that needed more moves than the (renumbered) fresh plan,
-    takes the fresh plan's layer instead."""
-    state = repair(w, old, shape, fresh_top * (1 + eps / 2))
-    ok = state.load.max(1) <= fresh_top * (1 + eps)
-    ok &= (state.p2l != old).sum(1) <= (fresh != old).sum(1)
-    return state, np.where(ok[:, None], state.p2l, fresh)
+    """Per layer, the fewest moves among: the repair of ``old``; where that ends beyond
+    ``eps`` of the fresh plan's heaviest GPU and there are several nodes, the repair of
+    ``old`` given the fresh plan's replicas on its heavy nodes, and on all nodes
+    (``eplb_adopt``); each only if it ends within ``eps`` (all aim halfway into it). Else
+    the per-node mix of levelled and fresh nodes, which always is (or, with one node, the
+    fresh plan). The state returned (for the plan's change counts) is the first repair's."""
+    goal, cap = fresh_top * (1 + eps / 2), fresh_top * (1 + eps)
+    state = repair(w, old, shape, goal)
+    tries, ok = [state.p2l], [state.load.max(1) <= cap]
+    rows = np.flatnonzero(~ok[0])
+    if shape.nodes == 1 or rows.size == 0:
+        return state, fewest_moves(old, tries, ok, fresh)
+    w_, old_, fresh_ = w[rows], old[rows], fresh[rows]
+    for where in (heavy_nodes(w_, old_, shape, goal[rows]), None):
+        st = repair(w_, adopt(w_, old_, fresh_, shape, where), shape, goal[rows], start=old_)
+        p2l, within = state.p2l.copy(), np.zeros(w.shape[0], dtype=bool)
+        p2l[rows], within[rows] = st.p2l, st.load.max(1) <= cap[rows]
+        tries.append(p2l)
+        ok.append(within)
+    return state, fewest_moves(old, tries, ok, adopt_fresh_nodes(w, old, fresh, shape, goal, cap))
 
 
 def _greedy(w: np.ndarray, topo: Topology) -> np.ndarray:

@@ -27,10 +27,11 @@ PAIR_BUDGET = 256  # replica pairs scored per row before a layer falls back to a
 COVER_OFFERS = 96  # replicas offered to a GPU without one: those on the lightest GPUs
 
 
-def partners(load: np.ndarray, shape: Shape, wide: bool, h: np.ndarray) -> np.ndarray:
-    """(rows, m) GPUs to trade with: all of them, or the lightest that fit the budget; with
-    several nodes half of those from h's own node, where its primaries may go."""
-    m = shape.gpus if wide else min(shape.gpus, max(4, PAIR_BUDGET // shape.k**2))
+def partners(load: np.ndarray, shape: Shape, wide: bool, h: np.ndarray, budget: int = PAIR_BUDGET) -> np.ndarray:
+    """(rows, m) GPUs to trade with: all of them, or the lightest that fit the budget of
+    replica pairs; with several nodes half of those from h's own node, where its primaries
+    may go."""
+    m = shape.gpus if wide else min(shape.gpus, max(4, budget // shape.k**2))
     if m == shape.gpus:
         return np.broadcast_to(np.arange(shape.gpus), load.shape)
     if shape.nodes == 1:
