@@ -53,6 +53,10 @@ class Ready(msgspec.Struct, frozen=True):
     moe_layers: list[int] = []  # the layers with routed experts (rows of expert_counts)
     kv_peer: bytes = b""  # with options["kv_transport"]: what a P/D peer connects with
     kv_bytes_per_token: int = 0  # the KV pool's real bytes per token (all layers)
+    # A speculating runtime whose draft has sharded experts of its own to balance: the
+    # draft's routed experts and MoE layers (rows of StepResult.draft_expert_counts); 0: none.
+    draft_num_experts: int = 0
+    draft_moe_layers: list[int] = []
 
 
 class NewRequests(msgspec.Struct, frozen=True):
@@ -80,6 +84,7 @@ class NewPlacement(msgspec.Struct, frozen=True):
     layers: int
     slots: int
     phy2log: bytes
+    model: str = "target"  # or "draft": the speculative draft's own placement
 
     def array(self) -> np.ndarray:
         return np.frombuffer(self.phy2log, dtype="<i8").reshape(self.layers, self.slots)

@@ -61,8 +61,11 @@ class Speculator:
     ADAPT_WEIGHT = 1 / 16  # how far each speculative decode moves the running mean
 
     def __init__(self, runtime, draft, num_blocks: int, block_size: int, max_num_seqs: int, seed: int,
-                 adaptive: bool = False, lockstep: bool = False):
+                 adaptive: bool = False, lockstep: bool = False, placements=None):
         self.rt, self.draft, self.bs = runtime, draft, block_size
+        # The draft's own expert placement (sharded draft experts), and its tokens per
+        # (layer, expert) summed over this step's passes, for the balancer's draft planner.
+        self.placements, self._counts = placements, None
         # A draft with sharded experts: each pass has all-to-alls, so every rank runs the
         # plan's draft_passes, padding its own with empty ones.
         self.lockstep = lockstep
@@ -200,9 +203,21 @@ class Speculator:
     def _forward(self, model, kv, feed, sample_rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``model`` over [(slot, tokens, first position)] through the slots' tables:
         (logits of ``sample_rows``, tokens per (layer, expert))."""
-        rt, bs = self.rt, self.bs
         if model is self.draft:
             self.draft_passes += 1
+            if self.placements is not None:
+                logits, counts = self._run(model, kv, feed, sample_rows)
+                self._counts = counts if self._counts is None else self._counts + counts
+                return logits, counts
+        return self._run(model, kv, feed, sample_rows)
+
+    def take_counts(self) -> np.ndarray | None:
+        """The draft's tokens per (layer, expert) since the last call."""
+        counts, self._counts = self._counts, None
+        return None if counts is None else counts.cpu().numpy().astype(np.int32)
+
+    def _run(self, model, kv, feed, sample_rows) -> tuple[torch.Tensor, torch.Tensor]:
+        rt, bs = self.rt, self.bs
         lens = np.array([len(t) for _, t, _ in feed], dtype=np.int64)
         ids = np.concatenate([t for _, t, _ in feed])
         starts = np.array([s for _, _, s in feed], dtype=np.int64)

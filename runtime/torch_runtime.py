@@ -128,10 +128,14 @@ class TorchRuntime:
         self.runner = self._fast_runner(spec)
         self.forward_model = self.model if self.runner is None else self.runner.fast
         self.spec = self._speculator(spec)
+        draft = self.spec.draft.cfg if self.spec is not None and self.spec.placements is not None else None
         return Ready(name="torch", vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id,
                      num_layers=cfg.num_hidden_layers, num_experts=cfg.n_routed_experts, pid=os.getpid(),
                      moe_layers=self.moe_layers, kv_peer=b"" if self.endpoint is None else self.endpoint.export(),
-                     kv_bytes_per_token=self.kv_pool[0].numel() * self.kv_pool.element_size() // self.bs)
+                     kv_bytes_per_token=self.kv_pool[0].numel() * self.kv_pool.element_size() // self.bs,
+                     draft_num_experts=0 if draft is None else draft.n_routed_experts,
+                     draft_moe_layers=[] if draft is None else [i for i in range(draft.num_hidden_layers)
+                                                                if draft.is_moe_layer(i)])
 
     def _fast_runner(self, spec: RuntimeSpec):
         """The fast path: on by default on CUDA for bfloat16/float16 models, over either KV
@@ -177,16 +181,24 @@ class TorchRuntime:
         # runs as many draft passes as the busiest (the DP sync's draft_passes).
         own_layers = str(name).startswith("layers:")
         lockstep = self.world > 1 and (own_layers or placement == "sharded")
+        placements = None
         if lockstep and not own_layers:
+            # Its own placement, which the balancer plans apart from the target's (spare
+            # storage for a new one when balancing); "layers:N" shares the target's.
             from lockstep.policy.eplb import Topology, naive
 
             from .models.expert_parallel import shard_experts
+            from .placements import ExpertPlacements
 
             e = draft.cfg.n_routed_experts
             moe = sum(draft.cfg.is_moe_layer(i) for i in range(draft.cfg.num_hidden_layers))
-            shard_experts(draft, naive(Topology(e, e, self.world), moe).phy2log, spec.rank, self.world)
+            topo = Topology(e, e, self.world)
+            layers = shard_experts(draft, naive(topo, moe).phy2log, spec.rank, self.world,
+                                   spare=topo.slots_per_rank if "redundant_experts" in spec.options else 0)
+            placements = ExpertPlacements(layers, self.device, int(spec.options.get("eplb_min_stage_steps", 0)))
         return Speculator(self, draft, spec.num_blocks, spec.block_size, spec.max_num_seqs, spec.seed,
-                          adaptive=bool(spec.options.get("spec_adaptive", False)), lockstep=lockstep)
+                          adaptive=bool(spec.options.get("spec_adaptive", False)), lockstep=lockstep,
+                          placements=placements)
 
     def _kv_endpoint(self, spec: RuntimeSpec):
         """P/D: the pool lives in (or is registered with) a KV transport."""
@@ -255,6 +267,12 @@ class TorchRuntime:
         return ExpertPlacements(layers, self.device, int(spec.options.get("eplb_min_stage_steps", 0)))
 
     def new_placement(self, msg: NewPlacement) -> None:
+        if msg.model == "draft":
+            if self.spec is None or self.spec.placements is None:
+                raise ValueError("this runtime has no draft expert slots to place: a draft's experts are placed "
+                                 "only when sharded (runtime option draft_experts 'sharded', with dep > 1)")
+            self.spec.placements.receive(msg.gen, msg.array())
+            return
         if self.placements is None:
             raise ValueError("this runtime has no expert slots to place: the engine balances experts only "
                              "with runtime option 'redundant_experts' set (EngineConfig.eplb)")
@@ -272,6 +290,16 @@ class TorchRuntime:
             self.endpoint.cancel(req_ids)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        drafts = None if self.spec is None else self.spec.placements
+        if drafts is not None:  # the draft's own placement: switched, staged and reported alike
+            drafts.use(plan.draft_placement_gen)
+            result = self._execute_placed(plan)
+            drafts.step_done()
+            return attrs.evolve(result, draft_placement_ready=drafts.ready_gen(),
+                                draft_expert_counts=self.spec.take_counts())
+        return self._execute_placed(plan)
+
+    def _execute_placed(self, plan: StepPlan) -> StepResult:
         if self.placements is None:
             return self._execute(plan)
         self.placements.use(plan.placement_gen)  # a switch, at this step boundary, if the plan says so

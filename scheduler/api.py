@@ -164,9 +164,10 @@ class Engine:
                 "acceptance_rate": st.spec_accepted_tokens / st.spec_draft_tokens if st.spec_draft_tokens else 0.0,
                 "mean_accepted_length": 1 + st.spec_accepted_tokens / d if d else 0.0}
 
-    def balancer_statistics(self) -> BalancerStats | None:
-        """The expert load balancer's, when it runs (``EngineConfig.eplb``)."""
-        return None if self.balancer is None else self.balancer.statistics()
+    def balancer_statistics(self, model: str = "target") -> BalancerStats | None:
+        """The expert load balancer's, when it runs (``EngineConfig.eplb``); ``model``
+        "draft": its planner for a speculative draft with sharded experts."""
+        return None if self.balancer is None else self.balancer.statistics(model)
 
 
 def _pair(tokens: np.ndarray, lps: list | None) -> list | None:

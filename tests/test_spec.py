@@ -98,6 +98,25 @@ async def test_a_draft_with_sharded_experts_runs_in_lockstep_across_dep_ranks(dr
         assert sp["accepted_tokens"] == sp["draft_tokens"]
 
 
+async def test_the_balancer_plans_a_sharded_drafts_experts_apart_from_the_targets():
+    """A draft with sharded experts has its own placement: the balancer's second planner
+    moves the draft's experts from the draft passes' loads, the ranks stage and switch it as
+    they do the target's, and greedy tokens stay the same."""
+    from lockstep.policy.rebalance import EplbConfig
+
+    ps = prompts()
+    cfg = config(tokenizer=None, draft_model="tiny-draft", num_spec_tokens=3, dep=2, draft_experts="sharded",
+                 eplb=EplbConfig(redundant_experts=2, window_steps=3))
+    async with open_engine(cfg) as engine:
+        got = await run_all(engine, ps, LONG)
+        target, draft = engine.balancer_statistics(), engine.balancer_statistics("draft")
+        running = [s.placement_status("draft").running for s in engine.schedulers]
+    for p, g in zip(ps, got):
+        assert g == reference_greedy(p, LONG.max_tokens)
+    assert target.plans >= 1 and draft.plans >= 1
+    assert draft.generation >= 1 and min(running) >= 1  # the ranks run a planned draft placement
+
+
 def test_draft_experts_setting_is_checked():
     from lockstep.policy.config import ConfigError
 

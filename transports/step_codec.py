@@ -60,14 +60,15 @@ _LAYOUTS = {
         "kv_load_first_block": (_I32, 1, False), "kv_load_num_blocks": (_I32, 1, False),
         "kv_send_req_ids": (_I64, 1, False), "finished_req_ids": (_I64, 1, False),
         "num_tokens": "q", "num_padded_tokens": "q", "is_dummy": "?", "placement_gen": "q",
-        "uniform_decode": "?", "draft_passes": "q",
+        "uniform_decode": "?", "draft_passes": "q", "draft_placement_gen": "q",
     },
     StepResult: {
         "step_id": "q", "num_sampled": (_I32, 1, False), "token_ids": (_I32, 1, False),
         "kv_loads_done": (_I64, 1, False), "kv_loads_failed": (_I64, 1, False),
         "expert_counts": (_I32, 2, True),
         "logprobs": (_F32, 1, True), "top_ids": (_I32, 2, True), "top_logprobs": (_F32, 2, True),
-        "num_drafts": (_I32, 1, False), "host_s": "d", "gpu_s": "d", "sync_s": "d", "placement_ready": "q",
+        "draft_expert_counts": (_I32, 2, True), "num_drafts": (_I32, 1, False),
+        "host_s": "d", "gpu_s": "d", "sync_s": "d", "placement_ready": "q", "draft_placement_ready": "q",
     },
 }
 
@@ -182,6 +183,12 @@ def _compile(cls: type, kind: int, layout: dict, consts: tuple) -> tuple:
     arrays = [n for n, t in layout.items() if not isinstance(t, str)]
     # Stable sort, grouped by dtype: ties keep field order.
     wire = sorted(arrays, key=lambda n: (-layout[n][0].itemsize, layout[n][0].str))
+    for dt in {layout[n][0] for n in arrays}:  # the decoders read a group's rare fields last
+        kinds = [f.default is not attrs.NOTHING and f.name in arrays and isinstance(f.default, np.ndarray)
+                 and f.default.size == 0 for f in attrs.fields(cls) if f.name in arrays and layout[f.name][0] == dt]
+        if kinds != sorted(kinds):
+            raise TypeError(f"{cls.__name__}: among its {dt} arrays, those defaulting to the shared empty must "
+                            "come after the others (the decoders read them last)")
     dims = {n: [f"{n}_{i}" for i in range(layout[n][1])] for n in arrays}
     header_vars = scalars + [d for n in arrays for d in dims[n]]
     fmt = "<B" + "".join(layout[n] for n in scalars) + "q" * (len(header_vars) - len(scalars))

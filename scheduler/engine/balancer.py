@@ -28,6 +28,7 @@ class Loads:
     rank: int
     counts: np.ndarray | None  # (layers, experts) tokens per expert in the step; None: dummy step
     active_gen: int  # the placement generation the step ran with
+    model: str = "target"  # or "draft": a speculative draft's sharded experts, planned apart
 
 
 @attrs.frozen
@@ -44,7 +45,7 @@ class BalancerStats:
     balancedness: float | None  # the newest plan's, on its window
 
 
-Deliver = Callable[[int, np.ndarray], None]  # (generation, phy2log): to one rank's Scheduler
+Deliver = Callable[..., None]  # (generation, phy2log, model): to one rank's Scheduler
 
 
 class Balancer:
@@ -52,33 +53,41 @@ class Balancer:
         self.config = config
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
         self.policy: Rebalancer | None = None
+        self.draft_policy: Rebalancer | None = None  # a speculative draft's sharded experts
 
     async def run(self, ready: Ready, deliver: list[Deliver], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        e = ready.num_experts
-        self.policy = Rebalancer(self.config, Topology(e, e + self.config.redundant_experts, len(deliver)),
-                                 ready.moe_layers)
+        e, n = ready.num_experts, len(deliver)
+        self.policy = Rebalancer(self.config, Topology(e, e + self.config.redundant_experts, n), ready.moe_layers)
+        if ready.draft_num_experts:  # the draft's own planner: moves its experts between ranks
+            d = ready.draft_num_experts
+            self.draft_policy = Rebalancer(self.config, Topology(d, d, n), ready.draft_moe_layers)
         task_status.started()
         async for msg in self._inbox:
             match msg:
-                case Loads(rank=rank, counts=counts, active_gen=gen):
-                    self.policy.add(rank, counts, gen)
+                case Loads(rank=rank, counts=counts, active_gen=gen, model=model):
+                    policy = self.policy if model == "target" else self.draft_policy
+                    if policy is None:
+                        raise ValueError(f"Balancer got {model} expert loads, but has no {model} placement")
+                    policy.add(rank, counts, gen)
                 case Restarted():
-                    self.policy.restarted()
+                    for policy in (self.policy, self.draft_policy):
+                        if policy is not None:
+                            policy.restarted()
                 case _:
                     raise TypeError(f"Balancer got an unknown message {msg!r}")
-            if self.policy.due():
-                await self._rebalance(deliver)
+            for model, policy in (("target", self.policy), ("draft", self.draft_policy)):
+                if policy is not None and policy.due():
+                    await self._rebalance(policy, model, deliver)
 
-    async def _rebalance(self, deliver: list[Deliver]) -> None:
-        policy = self.policy
+    async def _rebalance(self, policy: Rebalancer, model: str, deliver: list[Deliver]) -> None:
         plan = await trio.to_thread.run_sync(policy.plan, policy.take_window())
         gen = policy.adopt(plan)
         if gen is not None:
             for d in deliver:
-                d(gen, plan.placement.phy2log)
+                d(gen, plan.placement.phy2log, model)
 
-    def statistics(self) -> BalancerStats | None:
-        p = self.policy
+    def statistics(self, model: str = "target") -> BalancerStats | None:
+        p = self.policy if model == "target" else self.draft_policy
         if p is None:
             return None
         return BalancerStats(plans=p.plans, generation=p.gen, moved_experts=p.moved,

@@ -106,10 +106,12 @@ class RuntimeClient:
     def forget(self, req_ids: list[int]) -> None:
         self._pending.append((FORGET, _ENC.encode(Forget(req_ids))))
 
-    def new_placement(self, gen: int, phy2log: np.ndarray) -> None:
-        """An expert placement to stage; the runtime switches when a plan names ``gen``."""
+    def new_placement(self, gen: int, phy2log: np.ndarray, model: str = "target") -> None:
+        """An expert placement to stage; the runtime switches when a plan names ``gen`` (for
+        ``model`` "draft": when its ``draft_placement_gen`` does)."""
         p = np.ascontiguousarray(phy2log, dtype="<i8")
-        self._pending.append((NEW_PLACEMENT, _ENC.encode(NewPlacement(gen, p.shape[0], p.shape[1], p.tobytes()))))
+        self._pending.append((NEW_PLACEMENT, _ENC.encode(NewPlacement(gen, p.shape[0], p.shape[1], p.tobytes(),
+                                                                      model))))
 
     def kv_connect(self, peer: bytes) -> None:
         """Connect to a P/D peer's KV pool (its ``Ready.kv_peer``)."""

@@ -66,6 +66,7 @@ class Rebalance:
 
     gen: int
     phy2log: np.ndarray  # (MoE layers, slots) int64, read-only
+    model: str = "target"  # or "draft"
 
 
 @attrs.frozen
@@ -111,6 +112,7 @@ class Scheduler:
         self.loads = loads  # the expert load balancer's mailbox, when it runs
         self.role = role  # the P/D side this rank plays (lockstep.engine.disagg), or None
         self._placement = PlacementStatus(0, 0, 0)
+        self._draft_placement = PlacementStatus(0, 0, 0)  # a speculative draft's sharded experts
         self.streams: dict[int, RequestStream] = {}
         self._unscheduled: set[int] = set()  # admitted, not yet in any plan (for queue time)
         self._want_logprobs: set[int] = set()
@@ -271,6 +273,9 @@ class Scheduler:
                     s.finish(reason, now)
             case Stop():
                 self._stopping = True
+            case Rebalance(gen=gen, phy2log=phy2log, model="draft"):
+                self.client.new_placement(gen, phy2log, "draft")
+                self._draft_placement = attrs.evolve(self._draft_placement, forwarded=gen)
             case Rebalance(gen=gen, phy2log=phy2log):
                 self.client.new_placement(gen, phy2log)
                 self._placement = attrs.evolve(self._placement, forwarded=gen)
@@ -297,12 +302,15 @@ class Scheduler:
         """Plan a step and send it; in a DEP group, first agree with the other ranks
         (padding, or a dummy plan when only others have work). True if a plan went out."""
         plan = self._plan(now)
-        ready = self._placement.ready
+        ready, draft_ready = self._placement.ready, self._draft_placement.ready
         if self.group is None:
             if plan is not None:
-                self._send(plan if plan.placement_gen == ready else attrs.evolve(plan, placement_gen=ready))
+                if (plan.placement_gen, plan.draft_placement_gen) != (ready, draft_ready):
+                    plan = attrs.evolve(plan, placement_gen=ready, draft_placement_gen=draft_ready)
+                self._send(plan)
             return plan is not None
-        d = decide(await self.group.allreduce(self.rank, local_state(plan, ready_gen=ready)))
+        d = decide(await self.group.allreduce(self.rank, local_state(plan, ready_gen=ready,
+                                                                     draft_ready_gen=draft_ready)))
         if d.run:
             self._send(padded(plan, d) if plan is not None else dummy(d))
         return d.run
@@ -318,6 +326,8 @@ class Scheduler:
         self._in_flight.append(plan)
         if plan.placement_gen != self._placement.running:
             self._placement = attrs.evolve(self._placement, running=plan.placement_gen)
+        if plan.draft_placement_gen != self._draft_placement.running:
+            self._draft_placement = attrs.evolve(self._draft_placement, running=plan.draft_placement_gen)
         self.steps += 1
 
     def _deliver_logprobs(self, plan: StepPlan, result: StepResult, out) -> None:
@@ -347,8 +357,13 @@ class Scheduler:
         loads go to the balancer."""
         if result.placement_ready != self._placement.ready:
             self._placement = attrs.evolve(self._placement, ready=result.placement_ready)
+        if result.draft_placement_ready != self._draft_placement.ready:
+            self._draft_placement = attrs.evolve(self._draft_placement, ready=result.draft_placement_ready)
         if self.loads is not None:
             self.loads.send_nowait(Loads(self.rank, result.expert_counts, plan.placement_gen))
+            if self.client.ready.draft_num_experts:
+                self.loads.send_nowait(Loads(self.rank, result.draft_expert_counts, plan.draft_placement_gen,
+                                             "draft"))
 
     def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
         out = self.core.update(plan, result, now)
@@ -396,6 +411,7 @@ class Scheduler:
     def _new_core(self) -> None:
         """After a restart: a fresh core, and a fresh runtime at the initial placement."""
         self._placement = PlacementStatus(0, 0, 0)
+        self._draft_placement = PlacementStatus(0, 0, 0)  # a speculative draft's sharded experts
         if self.loads is not None:
             self.loads.send_nowait(Restarted())
         old = self.core
@@ -420,12 +436,13 @@ class Scheduler:
             s.fail(error, now)
 
     # -- commands and queries --------------------------------------------------------------------
-    def place_nowait(self, gen: int, phy2log: np.ndarray) -> None:
-        """Hand expert placement ``gen`` to this rank's runtime at the next step boundary."""
-        self.send_channel.send_nowait(Rebalance(gen, phy2log))
+    def place_nowait(self, gen: int, phy2log: np.ndarray, model: str = "target") -> None:
+        """Hand expert placement ``gen`` (of the target, or of the speculative draft) to this
+        rank's runtime at the next step boundary."""
+        self.send_channel.send_nowait(Rebalance(gen, phy2log, model))
 
-    def placement_status(self) -> PlacementStatus:
-        return self._placement
+    def placement_status(self, model: str = "target") -> PlacementStatus:
+        return self._placement if model == "target" else self._draft_placement
 
     def statistics(self) -> SchedulerStats:
         c = self.core

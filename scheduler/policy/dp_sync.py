@@ -17,7 +17,9 @@ import numpy as np
 
 from .step import EMPTY_I64, PLACEHOLDER, StepPlan
 
-NUM_FIELDS = 6  # tokens, has a plan, wants pause, -(ready placement generation), longest feed, draft passes
+# tokens, has a plan, wants pause, -(ready placement generation), longest feed, draft passes,
+# -(the draft's ready placement generation)
+NUM_FIELDS = 7
 
 
 @attrs.frozen
@@ -28,13 +30,15 @@ class SyncDecision:
     placement_gen: int
     uniform_decode: bool = False  # no rank feeds any request more than one token
     draft_passes: int = 0
+    draft_placement_gen: int = 0
 
 
-def local_state(plan: StepPlan | None, *, wants_pause: bool = False, ready_gen: int = 0) -> np.ndarray:
+def local_state(plan: StepPlan | None, *, wants_pause: bool = False, ready_gen: int = 0,
+                draft_ready_gen: int = 0) -> np.ndarray:
     tokens = 0 if plan is None else plan.num_tokens
     longest = int(plan.num_new.max()) if plan is not None and plan.num_reqs else 0
-    return np.array([tokens, plan is not None, wants_pause, -ready_gen, longest, draft_passes(plan)],
-                    dtype=np.int64)
+    return np.array([tokens, plan is not None, wants_pause, -ready_gen, longest, draft_passes(plan),
+                     -draft_ready_gen], dtype=np.int64)
 
 
 def draft_passes(plan: StepPlan | None) -> int:
@@ -54,12 +58,14 @@ def draft_passes(plan: StepPlan | None) -> int:
 def decide(reduced_max: np.ndarray) -> SyncDecision:
     return SyncDecision(run=bool(reduced_max[1]), padded_tokens=int(reduced_max[0]),
                         pause=bool(reduced_max[2]), placement_gen=int(-reduced_max[3]),
-                        uniform_decode=bool(reduced_max[4] <= 1), draft_passes=int(reduced_max[5]))
+                        uniform_decode=bool(reduced_max[4] <= 1), draft_passes=int(reduced_max[5]),
+                        draft_placement_gen=int(-reduced_max[6]))
 
 
 def padded(plan: StepPlan, d: SyncDecision) -> StepPlan:
     return attrs.evolve(plan, num_padded_tokens=d.padded_tokens, placement_gen=d.placement_gen,
-                        uniform_decode=d.uniform_decode, draft_passes=d.draft_passes)
+                        uniform_decode=d.uniform_decode, draft_passes=d.draft_passes,
+                        draft_placement_gen=d.draft_placement_gen)
 
 
 def dummy(d: SyncDecision) -> StepPlan:
@@ -69,4 +75,5 @@ def dummy(d: SyncDecision) -> StepPlan:
                     samples=np.zeros(0, bool), token_ids=i32, token_offsets=np.zeros(1, np.int64),
                     block_start=i32, block_ids=i32, block_offsets=np.zeros(1, np.int64),
                     num_tokens=0, num_padded_tokens=d.padded_tokens, is_dummy=True,
-                    placement_gen=d.placement_gen, uniform_decode=d.uniform_decode, draft_passes=d.draft_passes)
+                    placement_gen=d.placement_gen, uniform_decode=d.uniform_decode, draft_passes=d.draft_passes,
+                    draft_placement_gen=d.draft_placement_gen)

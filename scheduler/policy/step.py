@@ -61,6 +61,7 @@ class StepPlan:
     # Set by the DP sync: draft forwards every rank runs this step (speculation with a draft
     # whose experts are sharded over the ranks: each pass has all-to-alls every rank joins).
     draft_passes: int = 0
+    draft_placement_gen: int = 0  # the draft's expert placement, as placement_gen is the target's
 
     @property
     def num_reqs(self) -> int:
@@ -82,6 +83,9 @@ class StepResult:
     logprobs: np.ndarray | None = None  # float32 (rows,): log-probability of the sampled token
     top_ids: np.ndarray | None = None  # int32 (rows, k): the k most likely tokens
     top_logprobs: np.ndarray | None = None  # float32 (rows, k)
+    # A speculating runtime's draft, when its experts are sharded: tokens per (MoE layer,
+    # expert) over the step's passes (the balancer's draft planner reads them).
+    draft_expert_counts: np.ndarray | None = None
     # Drafts the runtime proposed per plan entry where it may propose fewer than planned
     # (adaptive k); empty: as planned. The counters count these, not the reserved positions.
     num_drafts: np.ndarray = EMPTY_I32
@@ -91,6 +95,7 @@ class StepResult:
     # The newest expert-placement generation this runtime could switch to at its next step
     # (the active one while a new one is still copying): its share of the DP sync's minimum.
     placement_ready: int = 0
+    draft_placement_ready: int = 0  # the same for the draft's own placement (sharded experts)
 
 
 @attrs.frozen
