@@ -137,6 +137,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=40, help="rebalancing window, steps")
     ap.add_argument("--redundant", type=int, default=16)
     ap.add_argument("--rb-output", type=int, default=256, help="tokens per request in the rebalancing run")
+    ap.add_argument("--dispatch", default="padded,exact", help="DEP-n expert dispatches to run, in order")
     ap.add_argument("--pd-args", default="", help="extra arguments for bench_pd, e.g. '--requests 32'")
     args = ap.parse_args()
     import torch
@@ -151,7 +152,8 @@ def main() -> None:
         g1, gn = trio.run(bench_dep.greedy, 1), trio.run(bench_dep.greedy, gpus)
         info[f"greedy_dep{gpus}_equals_dep1"] = g1 == gn
         print(f"greedy DEP{gpus} == DEP1:", g1 == gn, flush=True)
-        for dep, dispatch in ((1, None), (gpus, "padded"), (gpus, "exact")):
+        runs = [(1, None)] + [(gpus, d) for d in args.dispatch.split(",") if d]
+        for dep, dispatch in runs:
             r = trio.run(bench_dep.throughput, dep, args.layers, args.per_rank, args.prompt, args.output, dispatch)
             print("dep:", r, flush=True)
             rows.append({"run": f"DEP{dep} decode", **r})
