@@ -42,12 +42,11 @@ from .experts import ExpertLoads
 from .load import host_loaded_tokens
 from .metrics import Metrics, clean
 from .profile import ProfiledCost, load_profile, step_mix
+from .prompts import PROMPT_BATCH, Prompts
 from .spec import DraftCost, Speculation, SpecRuntime
 from .traces import TraceRequest, segment_tokens
 
 OUTPUT_SEG_BASE = 1 << 42  # output content ids for trace requests (disjoint from prompts)
-PROMPT_BATCH = 64  # prompts materialized in one pass, up to this many tokens:
-PROMPT_BATCH_TOKENS = 1 << 20
 
 
 class Folded:
@@ -85,7 +84,8 @@ class Instance:
 class Simulator(PDFlow):
     def __init__(self, deployment: Deployment, workload: Sequence[TraceRequest], *,
                  seed: int = 0, slo_ttft: float = 2.0, slo_tpot: float = 0.1,
-                 use_advance: bool = True, on_plan: Callable | None = None, eplb: bool = True):
+                 use_advance: bool = True, on_plan: Callable | None = None, eplb: bool = True,
+                 private_prefixes: bool = True):
         self.d = deployment
         self.workload = list(workload)
         self.seed = seed
@@ -127,12 +127,15 @@ class Simulator(PDFlow):
         self.metrics = Metrics(len(self.workload), total_blocks)
         self._events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, argument)
         self._seq = 0
-        self._prompts: dict[int, tuple] = {}  # materialized ahead of arrival: _prompt
         self._build_outputs()
         # Output tokens a request's core skips: a decode core starts at the second token.
         self.out_skip = np.zeros(len(self.workload), dtype=np.int64)
         if self.pd:
             self._init_pd()
+        self.prompts = Prompts(self.workload, self.hasher, vocab_size=self.model.vocab_size, seed=seed,
+                               max_model_len=self.instances[0].cores[0].config.max_model_len)
+        if private_prefixes and not self.pd and deployment.scheduler.enable_prefix_caching:
+            self.prompts.find_private(self.out_tokens, self.out_base)
 
     def _cost(self, pool: PoolSpec, model, profile) -> AnalyticCost:
         d = self.d
@@ -154,32 +157,7 @@ class Simulator(PDFlow):
         self.out_tokens = segment_tokens(ids, lens, vocab_size=self.model.vocab_size, seed=self.seed)
 
     def _too_long(self, w: TraceRequest) -> bool:
-        return w.input_len + w.output_len > self.instances[0].cores[0].config.max_model_len
-
-    def _prompt(self, rid: int, upcoming: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens, block hashes, chain accumulator) of a prompt. Materialized for the next
-        arrivals together: one numpy pass for many prompts instead of one per prompt."""
-        got = self._prompts.pop(rid, None)
-        if got is not None:
-            return got
-        batch, total = [], 0
-        for r in upcoming:  # starts with rid
-            w = self.workload[r]
-            if r in self._prompts or self._too_long(w):
-                continue
-            n = int(w.seg_lens.sum())
-            if batch and (len(batch) == PROMPT_BATCH or total + n > PROMPT_BATCH_TOKENS):
-                break
-            batch.append((r, w, n))
-            total += n
-        flat = segment_tokens(np.concatenate([w.seg_ids for _, w, _ in batch]),
-                              np.concatenate([w.seg_lens for _, w, _ in batch]),
-                              vocab_size=self.model.vocab_size, seed=self.seed)
-        ends = list(itertools.accumulate(n for _, _, n in batch))
-        prompts = [flat[e - n : e] for (_, _, n), e in zip(batch, ends)]
-        for (r, _, _), p, (h, acc) in zip(batch, prompts, self.hasher.hash_prompts(prompts)):
-            self._prompts[r] = (p, h, acc)
-        return self._prompts.pop(rid)
+        return self.prompts.too_long(w)
 
     def _admit(self, rid: int, now: float, upcoming: Sequence[int] = ()) -> None:
         w = self.workload[rid]
@@ -187,12 +165,13 @@ class Simulator(PDFlow):
         if self._too_long(w):  # before materializing a prompt that long
             self.metrics.reject(rid, "context_length")
             return
-        prompt, hashes, acc = self._prompt(rid, upcoming or (rid,))
+        prompt, hashes, acc = self.prompts.take(rid, upcoming or (rid,))
         if self.pd:
             req = self._pd_request(rid, prompt, hashes, acc, now)
         else:
             req = Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=w.output_len, ignore_eos=True),
-                          arrival_time=now, block_hashes=hashes, hash_acc=acc)
+                          arrival_time=now, block_hashes=hashes, hash_acc=acc,
+                          private_prefix=self.prompts.private[rid])
         # One router over every rank of every instance: prefix affinity, then least loaded.
         if len(self._ranks) > 1:
             pick = self.router.choose(hashes, [c.pool for _, c in self._ranks], [c.load() for _, c in self._ranks])
@@ -374,10 +353,17 @@ class Simulator(PDFlow):
             if not plan.num_reqs:  # an idle rank: its dummy steps change nothing
                 new_plans.append(plan)
                 continue
-            slots = core.active_slots()
-            rids = core.s_rid[slots]
-            tok = self.out_base[rids] + core.s_nout[slots] + self.out_skip[rids]
-            out, nxt = core.advance(k, self.out_tokens[tok[:, None] + np.arange(k)])
+            if len(core._active) == 1:  # a lone request's next k tokens: a slice
+                s = core._active[0]
+                r = core.s_rid.item(s)
+                first = self.out_base.item(r) + core.s_nout.item(s) + self.out_skip.item(r)
+                tokens = self.out_tokens[first : first + k].reshape(1, k).copy()
+            else:
+                slots = core.active_slots()
+                rids = core.s_rid[slots]
+                tok = self.out_base[rids] + core.s_nout[slots] + self.out_skip[rids]
+                tokens = self.out_tokens[tok[:, None] + np.arange(k)]
+            out, nxt = core.advance(k, tokens)
             outs.append((rank, out))
             new_plans.append(nxt)
         body = ends[:-1] if fold else ends
@@ -436,9 +422,9 @@ class Simulator(PDFlow):
     def _decode_ends(self, inst: Instance, k: int, t: float, until: float, last_free: bool = False) -> list[float]:
         ns, bases = [], []
         for core in inst.cores:
-            act = core.active_slots()
+            act, ncomp = core._active, core.s_ncomp
             ns.append(float(len(act)))
-            bases.append(float(sum(core.s_ncomp[act].tolist())))  # plan j feeds positions ncomp-1+j
+            bases.append(float(sum(ncomp.item(s) for s in act)))  # plan j feeds positions ncomp-1+j
         return inst.cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free)
 
     def _decode_kv_use(self, inst: Instance, k: int) -> list[int]:
@@ -446,8 +432,7 @@ class Simulator(PDFlow):
         position needs."""
         steps = [sum(c.pool.num_used for c in inst.cores)] + [0] * k
         for c in inst.cores:
-            act = c.active_slots()
-            for ncomp, nblk in zip(c.s_ncomp[act].tolist(), c.s_nblocks[act].tolist()):
+            for ncomp, nblk in ((c.s_ncomp.item(s), c.s_nblocks.item(s)) for s in c._active):
                 # from step j on the slot holds ceil((ncomp + j) / bs) blocks
                 for j in range(nblk * c.bs - ncomp + 1, k + 1, c.bs):
                     steps[max(j, 1)] += 1

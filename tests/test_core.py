@@ -22,7 +22,7 @@ from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.hashing import BlockHasher
 from lockstep.policy.request import FinishReason, Request, RequestError, RequestState, SamplingParams
-from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
+from lockstep.policy.step import EMPTY_I64, PLACEHOLDER, StepPlan, StepResult
 
 VOCAB = 50_000
 EOS = 1  # never produced by the model except where a spec puts it
@@ -42,13 +42,14 @@ class Spec:
     remote_kv: int = 0
     salt: str | None = None
     abort_at: int | None = None
+    private: bool = False  # Request.private_prefix
 
     def request(self) -> Request:
         params = SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.eos_at is None)
         return Request(
             id=self.rid, prompt=self.prompt.astype(np.int32), params=params, priority=self.priority,
             eos_token_id=EOS if self.eos_at is not None else -1, remote_kv_tokens=self.remote_kv,
-            cache_salt=self.salt,
+            cache_salt=self.salt, private_prefix=self.private,
         )
 
     def truth(self) -> np.ndarray:
@@ -899,3 +900,19 @@ def test_pulled_prompt_blocks_are_published():
     core.update(plan, empty_result(plan, kv_loads_done=np.array([0])), 0.0)
     assert core.num_waiting_for_kv == 0
     assert core.pool.cached_prefix_len(req.block_hashes) == 2  # both pulled blocks can be shared
+
+
+def test_an_idle_rank_plans_as_the_full_path_would():
+    """schedule() on a core with nothing running or queued takes a shortcut; its empty plan
+    equals the one the full path builds, field by field, and step ids still advance."""
+    cfg = SchedulerConfig(num_blocks=16, block_size=16, max_num_seqs=2, max_num_batched_tokens=64)
+    core = SchedulerCore(cfg, BlockHasher(b"test-secret", 16))
+    fast = core.schedule(0.0)
+    full = core._decode_plan(EMPTY_I64, (EMPTY_I64, EMPTY_I64))
+    assert (fast.step_id, full.step_id) == (1, 2)
+    for f in attrs.fields(StepPlan):
+        a, b = getattr(fast, f.name), getattr(full, f.name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape and (a == b).all(), f.name
+        elif f.name != "step_id":
+            assert a == b, f.name

@@ -8,6 +8,14 @@ Invariants (``check_integrity``):
   since nothing is lost by reusing them.
 Lookups key the table by the first 64-bit lane and check the second, so a 128-bit hash costs
 one Python int per block.
+
+A caller that knows no other request will ever look a block's hash up (the simulator knows
+its whole workload: see ``Request.private_prefix``) publishes it unindexed: the block carries
+its hash (it is evicted like any cached block, and offloaded to the host tier), but it is not
+in the table, which spares two dict operations on a table too large for the CPU's caches.
+Where no host tier reads hashes either, such a block is published before the pool is told
+its hash (``cache_unhashed``; ``fill_hashes`` gives it). ``index`` enters such blocks when
+that knowledge lapses (their request is preempted and will look its own blocks up).
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ class BlockPool:
         self._hash = np.zeros((num_blocks, 2), dtype=np.uint64)
         self._hashed = np.zeros(num_blocks, dtype=bool)
         self._table: dict[int, int] = {}
+        self._unindexed = np.zeros(num_blocks, dtype=bool)  # hashed, but not in the table
+        self._n_unindexed = 0
         # Free blocks without a hash: a stack (reused first, most recently freed on top).
         self._stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)
         self._n_stack = num_blocks
@@ -106,6 +116,8 @@ class BlockPool:
             ok = self._hashed[h] & (self._hash[h] == hashes[: len(h)]).all(axis=1)
             found = hint[: len(h) if ok.all() else int(np.argmin(ok))]
         table, n = self._table, len(found)
+        if n < len(hashes) and hashes.item(n, 0) not in table:  # the usual miss: no slice to convert
+            return found
         while n < len(hashes):  # in chunks: a short match converts a short slice only
             chunk = hashes[n : n + 64]
             for key, lane1 in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist()):
@@ -165,14 +177,18 @@ class BlockPool:
             out.append(stack.item(self._n_stack))
         if len(out) < n:
             ring, ring_pos, hashes, hashed = self._ring, self._ring_pos, self._hash, self._hashed
-            table, head = self._table, self._head
+            table, head, unindexed = self._table, self._head, self._unindexed
             while len(out) < n:  # skips entries touched since they were freed, as _pop_ring
                 b = ring.item(head)
                 if ring_pos.item(b) == head:
                     ring_pos[b] = -1
                     self._n_ring -= 1
                     lane0 = hashes.item(b, 0)
-                    del table[lane0]
+                    if unindexed.item(b):
+                        unindexed[b] = False
+                        self._n_unindexed -= 1
+                    else:
+                        del table[lane0]
                     if self.host is not None:
                         self.host.put([lane0], [hashes.item(b, 1)])
                     hashed[b] = False
@@ -195,10 +211,18 @@ class BlockPool:
         out = np.concatenate(parts) if len(parts) > 1 else parts[0]
         self._ring_pos[out] = -1
         self._n_ring -= len(out)
-        lane0 = self._hash[out, 0].tolist()
-        deque(map(self._table.__delitem__, lane0), maxlen=0)  # a loop in C
+        indexed = out
+        if self._n_unindexed:
+            unindexed = self._unindexed.take(out)
+            n_unindexed = np.count_nonzero(unindexed)
+            if n_unindexed:
+                indexed = out[~unindexed]
+                self._unindexed[out] = False
+                self._n_unindexed -= n_unindexed
+        if len(indexed):
+            deque(map(self._table.__delitem__, self._hash[indexed, 0].tolist()), maxlen=0)  # a loop in C
         if self.host is not None:  # offload what the GPU cache drops
-            self.host.put(lane0, self._hash[out, 1].tolist())
+            self.host.put(self._hash[out, 0].tolist(), self._hash[out, 1].tolist())
         self._hashed[out] = False
         return out
 
@@ -252,9 +276,14 @@ class BlockPool:
         self._tail = tail + n
         self._n_ring += n
 
-    def cache(self, blocks: list[int], hashes: np.ndarray) -> None:
-        """Publish full blocks under their hashes; a hash already present keeps its block."""
+    def cache(self, blocks: list[int], hashes: np.ndarray, *, index: bool = True) -> None:
+        """Publish full blocks under their hashes; a hash already present keeps its block.
+        ``index=False``: nobody else will look these hashes up, so none is present and the
+        blocks need not enter the table (see the module docstring)."""
         if not self.enable_prefix_cache or not blocks:
+            return
+        if not index:
+            self._cache_unindexed(blocks, hashes)
             return
         if len(blocks) == 1:  # a block closed by decoding: the same rules, without numpy
             block, key = blocks[0], int(hashes[0, 0])
@@ -278,6 +307,64 @@ class BlockPool:
         self._hash[idx] = hashes
         self._hashed[idx] = True
 
+    def _cache_unindexed(self, blocks: list[int], hashes: np.ndarray) -> None:
+        if len(blocks) == 1:
+            block = blocks[0]
+            if not self._hashed.item(block):
+                self._hash[block] = hashes[0]
+                self._hashed[block] = True
+                self._unindexed[block] = True
+                self._n_unindexed += 1
+            return
+        idx = np.array(blocks, dtype=np.int64)
+        open_ = ~self._hashed.take(idx)
+        if np.count_nonzero(open_) < len(idx):
+            idx, hashes = idx[open_], hashes[open_]
+        self._hash[idx] = hashes
+        self._hashed[idx] = True
+        self._unindexed[idx] = True
+        self._n_unindexed += len(idx)
+
+    def cache_unhashed(self, blocks: list[int]) -> None:
+        """Publish full blocks unindexed before their hashes are given (``fill_hashes``),
+        where nobody reads them meanwhile: as ``cache(index=False)`` does with them."""
+        if not self.enable_prefix_cache or not blocks:
+            return
+        if len(blocks) == 1:
+            block = blocks[0]
+            if not self._hashed.item(block):
+                self._hashed[block] = True
+                self._unindexed[block] = True
+                self._n_unindexed += 1
+            return
+        idx = np.array(blocks, dtype=np.int64)
+        open_ = ~self._hashed.take(idx)
+        if np.count_nonzero(open_) < len(idx):
+            idx = idx[open_]
+        self._hashed[idx] = True
+        self._unindexed[idx] = True
+        self._n_unindexed += len(idx)
+
+    def fill_hashes(self, blocks: list[int], hashes: np.ndarray) -> None:
+        """The hashes of blocks published with ``cache_unhashed`` (others keep theirs)."""
+        if not self.enable_prefix_cache or not blocks:
+            return
+        idx = np.asarray(blocks, dtype=np.int64)
+        mine = self._hashed[idx] & self._unindexed[idx]
+        self._hash[idx[mine]] = hashes[mine]
+
+    def index(self, blocks: list[int]) -> None:
+        """Enter the unindexed hashed blocks among ``blocks`` into the table (their hashes
+        are in no other block: nobody else was to look them up)."""
+        if not self._n_unindexed or not blocks:
+            return
+        idx = np.asarray(blocks, dtype=np.int64)
+        idx = idx[self._unindexed[idx]]
+        if len(idx):
+            self._table.update(zip(self._hash[idx, 0].tolist(), idx.tolist()))
+            self._unindexed[idx] = False
+            self._n_unindexed -= len(idx)
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (free cached blocks become plain free blocks)."""
         live = self._live_ring()
@@ -288,6 +375,8 @@ class BlockPool:
         self._n_stack += len(live)
         self._table.clear()
         self._hashed[:] = False
+        self._unindexed[:] = False
+        self._n_unindexed = 0
 
     # -- internals -----------------------------------------------------------------------
     def _lookup(self, h: np.ndarray) -> int | None:
@@ -312,6 +401,9 @@ class BlockPool:
         assert (self.ref >= 0).all(), "negative refcount"
         assert ((self.ref == 0) == free).all(), "free list and refcounts disagree"
         assert not self._hashed[self._stack[: self._n_stack]].any(), "hashed block on the plain stack"
-        assert len(self._table) == int(self._hashed.sum()), "hash table and flags disagree"
+        assert not (self._unindexed & ~self._hashed).any(), "an unindexed block without a hash"
+        assert self._n_unindexed == int(self._unindexed.sum()), "unindexed count out of date"
+        assert len(self._table) == int((self._hashed & ~self._unindexed).sum()), "hash table and flags disagree"
         for key, block in self._table.items():
-            assert self._hashed[block] and int(self._hash[block, 0]) == key, "stale table entry"
+            assert self._hashed[block] and not self._unindexed[block], "stale table entry"
+            assert int(self._hash[block, 0]) == key, "stale table entry"

@@ -191,7 +191,9 @@ class BulkDecode:
                 if c0 < k:
                     cols = range(c0, k, bs)
                     closes += [(col + 1, i) for col in cols]
-                    chains[i] = self._close_chain(reqs[i], (p + c0 + 1) // bs - 1, len(cols))
+                    first = (p + c0 + 1) // bs - 1
+                    chains[i] = [None, None, first, 0, []] if self._hashes_deferred(reqs[i]) else \
+                        self._close_chain(reqs[i], first, len(cols))
             closes.sort()
         last_owners, last_blocks = [], []
         ai = ci = 0
@@ -211,15 +213,15 @@ class BulkDecode:
                 self._close_next(reqs[closes[ci][1]], chains[closes[ci][1]])
                 ci += 1
         for req, chain in zip([reqs[i] for i in chains], chains.values()):
-            if chain[4]:
-                req.block_hashes = np.concatenate([req.block_hashes, np.stack(chain[4])])
+            if chain[4]:  # the rows appended, a contiguous run of the chain's hashes
+                req.block_hashes = np.concatenate([req.block_hashes, chain[0][chain[4][0] : chain[4][-1] + 1]])
         return np.array(last_owners, dtype=np.int64), np.array(last_blocks, dtype=np.int64)
 
     def _close_chain(self, req: Request, first: int, m: int) -> list:
         """Hashes of the m consecutive blocks from ``first`` that decoding closes, as
         ``_publish_generated`` would compute them one at a time; returns the state
-        ``_close_next`` walks: [hashes, accumulators, first index, next position, hashes
-        appended to the request's chain]."""
+        ``_close_next`` walks: [hashes, accumulators, first index, next position, positions
+        of the hashes appended to the request's chain]."""
         bs = self.bs
         blocks = self._known_tokens(req, first * bs, (first + m) * bs).reshape(m, bs)
         if first == len(req.block_hashes):  # the usual case: each block extends the chain
@@ -233,16 +235,20 @@ class BulkDecode:
             accs.append(a[0])
             if first + j == n:
                 acc, n = a[0], n + 1
-        return [hashes, accs, first, 0, []]
+        return [np.array(hashes), accs, first, 0, []]
 
     def _close_next(self, req: Request, chain: list) -> None:
         hashes, accs, first, j, appended = chain
         chain[3] = j + 1
         index = first + j
+        if hashes is None:  # hashed when the request is preempted (``_hashes_deferred``)
+            if index < len(req.blocks):
+                self.pool.cache_unhashed([req.blocks[index]])
+            return
         if index < len(req.blocks):
-            self.pool.cache([req.blocks[index]], hashes[j][None])
+            self.pool.cache([req.blocks[index]], hashes[j][None], index=not req.private_prefix)
         if index == len(req.block_hashes) + len(appended):  # block_hashes grows at the end
-            appended.append(hashes[j])
+            appended.append(j)
             req.hash_acc = accs[j]
 
     def _flush_tails(self, slots: list[int], reqs: list[Request], end: list[int]) -> None:
@@ -259,13 +265,43 @@ class BulkDecode:
             lo = e - e % self.bs
             self.s_tail[slot, : e - lo] = self._known_tokens(req, lo, e)
 
+    def _hashes_deferred(self, req: Request) -> bool:
+        """Whether ``req``'s blocks are cached before the pool learns their hashes (and its
+        output blocks before they are hashed at all): a private request's are looked up by
+        nobody, and only a host tier (which offloads evicted blocks by hash) or the request's
+        own readmission after a preemption (``_fill_deferred_hashes``) reads them."""
+        return req.private_prefix and self.pool.host is None
+
+    def _fill_deferred_hashes(self, req: Request) -> None:
+        """Hash the output blocks ``req`` closed, as closing them would have, and give the
+        pool the hashes of every block it cached for it."""
+        slot, bs = req.slot, self.bs
+        first, n = len(req.block_hashes), (self.s_maxtotal.item(slot) - self.s_maxout.item(slot)
+                                           + self.s_nout.item(slot)) // bs
+        if n > first:
+            blocks = self._known_tokens(req, first * bs, n * bs).reshape(n - first, bs)
+            hashes, accs = self.hasher.extend_chain(req.hash_acc, blocks, first)
+            req.block_hashes = np.concatenate([req.block_hashes, hashes])
+            req.hash_acc = accs[-1]
+        held = req.blocks[: len(req.block_hashes)]
+        self.pool.fill_hashes(held, req.block_hashes[: len(held)])
+
     def _publish_generated(self, reqs: list[Request], index: np.ndarray, blocks: np.ndarray) -> None:
+        deferred = [self._hashes_deferred(r) for r in reqs]
+        if any(deferred):  # hashed if their request is preempted
+            for r, i, later in zip(reqs, index.tolist(), deferred):
+                if later and i < len(r.blocks):
+                    self.pool.cache_unhashed([r.blocks[i]])
+            keep = [not later for later in deferred]
+            if not any(keep):
+                return
+            reqs, index, blocks = [r for r, k in zip(reqs, keep) if k], index[keep], blocks[keep]
         # Blocks close in order, so each chain extends from the accumulator of its last block.
-        parents = np.stack([r.hash_acc for r in reqs])
+        parents = np.array([r.hash_acc for r in reqs])  # np.stack's checks cost ~5 us more
         hashes, accs = self.hasher.extend(parents, blocks, index)
         for r, i, h, a in zip(reqs, index.tolist(), hashes, accs):
             if i < len(r.blocks):
-                self.pool.cache([r.blocks[i]], h[None])
+                self.pool.cache([r.blocks[i]], h[None], index=not r.private_prefix)
             if i == len(r.block_hashes):  # a recompute after preemption re-closes known blocks
                 r.block_hashes = np.concatenate([r.block_hashes, h[None]])
                 r.hash_acc = a

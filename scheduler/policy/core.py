@@ -143,7 +143,7 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         return len(self._waiting)
 
     def has_work(self) -> bool:
-        return bool(self._waiting) or bool(self.s_active.any())
+        return bool(self._waiting) or bool(self._active)
 
     @property
     def num_waiting_for_kv(self) -> int:
@@ -167,6 +167,10 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
 
     # -- schedule ------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
+        if not self._active and not self._waiting and not self.config.num_spec_tokens:
+            self._preempted_this_step = False  # an idle rank (a DEP instance has many)
+            self._chunked_now.clear()
+            return self._idle_plan()
         budget = self.config.max_num_batched_tokens
         entries: list[tuple] = []  # (req, n_new, tokens, new_blocks, block_start)
         if self.config.num_spec_tokens:  # decodes with drafts: entries like prefill chunks
@@ -343,7 +347,10 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         if hi > lo and self.config.enable_prefix_caching:
             hashes = req.block_hashes  # prompt blocks, then output blocks as they close
             hi = min(hi, len(hashes))
-            self.pool.cache(req.blocks[lo:hi], hashes[lo:hi])
+            if self._hashes_deferred(req):
+                self.pool.cache_unhashed(req.blocks[lo:hi])
+            else:
+                self.pool.cache(req.blocks[lo:hi], hashes[lo:hi], index=not req.private_prefix)
 
     # -- slots, preemption, finishing ----------------------------------------------------
     def _take_slot(self, req: Request) -> None:
@@ -405,6 +412,11 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
 
     def _preempt(self, req: Request) -> None:
         self._preempted_this_step = True
+        if req.private_prefix:  # readmitted, it looks up its own cached blocks
+            if self._hashes_deferred(req):
+                self._fill_deferred_hashes(req)
+            self.pool.index(req.blocks)
+            req.private_prefix = False
         self._release(req)
         req.num_computed = 0
         req.num_known = req.prompt_len + req.num_output

@@ -178,11 +178,15 @@ class BlockHasher:
         last = np.array([a[-1], b[-1]], dtype=np.uint64)
         return self._finalize(a, b, np.arange(n_blocks, dtype=np.uint64)), last
 
-    def hash_prompts(self, prompts: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def hash_prompts(self, prompts: list[np.ndarray],
+                     acc_at: list[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """``hash_prompt`` (unsalted) of many prompts in one pass: what a simulator admits
-        next, without paying numpy's per-call cost once per prompt."""
+        next, without paying numpy's per-call cost once per prompt. ``acc_at``: per prompt,
+        the number of leading blocks after which to report the accumulator (all of them by
+        default): a simulator hashes a prompt together with the output it will generate, and
+        admits the prompt alone."""
         if self.method == "sha256" or len(prompts) < 2:
-            return [self.hash_prompt(p) for p in prompts]
+            return [self._hash_upto(p, at) for p, at in zip(prompts, acc_at or [None] * len(prompts))]
         bs, wpb, init = self.block_size, self._words_per_block, self._init_unsalted
         nblk = np.array([len(p) // bs for p in prompts], dtype=np.int64)
         if not nblk.any():
@@ -202,12 +206,20 @@ class BlockHasher:
         b += init[1]
         hashes = self._finalize(a, b, block_no.astype(np.uint64))
         out, lo = [], 0
-        for n in nblk.tolist():
+        nl = nblk.tolist()
+        for n, at in zip(nl, acc_at or nl):
             hi = lo + n
-            last = np.array([a[hi - 1], b[hi - 1]], dtype=np.uint64) if n else init.copy()
+            last = np.array([a[lo + at - 1], b[lo + at - 1]], dtype=np.uint64) if at else init.copy()
             out.append((hashes[lo:hi] if n else np.empty((0, 2), dtype=np.uint64), last))
             lo = hi
         return out
+
+    def _hash_upto(self, tokens: np.ndarray, at: int | None) -> tuple[np.ndarray, np.ndarray]:
+        """``hash_prompt``, with the accumulator after the first ``at`` blocks."""
+        hashes, acc = self.hash_prompt(tokens)
+        if at is not None and at < len(hashes):
+            acc = self.hash_prompt(tokens[: at * self.block_size])[1]
+        return hashes, acc
 
     def extend(
         self, parent_acc: np.ndarray, blocks: np.ndarray, block_index: np.ndarray

@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 
 from .request import RequestState
-from .step import EMPTY_I32, EMPTY_I64, PLACEHOLDER, StepPlan, decode_constants
+from .step import EMPTY_I32, EMPTY_I64, StepPlan, decode_constants
 from .update import SMALL_BATCH
 
 
@@ -43,23 +43,24 @@ class PlanAssembly:
         n_dec, n_pre = len(dec_slots), len(entries)
         n = n_dec + n_pre + len(remote)
         self._step += 1
-        req_ids = np.empty(n, dtype=np.int64)
-        slots = np.empty(n, dtype=np.int32)
-        num_new = np.zeros(n, dtype=np.int32)
-        start_pos = np.zeros(n, dtype=np.int32)
-        samples = np.zeros(n, dtype=bool)
-        block_start = np.zeros(n, dtype=np.int32)
-        req_ids[:n_dec] = self.s_rid[dec_slots]
-        slots[:n_dec] = dec_slots
-        num_new[:n_dec] = 1
-        start_pos[:n_dec] = self.s_ncomp[dec_slots] - 1
-        samples[:n_dec] = True
-        block_start[:n_dec] = self.s_nblocks[dec_slots] - 1
-        tok_parts = [np.full(n_dec, PLACEHOLDER, dtype=np.int32)]
-        counts = np.zeros(n, dtype=np.int64)
+        # Python lists, one array each at the end: a handful of requests (most such plans)
+        # would pay numpy's per-call cost on every field.
+        dec = dec_slots.tolist()
+        if n_dec <= SMALL_BATCH:
+            req_ids = [self.s_rid.item(s) for s in dec]
+            start_pos = [self.s_ncomp.item(s) - 1 for s in dec]
+            block_start = [self.s_nblocks.item(s) - 1 for s in dec]
+        else:
+            req_ids = self.s_rid[dec_slots].tolist()
+            start_pos = (self.s_ncomp[dec_slots] - 1).tolist()
+            block_start = (self.s_nblocks[dec_slots] - 1).tolist()
+        slots, num_new, samples = list(dec), [1] * n_dec, [True] * n_dec
+        tok_parts = [decode_constants(n_dec).placeholders]
+        counts = [0] * n_dec
         blk_parts: list[list[int]] = []
         if len(grown[0]):  # grown slots are a subsequence of dec_slots, both ascending
-            counts[np.searchsorted(dec_slots, grown[0])] = 1
+            grew = set(grown[0].tolist())
+            counts = [int(s in grew) for s in dec]
             blk_parts.append(grown[1].tolist())
         drafts = None
         for i, e in enumerate(entries, n_dec):
@@ -68,37 +69,62 @@ class PlanAssembly:
                 if drafts is None:
                     drafts = np.zeros(n, dtype=np.int32)
                 drafts[i] = e[7]
-            req_ids[i], slots[i], num_new[i], start_pos[i] = req.id, req.slot, k, start
-            samples[i], block_start[i], counts[i] = sampled, bstart, len(blks)
+            req_ids.append(req.id)
+            slots.append(req.slot)
+            num_new.append(k)
+            start_pos.append(start)
+            samples.append(sampled)
+            block_start.append(bstart)
+            counts.append(len(blks))
             tok_parts.append(toks)
             blk_parts.append(blks)
-        for i, (rid, _, _) in enumerate(remote, n_dec + n_pre):
+        for rid, _, _ in remote:
             req = self.requests[rid]
-            req_ids[i], slots[i], counts[i] = rid, req.slot, len(req.blocks)
+            req_ids.append(rid)
+            slots.append(req.slot)
+            num_new.append(0)
+            start_pos.append(0)
+            samples.append(False)
+            block_start.append(0)
+            counts.append(len(req.blocks))
             blk_parts.append(req.blocks)
-        tok_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(num_new, out=tok_offsets[1:])
-        blk_offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=blk_offsets[1:])
+        slots_arr = np.array(slots, dtype=np.int32)
+        tok_offsets = np.array(list(itertools.accumulate(num_new, initial=0)), dtype=np.int64)
+        blk_offsets = np.array(list(itertools.accumulate(counts, initial=0)), dtype=np.int64)
         flat_blocks = [b for part in blk_parts for b in part]
         dropped = self._take_drops(n)
-        total = int(tok_offsets[-1])
+        total = tok_offsets.item(n)
         if n:  # every plan with requests must be applied; empty ones need not be
-            self._plan_epochs[self._step] = self.s_epoch[slots]
+            self._plan_epochs[self._step] = self.s_epoch[slots_arr]
             if drafts is not None:
                 self._plan_spec[self._step] = drafts
-        load_arr = np.asarray(loads, dtype=np.int64).reshape(-1, 3)
+        c = self._const
+        if loads:
+            load_arr = np.array(loads, dtype=np.int64).reshape(-1, 3)
+            load_ids, load_first, load_num = (load_arr[:, 0].copy(), load_arr[:, 1].astype(np.int32),
+                                              load_arr[:, 2].astype(np.int32))
+        else:
+            load_ids, load_first, load_num = c.empty_i64, c.empty_i32, c.empty_i32
         return StepPlan(
-            step_id=self._step, req_ids=req_ids, slots=slots, num_new=num_new,
-            start_pos=start_pos, samples=samples,
-            token_ids=np.concatenate(tok_parts) if len(tok_parts) > 1 else tok_parts[0],
-            token_offsets=tok_offsets, block_start=block_start,
-            block_ids=np.asarray(flat_blocks, dtype=np.int32), block_offsets=blk_offsets,
-            kv_load_req_ids=load_arr[:, 0].copy(),
-            kv_load_first_block=load_arr[:, 1].astype(np.int32),
-            kv_load_num_blocks=load_arr[:, 2].astype(np.int32),
-            finished_req_ids=np.asarray(dropped, dtype=np.int64),
+            step_id=self._step, req_ids=np.array(req_ids, dtype=np.int64), slots=slots_arr,
+            num_new=np.array(num_new, dtype=np.int32), start_pos=np.array(start_pos, dtype=np.int32),
+            samples=np.array(samples, dtype=bool),
+            token_ids=np.concatenate(tok_parts) if len(tok_parts) > 1 else tok_parts[0].copy(),
+            token_offsets=tok_offsets, block_start=np.array(block_start, dtype=np.int32),
+            block_ids=np.array(flat_blocks, dtype=np.int32), block_offsets=blk_offsets,
+            kv_load_req_ids=load_ids, kv_load_first_block=load_first, kv_load_num_blocks=load_num,
+            finished_req_ids=np.array(dropped, dtype=np.int64) if dropped else c.empty_i64,
             num_tokens=total, num_padded_tokens=total,
+        )
+
+    def _idle_plan(self) -> StepPlan:
+        """The plan ``_decode_plan`` builds for no requests, from shared constants alone."""
+        self._step += 1
+        k, c = decode_constants(0), self._const
+        return StepPlan(
+            step_id=self._step, req_ids=c.empty_i64, slots=c.empty_i32, num_new=k.ones,
+            start_pos=c.empty_i32, samples=k.trues, token_ids=k.placeholders, token_offsets=k.arange,
+            block_start=c.empty_i32, block_ids=c.empty_i32, block_offsets=k.zeros,
         )
 
     def _decode_plan(self, slots: np.ndarray, grown) -> StepPlan:
@@ -123,10 +149,16 @@ class PlanAssembly:
         slots32 = slots.astype(np.int32)
         if n:  # every plan with requests must be applied; empty ones need not be
             self._plan_epochs[self._step] = self.s_epoch[slots]
-        start_pos = self.s_ncomp[slots].astype(np.int32)
-        block_start = self.s_nblocks[slots].astype(np.int32)
-        start_pos -= 1  # in place on the fresh int32 copies: one temporary fewer
-        block_start -= 1
+        if n <= SMALL_BATCH:  # Python ints: three numpy calls fewer
+            sl = slots.tolist()
+            ncomp, nblocks = self.s_ncomp, self.s_nblocks
+            start_pos = np.array([ncomp.item(s) - 1 for s in sl], dtype=np.int32)
+            block_start = np.array([nblocks.item(s) - 1 for s in sl], dtype=np.int32)
+        else:
+            start_pos = self.s_ncomp[slots].astype(np.int32)
+            block_start = self.s_nblocks[slots].astype(np.int32)
+            start_pos -= 1  # in place on the fresh int32 copies: one temporary fewer
+            block_start -= 1
         return StepPlan(
             step_id=self._step, req_ids=self.s_rid[slots], slots=slots32, num_new=k.ones,
             start_pos=start_pos, samples=k.trues, token_ids=k.placeholders, token_offsets=k.arange,

@@ -87,6 +87,10 @@ class Request:
     remote_kv_tokens: int = 0  # prompt tokens whose KV arrives from another pool
     hold_kv: bool = False  # P/D prefill side: keep the blocks after finishing, for a pull
     eos_token_id: int = -1
+    # No other request will look up this one's block hashes (a simulator knows its whole
+    # workload; the engine never does): its blocks may be cached unindexed (BlockPool). The
+    # core clears it when the request is preempted, since it then looks up its own blocks.
+    private_prefix: bool = False
     # -- owned by the core ---------------------------------------------------------------
     state: RequestState = RequestState.WAITING
     seq: int = 0  # admission order, the FCFS tie-breaker

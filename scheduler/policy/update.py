@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .request import FinishReason, RequestState
-from .step import EMPTY_I64, StepOutputs, StepPlan, StepResult
+from .step import EMPTY_I64, StepOutputs, StepPlan, StepResult, decode_constants
 
 SMALL_BATCH = 8  # requests up to which per-slot Python beats vector operations
 
@@ -103,8 +103,8 @@ class UpdatePath:
             self._close_blocks(np.array(full, dtype=np.int64))
         finished = self._finish_slots(slots[done], tokens[done]) if done else ()
         return StepOutputs(
-            req_ids=req_ids, num_tokens=np.ones(len(slots), dtype=np.int32),
-            token_ids=tokens, finished=finished, first_token_ids=req_ids[first],
+            req_ids=req_ids, num_tokens=decode_constants(len(slots)).ones,
+            token_ids=tokens, finished=finished, first_token_ids=req_ids[first] if first else EMPTY_I64,
         )
 
     def s_nknown_confirmed(self, slots: np.ndarray) -> np.ndarray:
