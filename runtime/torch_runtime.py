@@ -321,8 +321,8 @@ class TorchRuntime:
     def _execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self._update_tables(plan)
-        if plan.num_reqs == 0 or (len(plan.token_ids) == 0 and self.world == 1):
-            if self.world > 1:  # a dummy step: the MoE collectives must still run here
+        if len(plan.token_ids) == 0:  # nothing to run here (a dummy, or only KV being pulled in)
+            if self.world > 1:  # the MoE collectives must still run here
                 if self.spec is not None:
                     self.spec.pad_passes(0, plan.draft_passes)
                 if self.ep_padded and plan.uniform_decode and self.runner is not None:

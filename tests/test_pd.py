@@ -76,6 +76,21 @@ async def test_pd_greedy_equals_reference(kind, prefill, decode):
     assert stats.waiting_for_kv == 0 and stats.kv_held == 0
 
 
+@pytest.mark.parametrize("dispatch", ["exact", "padded"])
+async def test_pd_with_a_dep2_decode_instance_greedy_equals_reference(dispatch):
+    """The decode instance's two ranks pull KV while the other decodes: a rank whose plan
+    holds only entries waiting for their KV (no tokens) still joins the expert all-to-alls."""
+    ps = prompts()
+    async with open_engine(pd_config("shm", dep=2, runtime_options={"ep_dispatch": dispatch})) as engine:
+        got = await run_all(engine, ps)
+        await settle(engine)
+        stats = engine.statistics()
+        check_cores(engine)
+    for p, g in zip(ps, got):
+        assert g == reference_greedy(p, GREEDY.max_tokens)
+    assert stats.kv_pulls == len(ps) and stats.kv_pull_failures == 0
+
+
 async def test_pd_engine_leaves_no_process_or_fd_behind():
     async with open_engine(pd_config("shm")) as engine:  # warm the forkserver
         await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))
