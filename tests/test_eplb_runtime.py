@@ -165,6 +165,18 @@ def test_engine_config_refuses_slots_that_do_not_split_over_the_ranks():
 
 
 # -- DEP2 end to end ----------------------------------------------------------------------------
+async def greedy_all(engine, ps, params) -> list:
+    """Every prompt's tokens, the prompts served concurrently."""
+    got = [None] * len(ps)
+
+    async def one(i):
+        got[i], _ = await E.collect(engine, ps[i], params)
+    async with trio.open_nursery() as n:
+        for i in range(len(ps)):
+            n.start_soon(one, i)
+    return got
+
+
 HOLD = 2  # the results of this many steps after a placement came, at least, report it not ready
 
 
@@ -174,18 +186,13 @@ async def test_dep2_rebalances_mid_generation_with_greedy_tokens_unchanged():
     cfg = attrs.evolve(E.config(tokenizer=None), dep=2, eplb=EplbConfig(redundant_experts=2, window_steps=3),
                        runtime_options={"eplb_min_stage_steps": HOLD})
     log = []  # every rank's plans and results, in the one order the engine saw them
-    got = [None] * len(ps)
     async with open_engine(cfg) as engine:
         for r, s in enumerate(engine.schedulers):
             s.on_plan = lambda p, r=r, s=s: log.append(("plan", r, p.placement_gen, s.placement_status().forwarded,
                                                         p.is_dummy))
             s.on_result = lambda p, res, r=r: log.append(("result", r, p.placement_gen, res.placement_ready))
 
-        async def one(i):
-            got[i], _ = await E.collect(engine, ps[i], params)
-        async with trio.open_nursery() as n:
-            for i in range(len(ps)):
-                n.start_soon(one, i)
+        got = await greedy_all(engine, ps, params)
         stats = engine.balancer_statistics()
         status = [s.placement_status() for s in engine.schedulers]
     for p, g in zip(ps, got):
@@ -205,13 +212,8 @@ async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split):
     cfg = attrs.evolve(E.config(tokenizer=None), dep=2,
                        eplb=EplbConfig(redundant_experts=2, window_steps=3, token_split=split),
                        runtime_options={"ep_dispatch": "padded"})
-    got = [None] * len(ps)
     async with open_engine(cfg) as engine:
-        async def one(i):
-            got[i], _ = await E.collect(engine, ps[i], params)
-        async with trio.open_nursery() as n:
-            for i in range(len(ps)):
-                n.start_soon(one, i)
+        got = await greedy_all(engine, ps, params)
         stats = engine.balancer_statistics()
     for p, g in zip(ps, got):
         assert g == E.reference_greedy(p, params.max_tokens)
@@ -225,13 +227,8 @@ async def test_dep2_proportional_token_split_keeps_greedy_tokens():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     cfg = attrs.evolve(E.config(tokenizer=None), dep=2,
                        eplb=EplbConfig(redundant_experts=2, window_steps=10_000, token_split="proportional"))
-    got = [None] * len(ps)
     async with open_engine(cfg) as engine:
-        async def one(i):
-            got[i], _ = await E.collect(engine, ps[i], params)
-        async with trio.open_nursery() as n:
-            for i in range(len(ps)):
-                n.start_soon(one, i)
+        got = await greedy_all(engine, ps, params)
     for p, g in zip(ps, got):
         assert g == E.reference_greedy(p, params.max_tokens)
 

@@ -31,11 +31,9 @@ async def run_all(engine, ps, params):
     return got
 
 
-@pytest.mark.parametrize("draft,k,adaptive", [("tiny-draft", 3, False), ("layers:2", 2, False), ("tiny", 4, False),
-                                              ("tiny-draft", 4, True)])
-async def test_greedy_with_speculation_equals_greedy_without(draft, k, adaptive):
-    ps = prompts()
-    cfg = config(tokenizer=None, draft_model=draft, num_spec_tokens=k, spec_adaptive=adaptive)
+async def greedy_checked(cfg, ps) -> dict:
+    """Serve ``ps`` greedily: tokens equal the reference's, every core intact and empty after;
+    the speculation counters."""
     async with open_engine(cfg) as engine:
         got = await run_all(engine, ps, LONG)
         sp = engine.spec_statistics()
@@ -44,6 +42,15 @@ async def test_greedy_with_speculation_equals_greedy_without(draft, k, adaptive)
             assert s.core.pool.num_used == 0
     for p, g in zip(ps, got):
         assert g == reference_greedy(p, LONG.max_tokens)
+    return sp
+
+
+@pytest.mark.parametrize("draft,k,adaptive", [("tiny-draft", 3, False), ("layers:2", 2, False), ("tiny", 4, False),
+                                              ("tiny-draft", 4, True)])
+async def test_greedy_with_speculation_equals_greedy_without(draft, k, adaptive):
+    ps = prompts()
+    sp = await greedy_checked(config(tokenizer=None, draft_model=draft, num_spec_tokens=k, spec_adaptive=adaptive),
+                              ps)
     assert sp["drafts"] > 0 and sp["draft_tokens"] <= k * sp["drafts"]
     if draft == "tiny":  # the draft is the target: every draft is accepted
         assert sp["accepted_tokens"] == sp["draft_tokens"] and sp["accepted_per_position"][-1] > 0
@@ -83,16 +90,8 @@ async def test_a_draft_with_sharded_experts_runs_in_lockstep_across_dep_ranks(dr
     draft pass has all-to-alls, so every rank runs the step's agreed passes, an idle or less
     busy rank (fewer requests, fewer drafts with adaptive k) padding with empty ones."""
     ps = prompts()
-    cfg = config(tokenizer=None, draft_model=draft, num_spec_tokens=3, dep=2, draft_experts=experts,
-                 spec_adaptive=adaptive)
-    async with open_engine(cfg) as engine:
-        got = await run_all(engine, ps, LONG)
-        sp = engine.spec_statistics()
-        for s in engine.schedulers:
-            s.core.check_integrity()
-            assert s.core.pool.num_used == 0
-    for p, g in zip(ps, got):
-        assert g == reference_greedy(p, LONG.max_tokens)
+    sp = await greedy_checked(config(tokenizer=None, draft_model=draft, num_spec_tokens=3, dep=2,
+                                     draft_experts=experts, spec_adaptive=adaptive), ps)
     assert sp["drafts"] > 0
     if draft == "tiny":
         assert sp["accepted_tokens"] == sp["draft_tokens"]

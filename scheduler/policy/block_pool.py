@@ -307,32 +307,14 @@ class BlockPool:
         self._hash[idx] = hashes
         self._hashed[idx] = True
 
-    def _cache_unindexed(self, blocks: list[int], hashes: np.ndarray) -> None:
+    def _cache_unindexed(self, blocks: list[int], hashes: np.ndarray | None) -> None:
+        """Mark the open ones of ``blocks`` cached but out of the table, with ``hashes``
+        (None: given later, by ``fill_hashes``)."""
         if len(blocks) == 1:
             block = blocks[0]
             if not self._hashed.item(block):
-                self._hash[block] = hashes[0]
-                self._hashed[block] = True
-                self._unindexed[block] = True
-                self._n_unindexed += 1
-            return
-        idx = np.array(blocks, dtype=np.int64)
-        open_ = ~self._hashed.take(idx)
-        if np.count_nonzero(open_) < len(idx):
-            idx, hashes = idx[open_], hashes[open_]
-        self._hash[idx] = hashes
-        self._hashed[idx] = True
-        self._unindexed[idx] = True
-        self._n_unindexed += len(idx)
-
-    def cache_unhashed(self, blocks: list[int]) -> None:
-        """Publish full blocks unindexed before their hashes are given (``fill_hashes``),
-        where nobody reads them meanwhile: as ``cache(index=False)`` does with them."""
-        if not self.enable_prefix_cache or not blocks:
-            return
-        if len(blocks) == 1:
-            block = blocks[0]
-            if not self._hashed.item(block):
+                if hashes is not None:
+                    self._hash[block] = hashes[0]
                 self._hashed[block] = True
                 self._unindexed[block] = True
                 self._n_unindexed += 1
@@ -341,9 +323,18 @@ class BlockPool:
         open_ = ~self._hashed.take(idx)
         if np.count_nonzero(open_) < len(idx):
             idx = idx[open_]
+            hashes = None if hashes is None else hashes[open_]
+        if hashes is not None:
+            self._hash[idx] = hashes
         self._hashed[idx] = True
         self._unindexed[idx] = True
         self._n_unindexed += len(idx)
+
+    def cache_unhashed(self, blocks: list[int]) -> None:
+        """Publish full blocks unindexed before their hashes are given (``fill_hashes``),
+        where nobody reads them meanwhile: as ``cache(index=False)`` does with them."""
+        if self.enable_prefix_cache and blocks:
+            self._cache_unindexed(blocks, None)
 
     def fill_hashes(self, blocks: list[int], hashes: np.ndarray) -> None:
         """The hashes of blocks published with ``cache_unhashed`` (others keep theirs)."""
