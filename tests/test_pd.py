@@ -61,11 +61,11 @@ async def run_all(engine, ps, params=GREEDY):
     return got
 
 
-@pytest.mark.parametrize("kind,prefill,decode", [
-    pytest.param("nixl", 1, 1, marks=needs_nixl), ("shm", 1, 1), pytest.param("nixl", 2, 2, marks=needs_nixl)])
-async def test_pd_greedy_equals_reference(kind, prefill, decode):
+async def greedy_through_pd(cfg):
+    """Serve the prompts greedily: tokens equal the reference's, every KV pull landed, the
+    cores intact after; the engine's statistics."""
     ps = prompts()
-    async with open_engine(pd_config(kind, prefill, decode)) as engine:
+    async with open_engine(cfg) as engine:
         got = await run_all(engine, ps)
         await settle(engine)
         stats = engine.statistics()
@@ -73,6 +73,13 @@ async def test_pd_greedy_equals_reference(kind, prefill, decode):
     for p, g in zip(ps, got):
         assert g == reference_greedy(p, GREEDY.max_tokens)
     assert stats.kv_pulls == len(ps) and stats.kv_pull_failures == 0  # KV really moved
+    return stats
+
+
+@pytest.mark.parametrize("kind,prefill,decode", [
+    pytest.param("nixl", 1, 1, marks=needs_nixl), ("shm", 1, 1), pytest.param("nixl", 2, 2, marks=needs_nixl)])
+async def test_pd_greedy_equals_reference(kind, prefill, decode):
+    stats = await greedy_through_pd(pd_config(kind, prefill, decode))
     assert stats.waiting_for_kv == 0 and stats.kv_held == 0
 
 
@@ -80,15 +87,7 @@ async def test_pd_greedy_equals_reference(kind, prefill, decode):
 async def test_pd_with_a_dep2_decode_instance_greedy_equals_reference(dispatch):
     """The decode instance's two ranks pull KV while the other decodes: a rank whose plan
     holds only entries waiting for their KV (no tokens) still joins the expert all-to-alls."""
-    ps = prompts()
-    async with open_engine(pd_config("shm", dep=2, runtime_options={"ep_dispatch": dispatch})) as engine:
-        got = await run_all(engine, ps)
-        await settle(engine)
-        stats = engine.statistics()
-        check_cores(engine)
-    for p, g in zip(ps, got):
-        assert g == reference_greedy(p, GREEDY.max_tokens)
-    assert stats.kv_pulls == len(ps) and stats.kv_pull_failures == 0
+    await greedy_through_pd(pd_config("shm", dep=2, runtime_options={"ep_dispatch": dispatch}))
 
 
 async def test_pd_engine_leaves_no_process_or_fd_behind():
