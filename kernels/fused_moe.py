@@ -41,13 +41,13 @@ def _tiles(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
 
 
 MOE_CONFIGS: dict[tuple, dict] = {
-    (64, 2048, 1408, 'bf16', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}},
-    (64, 2048, 1408, 'fp8', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}},
-    (64, 2048, 1408, 'bf16', 8): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 5}},
+    (64, 2048, 1408, 'bf16', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
+    (64, 2048, 1408, 'fp8', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
+    (64, 2048, 1408, 'bf16', 8): {'BLOCK_M': 16, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
     (64, 2048, 1408, 'fp8', 8): {'BLOCK_M': 16, 'up': {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5}, 'down': {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5}},
-    (64, 2048, 1408, 'bf16', 64): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 256, 'num_warps': 4, 'num_stages': 3}},
+    (64, 2048, 1408, 'bf16', 64): {'BLOCK_M': 16, 'up': {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5}, 'down': {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 5}},
     (64, 2048, 1408, 'fp8', 64): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4}},
-    (64, 2048, 1408, 'bf16', 256): {'BLOCK_M': 32, 'up': {'BLOCK_N': 128, 'BLOCK_K': 64, 'num_warps': 8, 'num_stages': 4}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 64, 'num_warps': 8, 'num_stages': 4}},
+    (64, 2048, 1408, 'bf16', 256): {'BLOCK_M': 32, 'up': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4}},
     (64, 2048, 1408, 'fp8', 256): {'BLOCK_M': 32, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
 }
 
@@ -81,53 +81,61 @@ def max_padded_rows(n_pairs: int, experts: int, block_m: int) -> int:
 @triton.jit(do_not_specialize=["n", "max_blocks"])
 def _moe_align_kernel(ids_ptr, n, sorted_ptr, blk_expert_ptr, total_ptr, max_blocks,
                       E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      CHUNK: tl.constexpr, BCHUNK: tl.constexpr):
-    # One program: the pair count is small at decode (T*k <= a few thousand). Chunks of
-    # CHUNK pairs x E_PAD experts (16K one-hot cells) keep the serial steps few.
+                      CHUNK: tl.constexpr, HCHUNK: tl.constexpr, BCHUNK: tl.constexpr):
+    # Program p places pairs [p*CHUNK, (p+1)*CHUNK). The ids (n <= 8192 ints, in L2) are cheap
+    # to re-read, so every program recounts them instead of waiting on the others: the
+    # histogram of all pairs gives the experts' padded starts, the one of the pairs before
+    # its chunk its running offsets. One launch, no inter-program sync.
+    pid, progs = tl.program_id(0), tl.num_programs(0)
+    c0 = pid * CHUNK
     er = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], tl.int32)
-    for c0 in range(0, n, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
+    before = tl.zeros([E_PAD], tl.int32)
+    for h0 in range(0, n, HCHUNK):
+        offs = h0 + tl.arange(0, HCHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
         mine = (ids >= 0) & (ids < E)
-        counts += tl.histogram(tl.where(mine, ids, 0).to(tl.int32), E_PAD, mask=mine)
+        bins = tl.where(mine, ids, 0).to(tl.int32)
+        counts += tl.histogram(bins, E_PAD, mask=mine)
+        before += tl.histogram(bins, E_PAD, mask=mine & (offs < c0))
     padded = tl.cdiv(counts, BLOCK_M) * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
     total = tl.sum(padded, 0)
-    tl.store(total_ptr, total)
+    tl.store(total_ptr, total, mask=pid == 0)
+    # Block table and the sentinel in padding rows of live blocks, blocks spread over programs.
     jm = tl.arange(0, BLOCK_M)
-    for b0 in range(0, max_blocks, BCHUNK):
+    for b0 in range(pid * BCHUNK, max_blocks, progs * BCHUNK):
         blocks = b0 + tl.arange(0, BCHUNK)
         first = blocks * BLOCK_M
         live = first < total
         expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
         tl.store(blk_expert_ptr + blocks, tl.where(live, expert, -1), mask=blocks < max_blocks)
-        # Padding rows of live blocks get the sentinel; real rows are written below.
-        mine = er[None, :] == expert[:, None]
-        start = tl.sum(tl.where(mine, starts[None, :], 0), 1)
-        count = tl.sum(tl.where(mine, counts[None, :], 0), 1)
+        hit = er[None, :] == expert[:, None]
+        start = tl.sum(tl.where(hit, starts[None, :], 0), 1)
+        count = tl.sum(tl.where(hit, counts[None, :], 0), 1)
         pos = first[:, None] + jm[None, :]
         pad = (pos - start[:, None] >= count[:, None]) & live[:, None]
         tl.store(sorted_ptr + pos, tl.zeros([BCHUNK, BLOCK_M], tl.int32) + n, mask=pad)
-    running = starts
-    for c0 in range(0, n, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
-        hit = ((ids[:, None] == er[None, :]) & (ids[:, None] < E)).to(tl.int32)
-        rank = tl.cumsum(hit, 0) - hit  # earlier pairs of the same expert in this chunk
-        pos = tl.sum(hit * (running[None, :] + rank), 1)
-        tl.store(sorted_ptr + pos, offs, mask=(offs < n) & (tl.sum(hit, 1) > 0))
-        running += tl.sum(hit, 0)
+    # Real rows (disjoint from the padding rows): rank among earlier pairs of the same expert
+    # in this chunk by a one-hot cumsum, which keeps index order within an expert.
+    offs = c0 + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
+    hit = ((ids[:, None] == er[None, :]) & (ids[:, None] < E)).to(tl.int32)
+    rank = tl.cumsum(hit, 0) - hit
+    pos = tl.sum(hit * ((starts + before)[None, :] + rank), 1)
+    tl.store(sorted_ptr + pos, offs, mask=(offs < n) & (tl.sum(hit, 1) > 0))
 
 
-ALIGN_KERNEL_MAX_PAIRS = 8192  # above this the one-program kernel is slower than torch's sort
+# Above this every program's recount of all the ids outweighs torch's sort.
+ALIGN_KERNEL_MAX_PAIRS = 8192
 
 
 def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids [max_blocks * block_m] int32, expert of each block [max_blocks] int32
-    (-1 past the end), aligned length [1] int32). Pairs keep index order within an expert."""
+    (-1 past the end), aligned length [1] int32). Pairs keep index order within an expert.
+    Rows past the aligned length are left unwritten. One launch of cdiv(n, CHUNK) programs."""
     n = topk_ids.numel()
     if n > ALIGN_KERNEL_MAX_PAIRS:
         return moe_align_reference(topk_ids, experts, block_m)
@@ -137,10 +145,11 @@ def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int
     blk_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     total = torch.empty(1, dtype=torch.int32, device=dev)
     e_pad = max(32, next_pow2(experts))  # histogram bins: a multiple of the warp size
-    _moe_align_kernel[(1,)](topk_ids, n, sorted_ids, blk_expert, total, max_blocks,
-                            E=experts, E_PAD=e_pad, BLOCK_M=block_m,
-                            CHUNK=max(16, min(16384 // e_pad, next_pow2(n))), BCHUNK=16,
-                            num_warps=8)
+    chunk = max(16, min(64, 4096 // e_pad))  # one-hot of CHUNK x E_PAD: <= 4K cells
+    _moe_align_kernel[(max(1, triton.cdiv(n, chunk)),)](
+        topk_ids, n, sorted_ids, blk_expert, total, max_blocks,
+        E=experts, E_PAD=e_pad, BLOCK_M=block_m, CHUNK=chunk, HCHUNK=1024, BCHUNK=16,
+        num_warps=4)
     return sorted_ids, blk_expert, total
 
 
