@@ -7,6 +7,7 @@
 - `topk`: exact top-k over long rows (sparse-attention indexer), two launches;
   `topk_threshold`: the earlier four-launch design, its fallback for large k.
 - `kv_store`: new latents into the paged cache, bf16 or FP8 with per-token scales.
+- `router`: the MoE router after its GEMM (sigmoid, bias, group-limited top-k, weights), one launch.
 
 Importing this package imports nothing; each module needs triton. Tuned launch configs live in
 dicts at the top of each module (written from benchmarks/gpu/bench_kernels.py on an H200).

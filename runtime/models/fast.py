@@ -21,9 +21,10 @@ forward, so a decode forward can be captured as a CUDA graph.
   ``kernels.fused_moe`` too (one row per received pair).
   ``moe_fp8``: the experts also as e4m3 with 128x128 block scales (DeepSeek's layout), which
   the kernel reads instead (half the bytes; the bf16 copy stays for the reference path).
-- The small elementwise steps between GEMMs (norms, rope, SiLU·mul, the router) are pure
-  functions shared with the reference model, optionally ``torch.compile``d (once for every
-  layer: weights are arguments) so a step launches a few hundred kernels, not thousands.
+- The small elementwise steps between GEMMs (norms, rope, SiLU·mul) are pure functions
+  shared with the reference model, optionally ``torch.compile``d (once for every layer:
+  weights are arguments) so a step launches a few hundred kernels, not thousands. The router
+  after its GEMM is one kernel (``kernels.router``: sigmoid, bias, group limit, top-k).
 
 Weights are not copied: projections that read the same input (q and kv_a; gate and up) are
 concatenated once and the model's own parameters re-pointed at views of the result, so the
@@ -120,6 +121,11 @@ class FastOps:
         self.add2_norm = _Op(_add2_norm, compile)
         self.mla_prep = _Op(_mla_prep, compile)
         self.silu_mul = _Op(_silu_mul, compile)
+        # The router after its GEMM runs as one kernel (compiled, `route`'s torch.topk alone
+        # still launches two); `route` stays for settings the kernel does not take.
+        from lockstep.kernels.router import moe_route, moe_route_unsupported
+
+        self.moe_route, self.moe_route_unsupported = moe_route, moe_route_unsupported
         self.route = _Op(route, compile)
 
     def errors(self) -> dict[str, str]:
@@ -391,9 +397,14 @@ class FastDeepseek:
 
     # -- experts ---------------------------------------------------------------------------------
     def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor]) -> torch.Tensor:
-        cfg, moe = self.cfg, lw.moe
-        weights, ids = self.ops.route(h, moe.gate.weight, moe.gate.e_score_correction_bias, cfg.num_experts_per_tok,
-                                      cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        cfg, moe, ops = self.cfg, lw.moe, self.ops
+        gate, k = moe.gate, cfg.num_experts_per_tok
+        args = (k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        if ops.moe_route_unsupported(gate.weight.shape[0], k, cfg.n_group, cfg.topk_group) is None:
+            logits = F.linear(h.float(), gate.weight)  # cuBLAS; the kernel does the rest
+            weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args)
+        else:
+            weights, ids = ops.route(h, gate.weight, gate.e_score_correction_bias, *args)
         if step.valid is not None:  # padding tokens choose no expert: they cost no weight reads
             ids = torch.where(step.valid[:, None], ids, cfg.n_routed_experts)
         chosen.append(ids)

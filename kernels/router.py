@@ -1,0 +1,173 @@
+"""The MoE router after its GEMM, in one launch: sigmoid scores, the correction bias, optional
+group-limited routing, the top-k experts by biased score and their (normalized, scaled)
+unbiased scores as weights. The logits GEMM stays a cuBLAS call in the caller.
+
+torch.topk at these sizes launches a gather-top-k and a bitonic sort per layer (~10 us on an
+H200 at batch 1); here one program holds a few whole rows in registers and takes the top k
+by k arg-max reductions, so nothing leaves the chip between the GEMM and the experts.
+
+A row is held as [groups, experts per group] (one group when routing is not group-limited),
+so each group's top two are one reduction over the last axis; the top k are taken over the
+row flattened. Ties go to the lowest expert (or group) index; a NaN ranks above every
+number, as in torch.topk. On the GPU the sigmoid is computed as torch's CUDA kernel computes
+it (precise exp, correctly rounded division), so ids match the eager reference bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from ._util import INTERPRET, check, check_shape, next_pow2
+
+MAX_EXPERTS = 1024  # a row lives in registers
+MAX_TOP_K = 32  # the arg-max loop is unrolled
+_PRECISE = tl.constexpr(not INTERPRET)  # the interpreter has no libdevice
+
+
+@triton.jit
+def _sigmoid(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return tl.div_rn(1.0, 1.0 + libdevice.exp(-x))
+    else:
+        return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _first_at(x, top, idx, NONE: tl.constexpr, AXIS: tl.constexpr):
+    """The lowest index along AXIS where x equals its maximum `top` (NONE where nothing does).
+    A value-then-index pair of reductions: with tl.max(..., return_indices=True) instead, the
+    group-limited case gave wrong ids on the H200 (2026-11-29) though not in the interpreter."""
+    return tl.min(tl.where(x == tl.expand_dims(top, AXIS), idx, NONE), AXIS)
+
+
+@triton.jit
+def _moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, s_logit, s_w, s_ids, scaling,
+                      E: tl.constexpr, GS: tl.constexpr, TOP_K: tl.constexpr,
+                      TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g, s = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_GS)
+    expert = g[:, None] * GS + s[None, :]  # [BLOCK_G, BLOCK_GS]
+    real_g = g * GS < E
+    real = real_g[:, None] & (s[None, :] < GS)
+    row_ok = rows < T
+    ok = row_ok[:, None, None] & real[None, :, :]
+    logit = tl.load(logits_ptr + rows.to(tl.int64)[:, None, None] * s_logit + expert[None, :, :],
+                    mask=ok, other=0.0)
+    scores = _sigmoid(logit, _PRECISE)
+    choice = scores + tl.load(bias_ptr + expert, mask=real, other=0.0)[None, :, :]
+    choice = tl.where(choice != choice, float("inf"), choice)  # NaN first, as torch.topk
+    choice = tl.where(ok, choice, float("-inf"))
+    if GROUPED:
+        # Keep the TOPK_GROUP groups with the best sums of their top two.
+        top1 = tl.max(choice, 2)
+        arg1 = _first_at(choice, top1, s[None, None, :], BLOCK_GS, 2)
+        top2 = tl.max(tl.where(s[None, None, :] == arg1[:, :, None], float("-inf"), choice), 2)
+        group = tl.where(real_g[None, :], top1 + top2, float("-inf"))
+        kept = tl.zeros([BLOCK_T, BLOCK_G], dtype=tl.int32)
+        for _ in tl.static_range(TOPK_GROUP):
+            best = _first_at(group, tl.max(group, 1), g[None, :], BLOCK_G, 1)
+            hit = g[None, :] == best[:, None]
+            kept = tl.where(hit, 1, kept)
+            group = tl.where(hit, float("-inf"), group)
+        choice = tl.where(kept[:, :, None] != 0, choice, float("-inf"))
+    flat = tl.reshape(choice, [BLOCK_T, BLOCK_G * BLOCK_GS])
+    flat_scores = tl.reshape(scores, [BLOCK_T, BLOCK_G * BLOCK_GS])
+    pos = tl.arange(0, BLOCK_G * BLOCK_GS)
+    kk = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = _first_at(flat, tl.max(flat, 1), pos[None, :], BLOCK_G * BLOCK_GS, 1)
+        taken = pos[None, :] == p[:, None]
+        flat = tl.where(taken, float("-inf"), flat)
+        # A sum over one non-zero: exactly the chosen score, off the arg-max chain.
+        score = tl.sum(tl.where(taken, flat_scores, 0.0), 1)
+        ids = tl.where(kk[None, :] == j, ((p // BLOCK_GS) * GS + p % BLOCK_GS)[:, None], ids)
+        w = tl.where(kk[None, :] == j, score[:, None], w)
+    if NORM:
+        w = tl.div_rn(w, tl.sum(w, 1)[:, None] + 1e-20)
+    out = row_ok[:, None] & (kk[None, :] < TOP_K)
+    r = rows.to(tl.int64)[:, None]
+    tl.store(w_ptr + r * s_w + kk[None, :], w * scaling, mask=out)
+    tl.store(ids_ptr + r * s_ids + kk[None, :], ids.to(tl.int64), mask=out)
+
+
+def moe_route_unsupported(num_experts: int, top_k: int, n_group: int, topk_group: int) -> str | None:
+    """Why `moe_route` cannot route with these settings, or None when it can."""
+    e = num_experts
+    if not 1 <= e <= MAX_EXPERTS:
+        return f"the router kernel takes 1 to {MAX_EXPERTS} experts, not {e}"
+    if not 1 <= top_k <= min(e, MAX_TOP_K):
+        return f"top_k must be in [1, {min(e, MAX_TOP_K)}] for {e} experts, got {top_k}"
+    if n_group < 1 or topk_group < 1:
+        return f"n_group and topk_group must be positive, got {n_group} and {topk_group}"
+    if topk_group < n_group:
+        if e % n_group or e // n_group < 2:
+            return (f"group-limited routing needs the {e} experts in n_group={n_group} equal "
+                    "groups of at least two")
+        if top_k > topk_group * (e // n_group):
+            return (f"top_k={top_k} exceeds the {topk_group * (e // n_group)} experts of the "
+                    f"topk_group={topk_group} groups kept")
+    return None
+
+
+def _launch(t: int, block_e: int) -> tuple[int, int]:
+    """(tokens per program, warps). Untuned: one warp per row of up to 256 experts. The
+    interpreter runs programs one after another, so it gets many rows each."""
+    if INTERPRET:
+        return min(next_pow2(t), 64), 1
+    block_t = 1 if t <= 256 else 4
+    return block_t, max(1, min(8, block_t * block_e // 256))
+
+
+def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+              topk_group: int, norm_topk_prob: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route tokens from their router logits (T, E) float32 (x.float() @ W^T) and the
+    correction bias (E,) float32: (weights (T, top_k) float32, ids (T, top_k) int64), ids in
+    descending order of biased score. Group-limited when topk_group < n_group."""
+    check(logits, "logits", dims=2, dtypes=(torch.float32,))
+    check(bias, "bias", dims=1, dtypes=(torch.float32,), device=logits.device)
+    t, e = logits.shape
+    check_shape(bias, "bias", (e,))
+    why = moe_route_unsupported(e, top_k, n_group, topk_group)
+    if why is not None:
+        raise ValueError(why)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    grouped = topk_group < n_group
+    groups = n_group if grouped else 1
+    gs = e // groups
+    block_g, block_gs = next_pow2(groups), next_pow2(gs)
+    block_t, warps = _launch(t, block_g * block_gs)
+    _moe_route_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias, weights, ids, t, logits.stride(0), weights.stride(0), ids.stride(0),
+        float(scaling), E=e, GS=gs, TOP_K=top_k, TOPK_GROUP=topk_group, GROUPED=grouped,
+        NORM=bool(norm_topk_prob), BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_GS=block_gs,
+        BLOCK_K=next_pow2(top_k), num_warps=warps)
+    return weights, ids
+
+
+def moe_route_reference(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
+                        topk_group: int, norm_topk_prob: bool,
+                        scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's `route` after its GEMM, in plain torch."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if topk_group < n_group:
+        grouped = choice.view(logits.shape[0], n_group, -1)
+        keep = grouped.topk(2, dim=-1).values.sum(-1).topk(topk_group, dim=-1).indices
+        mask = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=logits.device)
+        choice = grouped.masked_fill(~mask.scatter_(1, keep, True)[..., None], float("-inf")).flatten(1)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
