@@ -31,12 +31,15 @@ from ._util import DOT, DOT16, FP8, check, check_shape, next_pow2
 
 LOG2E = 1.4426950408889634
 
-# Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (cache dtype, batch bucket) -> config.
-# BLOCK_N tokens per tile; MIN_SPLIT: fewest tokens a split may get (more splits fill the GPU at
-# small batch but add partial-output traffic). Tiles and splits from the 2026-11-29 run, which
-# timed a kernel whose tile loop could not prefetch; num_stages is 3 here because with 2 the
-# compiler issues the next tile's copy after this tile's math and waits for it at once.
-DECODE_CONFIGS: dict[tuple[str, int], dict] = {
+# Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (cache dtype, batch bucket) -> config,
+# and (cache dtype, batch bucket, context bucket) -> config where the context changes the best
+# split (those keys win). BLOCK_N tokens per tile; MIN_SPLIT: fewest tokens a split may get;
+# WAVES: programs wanted, in multiples of the SM count (more splits fill the GPU at small batch
+# but add partial-output traffic and a merge; one split writes the output directly). Tiles and
+# splits from the 2026-11-29 run, which timed a kernel whose tile loop could not prefetch;
+# num_stages is 3 here because with 2 the compiler issues the next tile's copy after this
+# tile's math and waits for it at once.
+DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 1): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64},
     ('fp8', 1): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
     ('bf16', 8): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 128},
@@ -50,28 +53,40 @@ DECODE_CONFIGS: dict[tuple[str, int], dict] = {
     ('bf16', 256): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512},
     ('fp8', 256): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512},
 }
-DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256}
+DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256, "WAVES": 2}
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
+LEN_BUCKETS = (1024, 4096)  # a launch's context bound picks the largest bucket at or below it
 
 
-def decode_config(kv_dtype: torch.dtype, batch: int) -> dict:
+def decode_config(kv_dtype: torch.dtype, batch: int, max_seq_len: int | None = None) -> dict:
     name = "fp8" if kv_dtype == FP8 else "bf16"
     bucket = max([b for b in BATCH_BUCKETS if b <= batch], default=BATCH_BUCKETS[0])
-    return {**DEFAULT_CONFIG, **DECODE_CONFIGS.get((name, bucket), {})}
+    cfg = {**DEFAULT_CONFIG, **DECODE_CONFIGS.get((name, bucket), {})}
+    if max_seq_len is not None:
+        lb = max([b for b in LEN_BUCKETS if b <= max_seq_len], default=LEN_BUCKETS[0])
+        cfg.update(DECODE_CONFIGS.get((name, bucket, lb), {}))
+    return cfg
 
 
-def page_group(cfg: dict, block_size: int) -> int:
-    """Pages whose block ids a split loads at once (0: tiles span pages, look up per token).
-    32: a vector one warp searches per tile, and one compile for every split length."""
-    if not cfg.get("PAGED", True) or block_size % cfg["BLOCK_N"]:
-        return 0
-    return cfg.get("MAX_GROUP", 32)
+def page_group(cfg: dict, block_size: int) -> tuple[int, bool]:
+    """(pages whose block ids a split loads at once, whether a tile spans several of them).
+    0 pages: a block-table entry per token. 32: a vector one warp searches per tile, and one
+    compile for every split length. A tile is within one page (BLOCK_N divides the block
+    size) or whole pages (the block size divides BLOCK_N, and a group holds whole tiles)."""
+    bn, group = cfg["BLOCK_N"], cfg.get("MAX_GROUP", 32)
+    if not cfg.get("PAGED", True):
+        return 0, False
+    if block_size % bn == 0:
+        return group, False
+    if bn % block_size == 0 and (group * block_size) % bn == 0:
+        return group, True
+    return 0, False
 
 
 def num_splits_for(batch: int, head_groups: int, max_seq_len: int, min_split: int,
-                   sms: int) -> int:
-    """Enough programs for about two waves, but no split shorter than `min_split` tokens."""
-    want = triton.cdiv(2 * sms, batch * head_groups)
+                   sms: int, waves: float = 2) -> int:
+    """Enough programs for about `waves` waves, but no split shorter than `min_split` tokens."""
+    want = triton.cdiv(int(waves * sms), batch * head_groups)
     most = max(1, max_seq_len // min_split)
     return max(1, min(want, most, 128))
 
@@ -117,7 +132,8 @@ def _mla_decode_split_kernel(
         s_ob, s_oh, s_os, s_lb, s_lh, num_heads, block_size, num_splits,
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-        GROUP: tl.constexpr):
+        GROUP: tl.constexpr, MULTI: tl.constexpr, DIRECT: tl.constexpr):
+    # DIRECT (one split): op_ptr is the output [B, H, DL] itself (s_os unused), no lse.
     b, sp, hg = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(len_ptr + b)
     per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -139,7 +155,7 @@ def _mla_decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     toks = tl.arange(0, BLOCK_N)
     if GROUP > 0:
-        # BLOCK_N divides block_size: a tile lies in one page. The block ids of GROUP pages
+        # A tile lies in one page (or in whole pages, MULTI). The block ids of GROUP pages
         # are loaded together, so a tile's address needs no load of its own and the compiler
         # prefetches the next tiles while this one is computed (a per-tile block-table load
         # would serialise: table load, then tile load, then compute).
@@ -150,8 +166,13 @@ def _mla_decode_split_kernel(
             lo = tl.maximum(start, p0 * block_size)
             hi = tl.minimum(end, (p0 + GROUP) * block_size)
             for n0 in range(lo, hi, BLOCK_N):
-                blk = tl.sum(tl.where(g == n0 // block_size - p0, pages, 0), 0).to(tl.int64)
-                slot = n0 % block_size + toks
+                if MULTI:  # each token's page, picked from the group's ids in registers
+                    pidx = (n0 + toks) // block_size - p0
+                    blk = tl.sum(tl.where(g[None, :] == pidx[:, None], pages[None, :], 0), 1).to(tl.int64)
+                    slot = (n0 + toks) % block_size
+                else:
+                    blk = tl.sum(tl.where(g == n0 // block_size - p0, pages, 0), 0).to(tl.int64)
+                    slot = n0 % block_size + toks
                 m, den, acc = _attend(q, qp, cache_ptr, blk * s_cblk + slot * s_ctok,
                                       n0 + toks < end, scale_ptr, blk * s_sblk + slot * s_stok,
                                       m, den, acc, sm_scale_log2, DL, DR, BLOCK_L, BLOCK_R, QUANT)
@@ -165,11 +186,15 @@ def _mla_decode_split_kernel(
                                   blk * s_sblk + slot * s_stok, m, den, acc, sm_scale_log2,
                                   DL, DR, BLOCK_L, BLOCK_R, QUANT)
     some = den > 0.0  # false for an empty split (seq_len shorter than this split's start)
-    lse = tl.where(some, m + tl.log2(tl.where(some, den, 1.0)), float("-inf"))
     out = acc / tl.where(some, den, 1.0)[:, None]
-    tl.store(op_ptr + b * s_ob + heads[:, None] * s_oh + sp * s_os + ol[None, :], out,
-             mask=hm[:, None] & (ol < DL)[None, :])
-    tl.store(lse_ptr + b * s_lb + heads * s_lh + sp, lse, mask=hm)
+    if DIRECT:
+        tl.store(op_ptr + b * s_ob + heads[:, None] * s_oh + ol[None, :],
+                 out.to(op_ptr.dtype.element_ty), mask=hm[:, None] & (ol < DL)[None, :])
+    else:
+        lse = tl.where(some, m + tl.log2(tl.where(some, den, 1.0)), float("-inf"))
+        tl.store(op_ptr + b * s_ob + heads[:, None] * s_oh + sp * s_os + ol[None, :], out,
+                 mask=hm[:, None] & (ol < DL)[None, :])
+        tl.store(lse_ptr + b * s_lb + heads * s_lh + sp, lse, mask=hm)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -178,14 +203,15 @@ def _mla_decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, s_os, s_lb, s
                              DL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b, h, dc = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     ss = tl.arange(0, BLOCK_S)
+    od = dc * BLOCK_D + tl.arange(0, BLOCK_D)
+    # Partials and lse load together (an empty split's partial is zeros, its weight 0): one
+    # memory round trip, not two.
+    o = tl.load(op_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + od[None, :],
+                mask=(ss < num_splits)[:, None] & (od < DL)[None, :], other=0.0)
     lse = tl.load(lse_ptr + b * s_lb + h * s_lh + ss, mask=ss < num_splits, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty: output zeros
     w = tl.exp2(lse - mx)
-    live = lse > float("-inf")
-    od = dc * BLOCK_D + tl.arange(0, BLOCK_D)
-    o = tl.load(op_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + od[None, :],
-                mask=live[:, None] & (od < DL)[None, :], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out_ptr + b * s_outb + h * s_outh + od, out.to(out_ptr.dtype.element_ty),
              mask=od < DL)
@@ -223,19 +249,24 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         check_shape(scale, "scale", tuple(cache.shape[:2]))
     elif scale is not None:
         raise ValueError(f"scale is only for an FP8 cache; this cache is {cache.dtype}")
-    cfg = {**decode_config(cache.dtype, b), **(config or {})}
+    bound = max_seq_len or block_tables.shape[1] * cache.shape[1]
+    cfg = {**decode_config(cache.dtype, b, bound), **(config or {})}
     block_h = min(64, max(16, next_pow2(h)))
     groups = triton.cdiv(h, block_h)
     if num_splits is None:
-        bound = max_seq_len or block_tables.shape[1] * cache.shape[1]
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        num_splits = num_splits_for(b, groups, bound, cfg["MIN_SPLIT"], sms)
-    part = torch.empty(b, h, num_splits, dl, dtype=torch.float32, device=dev)
-    lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
+        num_splits = num_splits_for(b, groups, bound, cfg["MIN_SPLIT"], sms, cfg.get("WAVES", 2))
     out = torch.empty(b, h, dl, dtype=q_latent.dtype, device=dev)
     if b == 0:
         return out
+    direct = num_splits == 1  # the split kernel writes the output: no partials, no merge
+    if direct:
+        part, lse = out.unsqueeze(2), out  # lse: an unused pointer
+    else:
+        part = torch.empty(b, h, num_splits, dl, dtype=torch.float32, device=dev)
+        lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
     sc = scale if quant else seq_lens.view(1, -1)  # unused pointer when not quantized
+    group, multi = page_group(cfg, cache.shape[1])
     _mla_decode_split_kernel[(b, num_splits, groups)](
         q_latent, q_pe, cache, sc, block_tables, seq_lens, part, lse, sm_scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -243,9 +274,12 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         h, cache.shape[1], num_splits,
         DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
-        BLOCK_N=cfg["BLOCK_N"], QUANT=quant, GROUP=page_group(cfg, cache.shape[1]),
+        BLOCK_N=cfg["BLOCK_N"], QUANT=quant, GROUP=group, MULTI=multi, DIRECT=direct,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    block_d = min(128, next_pow2(dl))
+    if direct:
+        return out
+    # A program merges a whole head row where its tile stays within 8K values (registers).
+    block_d = min(next_pow2(dl), max(32, 8192 // next_pow2(num_splits)))
     _mla_decode_merge_kernel[(b, h, triton.cdiv(dl, block_d))](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), num_splits,

@@ -43,8 +43,8 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # at the k-th key of a Gaussian row of 128K); CAND: the select program's register tile (a
 # floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round.
 TOPK_CONFIGS: dict[int, dict] = {
-    1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 8, 'TILE': 2048, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
-    64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 2048, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
+    1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
+    64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 8, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
 }
 DEFAULT_CONFIG = {"ALGO": "select", "CHUNK": None, "PROGRAMS_PER_SM": 4, "TILE": 2048,
                   "num_warps": 4, "SAMPLE": 1024, "PIECES": 64, "Z": 6.0, "BINS": 4096,

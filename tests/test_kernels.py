@@ -90,7 +90,7 @@ def test_kv_store_rejects_bad_arguments():
 # -- MLA decode ---------------------------------------------------------------------------------
 
 def _decode_case(g, fp8: bool):
-    b, h, dl, dr, bs = (9, 16, 512, 64, 64) if CUDA else (3, 4, 32, 16, 4)
+    b, h, dl, dr, bs = (9, 16, 512, 64, 16) if CUDA else (3, 4, 32, 16, 4)  # CUDA: the runtime's pages
     lens = [1000, 0, 1, 64, 577, 4096, 130, 2049, 63] if CUDA else [13, 0, 5]
     blocks_per = max(-(-n // bs) for n in lens)
     perm = torch.randperm(b * blocks_per, generator=torch.Generator().manual_seed(2))
@@ -103,16 +103,19 @@ def _decode_case(g, fp8: bool):
     return q_lat, q_pe, cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV), scale
 
 
-# Tiles within a page (block ids loaded a group of pages at a time: whole splits, or two pages
-# to cross groups) and tiles spanning pages (a block-table entry per token).
-DECODE_PATHS = {"paged": {"BLOCK_N": 4}, "paged-groups": {"BLOCK_N": 4, "MAX_GROUP": 2},
-                "per-token": {"BLOCK_N": 16}}
+# Tiles within a page and tiles of whole pages (block ids loaded a group of pages at a time:
+# whole splits, or two pages to cross groups), and a block-table entry per token.
+DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP": 2},
+                "pages": {"BLOCK_N": 8}, "pages-groups": {"BLOCK_N": 8, "MAX_GROUP": 2},
+                "per-token": {"BLOCK_N": 16, "PAGED": False}}
 if CUDA:
-    DECODE_PATHS = {"paged": None, "paged-groups": {"MAX_GROUP": 2}, "per-token": {"PAGED": False}}
+    DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
+                    "pages": {"BLOCK_N": 64}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
+                    "per-token": {"PAGED": False}}
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("path", list(DECODE_PATHS))
 def test_mla_decode_matches_reference(fp8, splits, path):
     q_lat, q_pe, cache, tables, lens, scale = _decode_case(gen(2), fp8)
@@ -149,12 +152,21 @@ TINY_MOE = {"BLOCK_M": 16, "up": {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, 
             "down": {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}}
 
 
+ALIGN_CASES = ([(300, 64, 6), (1, 64, 6), (700, 128, 8)] if CUDA
+               else [(9, 8, 3), (70, 8, 3), (24, 64, 3)])
+
+
 @pytest.mark.parametrize("block_m", [16, 32])
-def test_moe_align_matches_torch(block_m):
+@pytest.mark.parametrize("t,e,k", ALIGN_CASES)
+def test_moe_align_matches_torch(block_m, t, e, k):
+    # The larger cases span several programs (64 pairs each up to 64 experts): experts' runs
+    # cross chunk boundaries, and the block table is split between programs, with 64 experts
+    # in more than one sweep.
     g = gen(4)
-    t, e, k = (300, 64, 6) if CUDA else (9, 8, 3)
     ids = torch.rand(t, e, generator=g, device=DEV).topk(k, dim=-1).indices
     ids[0, 1] = -1  # an expert on another rank
+    ids[-1, 0] = e  # the padding id
+    ids[ids == 2] = e + 3  # expert 2 gets no pairs
     got, want = moe_align(ids, e, block_m), moe_align_reference(ids, e, block_m)
     total = int(want[2])
     assert int(got[2]) == total
@@ -317,3 +329,62 @@ def test_mla_prefill_matches_reference(fp8):
                       scale, chunk_tokens=chunk, config=cfg)
     close(out, mla_prefill_reference(q, k_nope, k_pe, v, cu, prefix, cache, tables, w_kv_b,
                                      sm, scale))
+
+
+# -- MoE router ----------------------------------------------------------------------------------
+
+from lockstep.kernels.router import moe_route, moe_route_reference  # noqa: E402
+from lockstep.runtime.models.deepseek_v3 import route  # noqa: E402
+
+# (experts, top_k, n_group, topk_group, norm_topk_prob, scaling): v2-lite's router, tiny's
+# (group-limited), DeepSeek-V3's, and groups of a size that is no power of two.
+ROUTE_CASES = [(64, 6, 1, 1, False, 1.0), (8, 2, 2, 1, True, 2.5), (256, 8, 8, 4, True, 2.5),
+               (30, 4, 3, 2, False, 1.5)]
+
+
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: f"e{c[0]}-k{c[1]}-g{c[2]}of{c[3]}")
+def test_moe_route_matches_model_route(case):
+    e, k, n_group, topk_group, norm, scaling = case
+    g = gen(13)
+    t, h = (300, 256) if CUDA else (9, 16)  # on CUDA, several tokens a program
+    x, w = randn(t, h, g=g), randn(e, h, g=g, dtype=torch.float32)
+    bias = randn(e, g=g, dtype=torch.float32, scale=0.1)
+    args = (k, n_group, topk_group, norm, scaling)
+    # A strided view, as a slice of a wider GEMM output would be.
+    logits = torch.nn.functional.pad(torch.nn.functional.linear(x.float(), w), (0, 3))[:, :e]
+    weights, ids = moe_route(logits, bias, *args)
+    ref_weights, ref_ids = route(x, w, bias, *args)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+    ref_weights, ref_ids = moe_route_reference(logits, bias, *args)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_moe_route_ties_and_nan():
+    """Ties go to the lowest expert and group; a NaN ranks first, as in torch.topk."""
+    logits, bias = torch.zeros(3, 16, device=DEV), torch.zeros(16, device=DEV)
+    logits[1, 9] = float("nan")
+    logits[2, 12:] = 1.0  # group 3 wins; the other groups tie, the lowest is kept
+    weights, ids = moe_route(logits, bias, 5, 4, 2, False, 1.0)
+    assert ids.tolist() == [[0, 1, 2, 3, 4], [9, 0, 1, 2, 3], [12, 13, 14, 15, 0]]
+    assert torch.isnan(weights[1, 0]) and torch.all(weights[0] == 0.5)
+    weights, ids = moe_route(logits[:0], bias, 2, 1, 1, True, 1.0)
+    assert ids.shape == (0, 2) and weights.shape == (0, 2)
+
+
+def test_moe_route_rejects_bad_arguments():
+    logits, bias = torch.zeros(2, 16, device=DEV), torch.zeros(16, device=DEV)
+    with pytest.raises(ValueError, match="logits must be"):
+        moe_route(logits.to(BF16), bias, 2, 1, 1, True, 1.0)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        moe_route(logits, bias[:8], 2, 1, 1, True, 1.0)
+    with pytest.raises(ValueError, match="top_k must be"):
+        moe_route(logits, bias, 17, 1, 1, True, 1.0)
+    with pytest.raises(ValueError, match="equal groups"):
+        moe_route(logits, bias, 2, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match="exceeds"):
+        moe_route(logits, bias, 5, 4, 1, True, 1.0)
+    with pytest.raises(ValueError, match="unit-stride"):
+        moe_route(torch.zeros(16, 2, device=DEV).t(), bias, 2, 1, 1, True, 1.0)

@@ -322,6 +322,11 @@ def topk_row(b: Bench, name: str, x: torch.Tensor, k: int, cfg: dict, torch_us: 
     as_torch = torch.equal(idx.long(), torch.topk(x, k, dim=1).indices.sort(dim=1).values)
     b.checks[name] = same and as_torch
     us, us_eager = b.graph_us(run), b.eager_us(run)
+    split = ""
+    full = {**topk_mod.topk_config(rows), **cfg}
+    if full["ALGO"] == "select" and 2 * k <= full["CAND"]:  # where the time goes: the scan alone
+        scan_us = b.graph_us(lambda: topk_mod._scan(x, k, full))
+        split = f"; scan (histogram memset + scan kernel) {scan_us:.1f} us, select {us - scan_us:.1f} us"
     t_sorted, t_unsorted, base_eager = torch_us
     base_us = min(t_sorted, t_unsorted)
     nbytes = rows * n * 4 + rows * k * 8
@@ -332,7 +337,7 @@ def topk_row(b: Bench, name: str, x: torch.Tensor, k: int, cfg: dict, torch_us: 
           check=f"{'ok' if same and as_torch else 'FAIL'} exact={same} "
                 f"same_set_as_torch={as_torch}",
           note=f"{note}; eager speedup {base_eager / us_eager:.2f}x; "
-               f"torch sorted {t_sorted:.1f} us, unsorted {t_unsorted:.1f} us")
+               f"torch sorted {t_sorted:.1f} us, unsorted {t_unsorted:.1f} us{split}")
 
 
 def bench_topk(b: Bench, bw: float) -> None:
@@ -372,20 +377,21 @@ def decode_candidates(committed: dict, fp8: bool, smoke: bool) -> list[dict]:
     if fp8:
         tiles = [(64, 8, 3), (32, 8, 3), (16, 4, 3), (32, 4, 3), (64, 8, 4)]
     else:
-        tiles = [(16, 4, 3), (32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 4)]
+        tiles = [(16, 4, 3), (32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 4), (64, 4, 3), (32, 4, 4)]
     out = [committed]
     for bn, w, s in tiles:
-        for split in (256, 128, 512, 64):
-            cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s, "MIN_SPLIT": split}
-            if cfg != committed:
-                out.append(cfg)
+        for split in (64, 256, 512, 1024):
+            for waves in (1, 2, 4):
+                cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s, "MIN_SPLIT": split, "WAVES": waves}
+                if cfg != committed:
+                    out.append(cfg)
     # the loop as it was before page groups (a block-table entry per token), for comparison
     out.append({**committed, "num_stages": 2, "PAGED": False})
     return out
 
 
 def bench_decode(b: Bench, bw: float) -> None:
-    h, dl, dr, bs = (16, 512, 64, 64) if not b.smoke else (4, 32, 16, 4)
+    h, dl, dr, bs = (16, 512, 64, 16) if not b.smoke else (4, 32, 16, 4)  # bs: the runtime's pages
     batches = (1, 8, 32, 64, 128, 256) if not b.smoke else (1, 3)
     ctxs = (4096, 1024) if not b.smoke else (40,)
     sm_scale = 192 ** -0.5
@@ -404,15 +410,12 @@ def bench_decode(b: Bench, bw: float) -> None:
                 name = f"decode {'fp8' if fp8 else 'bf16'} batch {batch} ctx {ctx}"
                 try:
                     cache, scale = (cache8, scale8) if fp8 else (cache16, None)
-                    key = ("fp8" if fp8 else "bf16", batch)
-                    tune_here = ctx == max(ctxs)  # configs are keyed by batch: tune at 4K
-                    if tune_here:
-                        cands = decode_candidates(dec_mod.decode_config(cache.dtype, batch), fp8, b.smoke)
-                        cfg, _ = b.autotune(f"mla_decode.DECODE_CONFIGS[{key}]", cands,
-                                            lambda c: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale,
-                                                                         scale, max_seq_len=ctx, config=c))
-                    else:
-                        cfg = b.configs.get(f"mla_decode.DECODE_CONFIGS[{key}]")
+                    # keyed by batch and context bucket (the split that fills the GPU depends on both)
+                    key = ("fp8" if fp8 else "bf16", batch, ctx)
+                    cands = decode_candidates(dec_mod.decode_config(cache.dtype, batch, ctx), fp8, b.smoke)
+                    cfg, _ = b.autotune(f"mla_decode.DECODE_CONFIGS[{key}]", cands,
+                                        lambda c: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale,
+                                                                     scale, max_seq_len=ctx, config=c))
                     run = lambda: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale, scale,  # noqa: E731
                                                      max_seq_len=ctx, config=cfg)
                     check = ""
