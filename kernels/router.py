@@ -37,9 +37,7 @@ def _sigmoid(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def _first_at(x, top, idx, NONE: tl.constexpr, AXIS: tl.constexpr):
-    """The lowest index along AXIS where x equals its maximum `top` (NONE where nothing does).
-    A value-then-index pair of reductions: with tl.max(..., return_indices=True) instead, the
-    group-limited case gave wrong ids on the H200 (2026-11-29) though not in the interpreter."""
+    """The lowest index along AXIS where x equals its maximum `top` (NONE where nothing does)."""
     return tl.min(tl.where(x == tl.expand_dims(top, AXIS), idx, NONE), AXIS)
 
 
@@ -117,12 +115,13 @@ def moe_route_unsupported(num_experts: int, top_k: int, n_group: int, topk_group
 
 
 def _launch(t: int, block_e: int) -> tuple[int, int]:
-    """(tokens per program, warps). Untuned: one warp per row of up to 256 experts. The
-    interpreter runs programs one after another, so it gets many rows each."""
+    """(tokens per program, warps). Untuned: one token a program, one warp per 256 experts
+    (several tokens a program gave wrong group-limited ids on the H200, 2026-11-29, though
+    not in the interpreter). The interpreter runs programs one after another, so it gets
+    many rows each."""
     if INTERPRET:
         return min(next_pow2(t), 64), 1
-    block_t = 1 if t <= 256 else 4
-    return block_t, max(1, min(8, block_t * block_e // 256))
+    return 1, max(1, min(8, block_e // 256))
 
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,

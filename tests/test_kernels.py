@@ -346,7 +346,7 @@ ROUTE_CASES = [(64, 6, 1, 1, False, 1.0), (8, 2, 2, 1, True, 2.5), (256, 8, 8, 4
 def test_moe_route_matches_model_route(case):
     e, k, n_group, topk_group, norm, scaling = case
     g = gen(13)
-    t, h = (300, 256) if CUDA else (9, 16)  # on CUDA, several tokens a program
+    t, h = (300, 256) if CUDA else (9, 16)  # the interpreter: several tokens a program
     x, w = randn(t, h, g=g), randn(e, h, g=g, dtype=torch.float32)
     bias = randn(e, g=g, dtype=torch.float32, scale=0.1)
     args = (k, n_group, topk_group, norm, scaling)

@@ -140,14 +140,16 @@ class Bench:
             del g
 
     def autotune(self, name: str, candidates: list[dict], run) -> tuple[dict, list]:
-        """Time run(cfg) for each candidate (cold L2); the fastest wins. Candidates that fail
-        to compile (too much shared memory, say) are skipped; tuning stops at the deadline."""
+        """Time run(cfg) for each candidate as a CUDA-graph replay with a cold L2 (timed
+        eagerly, a short kernel measures the launcher's host time, not itself); the fastest
+        wins. Candidates that fail to compile or capture (too much shared memory, say) are
+        skipped; tuning stops at the deadline."""
         tried = []
         for cfg in candidates if self.tune else candidates[:1]:
             if tried and self.left() < 60:
                 break
             try:
-                tried.append((self.flushed_us(lambda: run(cfg), iters=10), cfg))
+                tried.append((self.graph_us(lambda: run(cfg), iters=10), cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
                 tried.append((math.inf, {**cfg, "error": repr(e)[:200]}))
         best = min(tried, key=lambda t: t[0])
