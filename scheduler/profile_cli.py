@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="v2-lite", help="preset name (tiny, v2-lite) or checkpoint directory")
     p.add_argument("--device", default="cuda", help="cuda or cpu")
     p.add_argument("--dtype", help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"),
+                   help="auto: the model's dtype; fp8: e4m3 entries with a float32 scale per token")
     p.add_argument("--out", required=True, help="profile file to write (JSON)")
     p.add_argument("--batches", type=_ints, default=[1, 8, 32, 64, 128, 256],
                    help="decode batch sizes, comma-separated")
@@ -79,7 +81,10 @@ def run_profile(args) -> int:
     extra = args.warmup + args.steps + 2
     max_len = max(max(args.contexts) + extra, max(pre_ctx) + max(args.chunks)) + BS
     cfg = _config(args.model)
-    per_token = cfg.num_hidden_layers * cfg.kv_cache_dim * {"float32": 4, "float64": 8}.get(dtype, 2)
+    if args.kv_cache_dtype == "fp8":
+        per_token = cfg.num_hidden_layers * (cfg.kv_cache_dim + 4)  # one byte a value, a float32 scale
+    else:
+        per_token = cfg.num_hidden_layers * cfg.kv_cache_dim * {"float32": 4, "float64": 8}.get(dtype, 2)
     max_blocks = int(args.kv_gb * 1e9 // (per_token * BS))
     need = max(_blocks(b, c + extra) for b in args.batches for c in args.contexts)
     need = max(need, _blocks(1, max_len))
@@ -89,11 +94,16 @@ def run_profile(args) -> int:
                          f"{max_len} tokens ({_blocks(1, max_len)} blocks)")
     print(f"loading {args.model} ({dtype}) on {args.device}: {blocks} KV blocks", flush=True)
     rt = TorchRuntime()
-    opts = {"init_on_device": args.device != "cpu", "capture_len": 0}
+    opts = {"init_on_device": args.device != "cpu", "capture_len": 0, "kv_cache_dtype": args.kv_cache_dtype}
     rt.load(RuntimeSpec(model=args.model, device=args.device, dtype=dtype, num_blocks=blocks, block_size=BS,
                         max_num_seqs=max(args.batches), max_model_len=max_len, seed=args.seed, options=opts))
     with torch.no_grad():  # finite, non-trivial cache contents (a zero cache is not slower, but be safe)
-        rt.kv_pool.normal_(0.0, 1.0)
+        if rt.kv_dtype is None:
+            rt.kv_pool.normal_(0.0, 1.0)
+        else:  # e4m3 codes below 0x70 (finite, under 128), every scale 1/448
+            rt.kv_pool.random_(0, 0x70)
+            for layer in rt.kv:
+                layer.scales.fill_(1 / 448)
     vocab = cfg.vocab_size
     timer = _timer(rt.device.type == "cuda")
     notes: list[str] = []
@@ -104,7 +114,7 @@ def run_profile(args) -> int:
     profile = {
         "model": Path(args.model).name if Path(args.model).is_dir() else args.model,
         "device": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else "cpu",
-        "dtype": dtype, "dep": 1,
+        "dtype": dtype, "kv_cache_dtype": args.kv_cache_dtype, "dep": 1,
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _commit(), "torch": torch.__version__, "block_size": BS,
         "decode": decode, "prefill": prefill,

@@ -58,6 +58,16 @@ def test_profile_command_writes_a_loadable_profile_on_cpu(tmp_path):
     assert json.loads(rep.read_text())["cost_profile"]["lookups"] > 0
 
 
+def test_profile_command_with_an_fp8_cache(tmp_path):
+    out = tmp_path / "tiny-fp8.json"
+    assert main(["profile", "--model", "tiny", "--device", "cpu", "--out", str(out), "--batches", "2",
+                 "--contexts", "24", "--chunks", "16", "--steps", "1", "--warmup", "0",
+                 "--kv-cache-dtype", "fp8"]) == 0
+    data = json.loads(out.read_text())
+    assert data["kv_cache_dtype"] == "fp8" and len(data["decode"]) == 1 and len(data["prefill"]) == 1
+    assert load_profile(out, "test").model == "tiny"
+
+
 def test_grid_interpolates_in_log_batch_and_context():
     g = Grid.from_points(DECODE)
     assert g.at(64, 1024) == (0.012, False)
