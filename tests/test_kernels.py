@@ -388,3 +388,38 @@ def test_moe_route_rejects_bad_arguments():
         moe_route(logits, bias, 5, 4, 1, True, 1.0)
     with pytest.raises(ValueError, match="unit-stride"):
         moe_route(torch.zeros(16, 2, device=DEV).t(), bias, 2, 1, 1, True, 1.0)
+
+
+# -- dense decode projections ---------------------------------------------------------------------
+
+from lockstep.kernels.dense import dense_config, linear  # noqa: E402
+
+DENSE_TILES = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+               {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("tile", range(len(DENSE_TILES)))
+def test_dense_linear_matches_torch(rows, tile):
+    g = gen(17)
+    n, k = (300, 200) if not CUDA else (3648, 2048)  # N, K off the tiles' multiples on the CPU
+    x, w = randn(rows, k, g=g), randn(n, k, g=g, scale=0.05)
+    out = linear(x, w, config=DENSE_TILES[tile])
+    assert out.shape == (rows, n) and out.dtype == x.dtype
+    close(out, x.float() @ w.float().T)
+
+
+def test_dense_linear_falls_back_to_cublas():
+    x, w = randn(3, 64, g=gen(18)), randn(40, 64, g=gen(19))
+    assert dense_config(40, 64, 3) is None  # not in the table: F.linear
+    assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
+    assert torch.equal(linear(x, w, config={"BACKEND": "cublas"}), torch.nn.functional.linear(x, w))
+    assert dense_config(40, 64, 300) is None  # past the decode sizes
+
+
+def test_dense_linear_rejects_bad_arguments():
+    x, w = randn(3, 64, g=gen(18)), randn(40, 64, g=gen(19))
+    with pytest.raises(ValueError, match="w"):
+        linear(x, w[:, :32], config=DENSE_TILES[0])
+    with pytest.raises(ValueError, match="w"):
+        linear(x, w.float(), config=DENSE_TILES[0])

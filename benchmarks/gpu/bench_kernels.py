@@ -45,6 +45,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import emit  # noqa: E402
 
+from lockstep.kernels import dense as dense_mod  # noqa: E402
 from lockstep.kernels import fused_moe as moe_mod  # noqa: E402
 from lockstep.kernels import mla_decode as dec_mod  # noqa: E402
 from lockstep.kernels import topk as topk_mod  # noqa: E402
@@ -444,6 +445,55 @@ def bench_decode(b: Bench, bw: float) -> None:
         torch.cuda.empty_cache() if not b.smoke else None
 
 
+# -- 4b. dense decode projections ------------------------------------------------------------
+
+# v2-lite's projections (N, K): q and kv_a fused, o_proj, the shared experts' gate_up and down,
+# the dense first layer's gate_up and down, the LM head.
+DENSE_SHAPES = ((3648, 2048), (2048, 2048), (2816, 2048), (2048, 2816), (21888, 2048), (2048, 10944),
+                (102400, 2048))
+
+
+def dense_candidates(rows: int, smoke: bool) -> list[dict]:
+    """cuBLAS first (the table's default), then tiles of the Triton kernel."""
+    out = [{"BACKEND": "cublas"}]
+    if smoke:
+        return out + [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}]
+    bms = [min(64, max(16, 1 << (rows - 1).bit_length()))] + ([128] if rows >= 128 else [])
+    for bm in bms:
+        for bn in (16, 32, 64, 128):
+            for bk in (128, 256):
+                for stages in (3, 4):
+                    out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": stages})
+    return out
+
+
+def bench_dense(b: Bench, bw: float) -> None:
+    """Each (shape, row bucket): cuBLAS and the Triton tiles, the faster one goes in the table."""
+    shapes = DENSE_SHAPES if not b.smoke else ((40, 64),)
+    buckets = dense_mod.ROW_BUCKETS if not b.smoke else (1, 8)
+    g = torch.Generator(device=b.dev).manual_seed(5)
+    for n, k in shapes:
+        w = (torch.randn(n, k, generator=g, device=b.dev) * 0.02).to(torch.bfloat16)
+        for rows in buckets:
+            name = f"dense N={n} K={k} rows={rows}"
+            try:
+                x = torch.randn(rows, k, generator=g, device=b.dev).to(torch.bfloat16)
+                cfg, tried = b.autotune(f"dense.DENSE_CONFIGS[{(n, k, rows)}]", dense_candidates(rows, b.smoke),
+                                        lambda c: dense_mod.linear(x, w, config=c))
+                base = lambda: F.linear(x, w)  # noqa: E731
+                run = lambda: dense_mod.linear(x, w, config=cfg)  # noqa: E731
+                check = b.check(name, run(), x.float() @ w.float().T)
+                nbytes = 2 * (n * k + rows * k + rows * n)
+                us, base_us = b.graph_us(run), b.graph_us(base)
+                roof_us = 1e6 * nbytes / bw
+                b.row("dense", name, us=us, baseline="cuBLAS (F.linear)", baseline_us=base_us,
+                      speedup=base_us / us, bytes_mb=nbytes / 1e6, frac_roofline=roof_us / us,
+                      baseline_frac=roof_us / base_us, check=check, note=f"config {cfg}")
+            except Exception:  # noqa: BLE001
+                b.errors[name] = traceback.format_exc()[-1500:]
+                print(b.errors[name], flush=True)
+
+
 # -- 5. KV store and MLA prefill -------------------------------------------------------------
 
 def bench_kv_store(b: Bench, bw: float) -> None:
@@ -557,7 +607,7 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="time the committed/default configs only")
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
-    ap.add_argument("--only", default="", help="comma-separated sections: moe,topk,decode,kv,prefill")
+    ap.add_argument("--only", default="", help="comma-separated sections: moe,topk,decode,dense,kv,prefill")
     args = ap.parse_args()
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
@@ -572,7 +622,8 @@ def main() -> None:
         b.errors["copy"] = traceback.format_exc()[-1500:]
         bw = 4.19e12
     for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("topk", lambda: bench_topk(b, bw)),
-                    ("decode", lambda: bench_decode(b, bw)), ("kv", lambda: bench_kv_store(b, bw)),
+                    ("decode", lambda: bench_decode(b, bw)), ("dense", lambda: bench_dense(b, bw)),
+                    ("kv", lambda: bench_kv_store(b, bw)),
                     ("prefill", lambda: bench_prefill(b))):
         if only and sec not in only:
             continue

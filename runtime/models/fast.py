@@ -281,12 +281,14 @@ def _stored_entries(cache, slots: torch.Tensor, dl: int, dtype) -> tuple[torch.T
 class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
+        from lockstep.kernels.dense import linear
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
         from lockstep.kernels.kv_store import kv_store
         from lockstep.kernels.mla_decode import mla_decode
         from lockstep.kernels.mla_prefill import mla_prefill
 
         self._kv_store, self._mla_decode = kv_store, mla_decode
+        self._linear = linear  # the decode projections: tuned Triton tiles or cuBLAS, per shape
         self._mla_prefill, self._fused_moe = mla_prefill, fused_moe_kernel
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the fast path runs bfloat16 or float16 models (the kernels' dtypes), not {model.dtype}")
@@ -330,18 +332,18 @@ class FastDeepseek:
             x, h = ops.add_norm(x, self._attention(h, lw, i, inp, step), lw.post_norm, eps)
             nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.model.norm.weight
             if lw.moe is None:
-                down = F.linear(ops.silu_mul(F.linear(h, lw.gate_up)), lw.down)
+                down = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
                 x, h = ops.add_norm(x, down, nxt, eps)
                 continue
             routed = self._routed(h, lw, step, chosen)
             if lw.gate_up is None:
                 x, h = ops.add_norm(x, routed, nxt, eps)
             else:
-                shared = F.linear(ops.silu_mul(F.linear(h, lw.gate_up)), lw.down)
+                shared = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
                 x, h = ops.add2_norm(x, routed, shared, nxt, eps)
         if inp.sample_index is not None:
             h = h[inp.sample_index]
-        logits = F.linear(h, self.model.lm_head.weight).float()
+        logits = self._linear(h, self.model.lm_head.weight).float()
         return logits, self._counts(chosen, len(inp.input_ids), x.device)
 
     # -- attention ------------------------------------------------------------------------------
@@ -349,7 +351,7 @@ class FastDeepseek:
         cfg, plan = self.cfg, inp.plan
         t, heads = h.shape[0], cfg.num_attention_heads
         dn, dr, dl, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
-        f = F.linear(h, lw.w_in)
+        f = self._linear(h, lw.w_in)
         if lw.q_b is None:
             split = heads * (dn + dr)
             q = f[:, :split].view(t, heads, dn + dr)
@@ -361,7 +363,8 @@ class FastDeepseek:
         cache = step.caches[i]
         self._kv_store(cache[0], latent, k_pe, inp.slot_mapping, cache[1])
         if not plan.n_pf:
-            return F.linear(self._decode(q[..., :dn], q_pe, lw, cache, plan, step).view(t, heads * dv), lw.o_proj)
+            return self._linear(self._decode(q[..., :dn], q_pe, lw, cache, plan, step).view(t, heads * dv),
+                                lw.o_proj)
         if not plan.n_dec:
             return F.linear(self._prefill(q[..., :dn], q_pe, latent, k_pe, inp.slot_mapping, lw, cache, plan,
                                           step).reshape(t, -1), lw.o_proj)
@@ -370,7 +373,7 @@ class FastDeepseek:
         out.index_copy_(0, d, self._decode(q[d, :, :dn], q_pe[d], lw, cache, plan, step))
         out.index_copy_(0, p, self._prefill(q[p, :, :dn], q_pe[p], latent[p], k_pe[p], inp.slot_mapping[p], lw,
                                             cache, plan, step))
-        return F.linear(out.view(t, -1), lw.o_proj)
+        return self._linear(out.view(t, -1), lw.o_proj)
 
     def _decode(self, q_nope, q_pe, lw: LayerWeights, cache, plan: AttnPlan, step: _Step) -> torch.Tensor:
         """Absorbed MLA: (T, H, dv) values for tokens attending per token. ``cache``: this

@@ -1,0 +1,89 @@
+"""The dense projections of a decode step, y = x @ W^T for a few rows x [M, K] (M <= 256).
+
+At decode sizes a projection reads its whole weight for a handful of rows, so its bound is
+the weight's bytes. cuBLAS's kernels for these shapes (M = 1–256, N and K of a few
+thousand) read v2-lite's projections at 30–55% of the H200's copy bandwidth
+(benchmarks/gpu/profile_decode.py, 2026-11-29): few, large tiles leave SMs idle. Here each
+program owns BLOCK_N rows of W and streams them once for BLOCK_M rows of x; the programs of
+one weight tile are adjacent in the grid (M fastest), so a tile read twice comes from L2.
+
+Which one runs is a table: DENSE_CONFIGS maps (N, K, row bucket) to a tile config, or to
+{"BACKEND": "cublas"} where cuBLAS was faster in the tuning run; shapes not in it go to
+cuBLAS (F.linear). bf16/fp16 operands, float32 accumulation, output in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._util import DOT, check, check_shape
+
+ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256)
+MAX_ROWS = 256  # above this a projection is a real GEMM: cuBLAS
+
+# Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (N, K, row bucket) -> config.
+DENSE_CONFIGS: dict[tuple, dict] = {
+}
+
+
+def dense_config(n: int, k: int, rows: int) -> dict | None:
+    """The tuned config for y [rows, n] = x @ W [n, k]^T, or None: cuBLAS."""
+    if rows > MAX_ROWS:
+        return None
+    bucket = min(b for b in ROW_BUCKETS if b >= rows)
+    cfg = DENSE_CONFIGS.get((n, k, bucket))
+    if cfg is None or cfg.get("BACKEND") == "cublas":
+        return None
+    return cfg
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile serves every batch
+def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mm, nm = offs_m < M, offs_n < N
+    a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * s_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mm[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=nm[:, None], other=0.0)
+        else:
+            km = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=mm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=nm[:, None] & km[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT), tl.trans(w.to(DOT)), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dst = y_ptr + offs_m[:, None].to(tl.int64) * s_ym + offs_n[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+    """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype: the tuned kernel where the table (or
+    ``config``) names one, else F.linear."""
+    cfg = config if config is not None else dense_config(w.shape[0], w.shape[1], x.shape[0])
+    if cfg is None or cfg.get("BACKEND") == "cublas":
+        return F.linear(x, w)
+    check(x, "x", dims=2, dtypes=(torch.bfloat16, torch.float16))
+    check(w, "w", dims=2, dtypes=(x.dtype,), device=x.device)
+    m, k = x.shape
+    n = w.shape[0]
+    check_shape(w, "w", (n, k))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    _linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y
