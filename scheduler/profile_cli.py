@@ -205,6 +205,8 @@ def _measure_decode(rt, args, timer, blocks: int, deadline: float, notes: list[s
 
 def _measure_prefill(rt, args, timer, vocab: int, contexts: list[int], blocks: int, deadline: float,
                      notes: list[str]) -> list[list[float]]:
+    import torch
+
     from lockstep.runtime.base import NewRequests
 
     rng = np.random.default_rng(args.seed)
@@ -218,16 +220,29 @@ def _measure_prefill(rt, args, timer, vocab: int, contexts: list[int], blocks: i
             tokens = rng.integers(3, vocab, t_new).astype(np.int32)
             rt.add_requests(NewRequests([req], [0.0], [1.0], [-1], [-1]))
             times = []
-            for i in range(args.warmup + args.steps):  # the same chunk again: it rewrites the same KV slots
-                plan = _chunk_plan(i, req, ctx, tokens, table)
-                t = timer(lambda: rt.execute(plan))
-                if i >= args.warmup:
-                    times.append(t)
-            rt.forget([req])
-            req += 1
+            try:
+                for i in range(args.warmup + args.steps):  # the same chunk again: it rewrites the same KV slots
+                    plan = _chunk_plan(i, req, ctx, tokens, table)
+                    t = timer(lambda: rt.execute(plan))
+                    if i >= args.warmup:
+                        times.append(t)
+            except (MemoryError, torch.cuda.OutOfMemoryError) as e:  # noted; the other cells go on
+                notes.append(f"prefill chunk {t_new} on prefix {ctx}: out of memory ({str(e)[:120]})")
+                _release_memory()
+                continue
+            finally:
+                rt.forget([req])
+                req += 1
             points.append([t_new, ctx, statistics.median(times)])
             print(f"prefill chunk {t_new:5d} prefix {ctx:6d}: {points[-1][2] * 1e3:8.3f} ms", flush=True)
     return points
+
+
+def _release_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _decode_plan(step_id: int, req_ids: np.ndarray, pos: int, tables: np.ndarray | None):
