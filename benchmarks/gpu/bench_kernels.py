@@ -447,10 +447,10 @@ def bench_decode(b: Bench, bw: float) -> None:
 
 # -- 4b. dense decode projections ------------------------------------------------------------
 
-# v2-lite's projections (N, K): q and kv_a fused, o_proj, the shared experts' gate_up and down,
-# the dense first layer's gate_up and down, the LM head.
-DENSE_SHAPES = ((3648, 2048), (2048, 2048), (2816, 2048), (2048, 2816), (21888, 2048), (2048, 10944),
-                (102400, 2048))
+# v2-lite's projections (N, K), those of every layer first: q and kv_a fused, o_proj, the
+# shared experts' gate_up and down; then the LM head and the dense first layer's gate_up and down.
+DENSE_SHAPES = ((3648, 2048), (2048, 2048), (2816, 2048), (2048, 2816), (102400, 2048), (21888, 2048),
+                (2048, 10944))
 
 
 def dense_candidates(rows: int, smoke: bool) -> list[dict]:
