@@ -35,9 +35,11 @@ def add_parser(sub) -> None:
                    help="HOST:PORT,... one per node: where the nodes' per-step all-reduce links listen")
     s.add_argument("--dist-init", default="",
                    help="tcp://HOST:PORT shared by every node: the runtimes' torch.distributed rendezvous")
-    s.add_argument("--node-link", choices=["auto", "tcp", "shm"], default="auto",
-                   help="how the nodes all-reduce: shared memory (every node on this host), TCP, or auto "
-                        "(shm when the node addresses all name one host: all loopback, or all the same)")
+    s.add_argument("--node-link", choices=["auto", "tcp", "shm", "mixed"], default="auto",
+                   help="how the nodes all-reduce: shared memory (every node on this host), TCP, mixed "
+                        "(shared memory within each host, TCP between hosts), or auto (shm when the node "
+                        "addresses all name one host: all loopback, or all the same; mixed when some host "
+                        "has several nodes; else tcp)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")

@@ -561,3 +561,56 @@ async def test_shm_rendezvous_a_killed_process_is_named(idle):
         proc.wait(GUARD_S)
         proc.stdout.close()
     assert open_fds() == fds_before
+
+
+# -- both links in one group: shared memory within each host, TCP between hosts ------------------
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("layout", [(1, 2), (2, 1), (3, 2), (2, 2, 1)], ids=str)
+async def test_mixed_gives_every_node_the_exact_result_and_names_a_leaver(layout):
+    """Hosts 127.0.0.1, .2, .3 (all loopback here) with ``layout`` nodes each: sums and maxes
+    of random int64s, extremes included, equal the reference on every node; then a node that
+    leaves is named by every other node, on its host and on the others."""
+    from lockstep.transports.collective_mixed import MixedCollective
+
+    fds_before = open_fds()
+    hosts = [f"127.0.0.{h + 1}" for h, count in enumerate(layout) for _ in range(count)]
+    addresses = [(h, free_port(h)) for h in hosts]
+    n = len(addresses)
+    rng = np.random.default_rng(len(hosts))
+    with trio.fail_after(GUARD_S):
+        colls = [None] * n
+
+        async def join(node):
+            colls[node] = await MixedCollective.connect(node, addresses)
+
+        async with trio.open_nursery() as nursery:
+            for node in range(n):
+                nursery.start_soon(join, node)
+        cases = [([rng.integers(-(2**62), 2**62, 5) for _ in range(n)], op) for op in ("sum", "max", "sum")]
+        cases.append(([np.array([np.iinfo(np.int64).min, 2**63 - 1], np.int64)] * n, "max"))
+
+        async def run(coll, node):
+            return [await coll.allreduce_async(inputs[node].astype(np.int64), op) for inputs, op in cases]
+
+        outs = await all_ranks(colls, run)
+        for node_out in outs:
+            for got, (inputs, op) in zip(node_out, cases):
+                assert (got == reference([i.astype(np.int64) for i in inputs], op)).all()
+        gone = n - 1
+        colls[gone].leave()
+
+        async def after(coll, node):
+            if node != gone:
+                return await coll.allreduce_async(np.array([node], np.int64), "sum")
+
+        outs = await all_ranks(colls, after)
+    for node in range(n - 1):
+        assert isinstance(outs[node], RankFailed) and outs[node].rank == gone, (node, outs[node])
+    for c in colls:
+        c.close()
+    assert open_fds() == fds_before

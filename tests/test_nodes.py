@@ -143,9 +143,10 @@ def test_auto_takes_shared_memory_only_when_every_node_is_on_one_host():
     assert choose_link("auto", [("node-a", 1), ("node-a", 2)]) == "shm"
     assert choose_link("auto", [("10.0.0.5", 1), ("10.0.0.6", 2)]) == "tcp"
     assert choose_link("auto", [("127.0.0.1", 1), ("10.0.0.6", 2)]) == "tcp"
+    assert choose_link("auto", [("node-a", 1), ("node-a", 2), ("node-b", 3)]) == "mixed"
     assert choose_link("tcp", [("127.0.0.1", 1), ("127.0.0.1", 2)]) == "tcp"
     assert choose_link("shm", [("a", 1), ("b", 2)]) == "shm"  # the operator knows best
-    with pytest.raises(ConfigError, match="engine.node_link must be 'auto', 'tcp' or 'shm'.*'udp'"):
+    with pytest.raises(ConfigError, match="engine.node_link must be 'auto', 'tcp', 'shm' or 'mixed'.*'udp'"):
         EngineConfig(node_link="udp")
 
 
@@ -289,4 +290,110 @@ async def test_a_purely_local_failure_stops_the_peers_too(link):
             await groups[0].cancel_on_failure(nursery.cancel_scope)
     assert str(groups[0].failure) == "runtime of rank 0 died"
     assert isinstance(groups[1].failure, InstanceLost) and "node(s) [0] gone" in str(groups[1].failure)
+    assert open_fds() == fds_before
+
+
+# -- both links in one instance: shared memory within each host, TCP between hosts ------------------
+# Two "hosts" on this machine: 127.0.0.1 and 127.0.0.2 (Linux routes all of 127/8 to loopback).
+def two_hosts(ports: list[int]) -> list[tuple[str, int]]:
+    return [("127.0.0.1" if i < len(ports) // 2 else "127.0.0.2", p) for i, p in enumerate(ports)]
+
+
+async def test_mixed_link_agrees_wakes_and_releases_everything():
+    """Four nodes, two per host: every round's result is the max over all four, whichever
+    node starts it; a node idling on another host is woken by the round (over TCP to its
+    host's first node, then shared memory); everything is released after."""
+    fds_before = open_fds()
+    addresses = two_hosts(free_ports(4))
+    groups = [NodeGroup(1, i, addresses, "tcp://127.0.0.1:1", link="mixed") for i in range(4)]
+    assert choose_link("auto", addresses) == "shm"  # all loopback: one machine
+    rng = np.random.default_rng(3)
+    with trio.fail_after(GUARD_S):
+        async with trio.open_nursery() as nursery:
+            await start_groups(nursery, groups)
+            # Nodes that idle until a round wakes them; (2, 3): the whole second host, which
+            # only the TCP message to its first node can reach.
+            for idle in ((), (3,), (1,), (2,), (2, 3)):
+                values = rng.integers(-1000, 1000, (4, 3))
+                outs = [None] * 4
+                seen = [g.wake_gen for g in groups]
+
+                async def one(i):
+                    if i in idle:
+                        await groups[i].wait_woken(seen[i])
+                    outs[i] = await groups[i].allreduce(0, values[i].astype(np.int64))
+
+                async with trio.open_nursery() as nodes:
+                    for i in range(4):
+                        nodes.start_soon(one, i)
+                assert all(o.tolist() == values.max(0).tolist() for o in outs)
+            assert all(g.link.inter is not None for g in (groups[0], groups[2]))
+            assert groups[1].link.inter is None and groups[3].link.inter is None
+            nursery.cancel_scope.cancel()
+    assert open_fds() == fds_before
+
+
+NODE_OF_MANY = """
+import json, sys
+import numpy as np, trio
+from lockstep.engine.node_group import NodeGroup
+
+addresses, link, node = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+
+async def main():
+    group = NodeGroup(1, node, [tuple(a) for a in addresses], "tcp://127.0.0.1:1", link=link)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(group.run)
+        await group.allreduce(0, np.array([1], np.int64))
+        print("ready", flush=True)
+        await trio.sleep_forever()  # killed here
+
+trio.run(main)
+"""
+
+
+@pytest.mark.parametrize("dead", [3, 2], ids=["second-node-of-a-host", "first-node-of-a-host"])
+async def test_mixed_link_names_a_dead_node_on_another_host(dead):
+    """Node ``dead`` (on the second host) runs in its own process and is SIGKILLed. Every
+    other node, on both hosts, fails with ``InstanceLost`` naming it: a death seen on one
+    link is passed on over the other, not reported as the messenger's."""
+    fds_before = open_fds()
+    addresses = two_hosts(free_ports(4))
+    proc = subprocess.Popen([sys.executable, "-c", NODE_OF_MANY, json.dumps(addresses), "mixed", str(dead)],
+                            stdout=subprocess.PIPE, text=True)
+    alive = [i for i in range(4) if i != dead]
+    groups = {i: NodeGroup(1, i, addresses, "tcp://127.0.0.1:1", link="mixed") for i in alive}
+    try:
+        with trio.fail_after(GUARD_S):
+            async with trio.open_nursery() as nursery:
+                async with trio.open_nursery() as starting:
+                    for g in groups.values():
+                        starting.start_soon(nursery.start, g.run)
+                async with trio.open_nursery() as first:
+                    for g in groups.values():
+                        first.start_soon(g.allreduce, 0, np.array([0], np.int64))
+                line = ""
+                while line != "ready\n":
+                    line = await trio.to_thread.run_sync(proc.stdout.readline)
+                    assert line, "the node process exited before its first round"
+                proc.kill()
+                proc.wait()
+
+                async def doomed(g):
+                    async with trio.open_nursery() as ranks:
+                        ranks.start_soon(g.cancel_on_failure, ranks.cancel_scope)
+                        await g.allreduce(0, np.array([0], np.int64))
+                        raise AssertionError("a round with a dead node completed")
+
+                async with trio.open_nursery() as rounds:
+                    for g in groups.values():
+                        rounds.start_soon(doomed, g)
+                nursery.cancel_scope.cancel()
+        for i, g in groups.items():
+            assert isinstance(g.failure, InstanceLost), (i, g.failure)
+            assert f"node(s) [{dead}] gone" in str(g.failure), (i, str(g.failure))
+    finally:
+        proc.kill()
+        proc.wait(GUARD_S)
+        proc.stdout.close()
     assert open_fds() == fds_before

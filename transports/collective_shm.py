@@ -15,6 +15,11 @@ into the segment's ``failed`` word and every eventfd, so the ranks waiting on li
 fail too. Counters are read and written as aligned native u64s (one load or store each).
 Store order is x86's (as in ``shm_ring``).
 
+Errors name ranks by ``names`` (default: their ranks here; the segment's ``failed`` word
+holds a name), so a group that is part of a larger one (one host's nodes in
+``collective_mixed``) names the larger group's ranks, and ``notify_failed`` passes on a
+death seen elsewhere.
+
 An idle rank that must join a round a peer began (a DEP node parked on its mailbox) watches
 with ``wait_posted``. Every rank is reached by the schedule's own messages except an extra
 rank of a non-power-of-two group, whose partner only waits for it: so the partner first
@@ -181,12 +186,16 @@ class ShmCollective:
     """Rank ``rank`` of a shared-memory group. ``allreduce`` blocks (spin, yield, sleep);
     ``allreduce_async`` waits the same way without blocking the trio loop. ``spin_s``
     defaults to 50 us, or 0 when the group has more ranks than this process may use cores.
-    ``timeout_s`` (off by default) turns a peer silent that long into ``CollectiveTimeout``."""
+    ``timeout_s`` (off by default) turns a peer silent that long into ``CollectiveTimeout``.
+    ``names``: what errors call each rank (default: its rank)."""
 
     def __init__(self, group: ShmGroup, rank: int, *, spin_s: float | None = None, yield_s: float = 1e-3,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, names=None):
         lay = self._lay = group.layout
         self.rank, self.size, self.max_values = rank, lay.size, lay.max_values
+        self.names = list(range(lay.size)) if names is None else [int(n) for n in names]
+        if len(self.names) != lay.size:
+            raise ValueError(f"{len(self.names)} names for a group of {lay.size} ranks")
         self._stride = lay.slot_words  # parity 1's mailbox is this far from parity 0's
         self._plan = [_Leg(s, lay.slot(rank, s.round), lay.slot(s.peer, s.round), lay.sleeping(s.peer))
                       for s in schedule(rank, lay.size)]
@@ -401,7 +410,7 @@ class ShmCollective:
         """Ranks that left the group or died (empty once this rank closed its link)."""
         if self._map is None:
             return []
-        return self._down(r for r in range(self.size) if r != self.rank)
+        return [self.names[r] for r in self._down(r for r in range(self.size) if r != self.rank)]
 
     def _drain(self) -> None:
         try:
@@ -417,16 +426,16 @@ class ShmCollective:
             raise self._failed
         q = self._q
         failed = q[_FAILED_W]
-        if failed and failed - 1 != self.rank:
+        if failed and failed - 1 != self.names[self.rank]:
             self._fail(RankFailed(failed - 1, "failed (noticed by another rank)"), post=False)
         dead = q[self._lay.gone(peer)] and "closed its all-reduce link"
         pidfd = self._pidfd(peer)
         if not dead and pidfd is not None and select.select([pidfd], [], [], 0)[0]:
             dead = "died"
         if dead and q[idx] != call:
-            self._fail(RankFailed(peer, dead), post=True)
+            self._fail(RankFailed(self.names[peer], dead), post=True)
         if self.timeout_s is not None and waited > self.timeout_s and q[idx] != call:
-            self._fail(CollectiveTimeout(peer, self.timeout_s), post=False)
+            self._fail(CollectiveTimeout(self.names[peer], self.timeout_s), post=False)
 
     def _pidfd(self, peer: int) -> int | None:
         """The peer's pidfd, once its pid is known (None while it is still starting)."""
@@ -453,6 +462,16 @@ class ShmCollective:
                 self._q[_FAILED_W] = err.rank + 1
             self._wake_all()
         raise err
+
+    def notify_failed(self, err: RankFailed) -> None:
+        """A death seen elsewhere (``err.rank`` by name): poison this link and tell the other
+        ranks, as a death seen here would; every later call raises ``err``."""
+        if self._map is None or self._failed is not None:
+            return
+        self._failed = err
+        if not self._q[_FAILED_W]:
+            self._q[_FAILED_W] = err.rank + 1
+        self._wake_all()
 
     def _wake_all(self) -> None:
         for fd in self._efds:

@@ -7,7 +7,9 @@ partner), the higher rank dialling the lower one. Frames are length-prefixed:
   payload the int64 values (little-endian), or nothing
 A ``FAILED`` frame carries a dead rank in its call field: a rank that sees a peer fail tells
 its other peers before it closes, so every survivor's ``RankFailed`` names the rank that
-died, not the messenger. A killed process's kernel closes its sockets, so the peer sees EOF
+died, not the messenger. Errors name ranks by ``names`` (default: their ranks here), so a
+group that is part of a larger one (the host leaders of ``collective_mixed``) names the
+larger group's ranks, and ``notify_failed`` passes on a death seen elsewhere. A killed process's kernel closes its sockets, so the peer sees EOF
 at once; keepalive probes (about 4 s) catch a host that vanished without a FIN. A slow peer
 is not a failure: its kernel answers the probes.
 
@@ -42,15 +44,16 @@ class _Reader:
 
     def __init__(self, stream: trio.SocketStream, peer: int):
         self.stream, self.peer, self._buf = stream, peer, bytearray()
+        self.name = peer  # the rank errors name (the group's ``names``)
 
     async def read(self, n: int) -> bytes:
         while len(self._buf) < n:
             try:
                 data = await self.stream.receive_some(65536)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                raise RankFailed(self.peer, f"broke its connection ({e})") from e
+                raise RankFailed(self.name, f"broke its connection ({e})") from e
             if not data:
-                raise RankFailed(self.peer, "closed its connection")
+                raise RankFailed(self.name, "closed its connection")
             self._buf += data
         out = bytes(self._buf[:n])
         del self._buf[:n]
@@ -60,10 +63,16 @@ class _Reader:
 class TcpCollective:
     """Rank ``rank`` of a TCP group; make it with ``connect``. Async only: every wait is a
     socket read. ``timeout_s`` (off by default) turns a peer silent that long into
-    ``CollectiveTimeout``."""
+    ``CollectiveTimeout``. ``names``: what errors call each rank (default: its rank)."""
 
-    def __init__(self, rank: int, size: int, readers: dict[int, _Reader], *, timeout_s: float | None = None):
+    def __init__(self, rank: int, size: int, readers: dict[int, _Reader], *, timeout_s: float | None = None,
+                 names: Sequence[int] | None = None):
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.names = list(range(size)) if names is None else [int(n) for n in names]
+        if len(self.names) != size:
+            raise ValueError(f"{len(self.names)} names for a group of {size} ranks")
+        for p, reader in readers.items():
+            reader.name = self.names[p]
         self._plan = schedule(rank, size)
         first = self._plan[0] if self._plan else None  # a fold partner waits first: nudge it
         self._nudge = first.peer if first is not None and not first.send else None
@@ -74,7 +83,7 @@ class TcpCollective:
     @classmethod
     async def connect(cls, rank: int, size: int, addresses: Sequence[tuple[str, int]],
                       listener: trio.SocketListener | None = None, *, timeout_s: float | None = None,
-                      connect_timeout_s: float = 60.0) -> TcpCollective:
+                      connect_timeout_s: float = 60.0, names: Sequence[int] | None = None) -> TcpCollective:
         """Dial the lower-ranked peers at ``addresses[peer]`` (retrying while they start)
         and accept the higher-ranked ones on ``listener`` (a rank with no higher peer,
         such as the highest, needs none)."""
@@ -95,11 +104,11 @@ class TcpCollective:
         except trio.TooSlowError:
             missing = min(mine - set(readers))
             _close_all(readers)
-            raise CollectiveTimeout(missing, connect_timeout_s) from None
+            raise CollectiveTimeout(missing if names is None else names[missing], connect_timeout_s) from None
         except BaseException:
             _close_all(readers)
             raise
-        return cls(rank, size, readers, timeout_s=timeout_s)
+        return cls(rank, size, readers, timeout_s=timeout_s, names=names)
 
     async def allreduce_async(self, values: np.ndarray, op: Op) -> np.ndarray:
         if self._failed is not None:
@@ -129,7 +138,7 @@ class TcpCollective:
         try:
             await self._readers[peer].stream.send_all(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            raise RankFailed(peer, f"broke its connection ({e})") from e
+            raise RankFailed(self.names[peer], f"broke its connection ({e})") from e
 
     async def _recv(self, s: Step, op: Op, n: int) -> np.ndarray:
         reader = self._readers[s.peer]
@@ -138,16 +147,22 @@ class TcpCollective:
             while kind == _NUDGE:  # the partner woke us for this call; its values come next
                 length, call, rnd, kind, got_op = _FRAME.unpack(await reader.read(_FRAME.size))
             if kind == _FAILED:
-                raise RankFailed(call, f"failed (rank {s.peer} saw it)")
+                raise RankFailed(call, f"failed (rank {self.names[s.peer]} saw it)")
             if (call, rnd, got_op, length) != (self._calls, s.round, OPS.index(op), 8 * n):
                 raise ValueError(
-                    f"rank {s.peer} sent call {call} round {rnd} with {length // 8} values and "
-                    f"{OPS[got_op]!r}; rank {self.rank} expected call {self._calls} round {s.round} "
+                    f"rank {self.names[s.peer]} sent call {call} round {rnd} with {length // 8} values and "
+                    f"{OPS[got_op]!r}; rank {self.names[self.rank]} expected call {self._calls} round {s.round} "
                     f"with {n} and {op!r}: every rank must make the same calls")
             payload = await reader.read(length)
         if scope.cancelled_caught:
-            raise CollectiveTimeout(s.peer, self.timeout_s)
+            raise CollectiveTimeout(self.names[s.peer], self.timeout_s)
         return np.frombuffer(payload, _LE_I64).astype(np.int64, copy=False)
+
+    async def notify_failed(self, err: RankFailed) -> None:
+        """A death seen elsewhere (``err.rank`` by name): tell the peers, then drop the links;
+        every later call raises ``err``."""
+        if self._readers is not None and self._failed is None:
+            await self._fail(err)
 
     async def _fail(self, err: RankFailed) -> None:
         """Tell every other peer who failed (best effort, briefly), then drop all links."""
@@ -155,7 +170,7 @@ class TcpCollective:
         notice = _frame(err.rank, 0, _FAILED, "sum", np.zeros(0, np.int64))
         with trio.move_on_after(0.5):
             for p, reader in self._readers.items():
-                if p != err.rank:
+                if self.names[p] != err.rank:
                     try:
                         await reader.stream.send_all(notice)
                     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -187,11 +202,11 @@ class TcpCollective:
             try:  # trio's socket reads only async: peek through a plain duplicate
                 with socket.fromfd(r.stream.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
                     if dup.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                        out.append(peer)
+                        out.append(self.names[peer])
             except BlockingIOError:
                 pass
             except OSError:
-                out.append(peer)
+                out.append(self.names[peer])
         return sorted(out)
 
     def leave(self) -> None:

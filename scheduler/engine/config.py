@@ -57,8 +57,9 @@ class EngineConfig:
     # node) are where the nodes' per-step all-reduce links listen; ``dist_init`` is the
     # runtimes' shared torch.distributed rendezvous (tcp://HOST:PORT on node 0's host).
     # ``node_link``: how the nodes all-reduce: "shm" (shared memory, every node on this
-    # host), "tcp", or "auto": shm when the node addresses all name one host (all loopback,
-    # or all the same host string), else tcp.
+    # host), "tcp", "mixed" (shared memory among each host's nodes, TCP between hosts), or
+    # "auto": shm when the node addresses all name one host (all loopback, or all the same
+    # host string), mixed when some host has several nodes, else tcp.
     nodes: int = 1
     node_rank: int = 0
     node_addresses: tuple[str, ...] = ()
@@ -103,9 +104,9 @@ class EngineConfig:
                               f"directory holding config.json, got {self.draft_model!r}")
         if self.draft_experts not in ("replicated", "sharded"):
             raise ConfigError(f"engine.draft_experts must be 'replicated' or 'sharded', got {self.draft_experts!r}")
-        if self.node_link not in ("auto", "tcp", "shm"):
-            raise ConfigError(f"engine.node_link must be 'auto', 'tcp' or 'shm' (auto: shared memory when the "
-                              f"node addresses all name one host), got {self.node_link!r}")
+        if self.node_link not in ("auto", "tcp", "shm", "mixed"):
+            raise ConfigError(f"engine.node_link must be 'auto', 'tcp', 'shm' or 'mixed' (auto: shared memory "
+                              f"when the node addresses all name one host), got {self.node_link!r}")
         if self.nodes != 1:
             self._check_nodes()
         runtimes = available()

@@ -6,12 +6,14 @@ nodes, and everyone gets the result. Ranks are numbered node by node: node i hos
 [i * local, (i + 1) * local), and its runtimes join one torch.distributed group (the expert
 all-to-alls) at the shared ``dist_init`` address.
 
-Two links (``node_link``): shared memory when every node is on this host
+Links (``node_link``): shared memory when every node is on this host
 (``lockstep.transports.collective_shm``; the group's memfd and eventfds reach the nodes over
-an abstract Unix socket named after node 0's address, ``shm_rendezvous``), TCP otherwise
-(``lockstep.transports.collective_tcp``, listening at each node's address). "auto" takes
-shared memory when the node addresses all name one host: all loopback, or all the same host
-string. A DEP instance whose nodes span hosts uses TCP between all of them (no mix yet).
+an abstract Unix socket named after node 0's address, ``shm_rendezvous``), TCP between
+hosts (``lockstep.transports.collective_tcp``, listening at each node's address), or both
+("mixed", ``lockstep.transports.collective_mixed``: shared memory among each host's nodes,
+TCP between the hosts' first nodes). "auto" takes shared memory when the node addresses all
+name one host (all loopback, or all the same host string), mixed when the nodes span hosts
+and some host has several, TCP when every node is on a host of its own.
 
 Waking: a node whose ranks are all idle watches its link (``wait_posted``). A request
 reaching another node makes that node start a round, and the round's first message arriving
@@ -39,6 +41,7 @@ import trio
 
 from lockstep.policy.allreduce import CollectiveError, RankFailed
 from lockstep.transports import shm_rendezvous
+from lockstep.transports.collective_mixed import MixedCollective
 from lockstep.transports.collective_shm import ShmCollective
 from lockstep.transports.collective_tcp import TcpCollective, open_listener
 
@@ -52,7 +55,7 @@ class InstanceLost(RuntimeError):
     """A node of this DEP instance failed; the instance cannot go on without it."""
 
 
-NODE_LINKS = ("auto", "tcp", "shm")
+NODE_LINKS = ("auto", "tcp", "shm", "mixed")
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -63,13 +66,15 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def choose_link(setting: str, addresses: Sequence[tuple[str, int]]) -> str:
-    """The link ``setting`` ("auto", "tcp" or "shm") means for nodes at ``addresses``."""
+    """The link ``setting`` ("auto", "tcp", "shm" or "mixed") means for nodes at ``addresses``."""
     if setting not in NODE_LINKS:
         raise ValueError(f"node_link must be one of {NODE_LINKS}, got {setting!r}")
     if setting != "auto":
         return setting
-    hosts = {host for host, _ in addresses}
-    return "shm" if len(hosts) == 1 or all(_is_loopback(h) for h in hosts) else "tcp"
+    hosts = [host for host, _ in addresses]
+    if len(set(hosts)) == 1 or all(_is_loopback(h) for h in hosts):
+        return "shm"
+    return "mixed" if len(set(hosts)) < len(hosts) else "tcp"
 
 
 def _is_loopback(host: str) -> bool:
@@ -88,7 +93,7 @@ class NodeGroup(LocalGroup):
         self.node, self.nodes = node, len(addresses)
         self.addresses = list(addresses)
         self.link_kind = choose_link(link, self.addresses)
-        self.link: TcpCollective | ShmCollective | None = None
+        self.link: TcpCollective | ShmCollective | MixedCollective | None = None
         self._idle = 0  # local ranks parked in wait_woken
         self._all_idle = trio.Event()
         self._watch: trio.CancelScope | None = None
@@ -131,7 +136,9 @@ class NodeGroup(LocalGroup):
                 await trio.sleep(0.01)
         self._commit(self._suspect)
 
-    async def _connect(self) -> TcpCollective | ShmCollective:
+    async def _connect(self) -> TcpCollective | ShmCollective | MixedCollective:
+        if self.link_kind == "mixed":
+            return await MixedCollective.connect(self.node, self.addresses)
         if self.link_kind == "shm":
             host, port = self.addresses[0]
             return await shm_rendezvous.join(self.node, self.nodes, shm_rendezvous.abstract_name(f"{host}:{port}"))

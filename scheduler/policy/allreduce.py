@@ -38,7 +38,7 @@ class RankFailed(CollectiveError):
 
     def __init__(self, rank: int, why: str = "died"):
         super().__init__(f"rank {rank} {why}; fail the DEP group and restart it")
-        self.rank = rank
+        self.rank, self.why = rank, why
 
 
 class CollectiveTimeout(CollectiveError):
