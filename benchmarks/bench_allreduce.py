@@ -10,7 +10,11 @@ Target (issue 5): >= 30x lower median than Gloo at 2 ranks, i.e. <= 12 us.
 The "node links" rows time what a DEP instance over several engine processes uses
 (``NodeGroup``): each rank joins by its rendezvous (shared memory: ``shm_rendezvous``; TCP:
 ``TcpCollective.connect`` on loopback) and calls ``allreduce_async`` inside trio, shared
-memory and TCP taking turns in the same processes, as above.
+memory and TCP taking turns in the same processes, as above. With 4 or more (an even number
+of) node processes, a third link takes its turns too: both links in one instance
+(``collective_mixed``), the processes split over two "hosts", 127.0.0.1 and 127.0.0.2 (both
+loopback here), so a call is shared memory within each half, TCP between the halves' first
+processes, and shared memory again.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from _common import emit  # noqa: E402
 
 from lockstep.transports import shm_rendezvous
 from lockstep.transports.collective_shm import ShmCollective, ShmGroup, recv_group, send_group
+from lockstep.transports.collective_mixed import MixedCollective
 from lockstep.transports.collective_tcp import TcpCollective
 
 RANKS = (2, 4, 8)
@@ -108,7 +113,7 @@ def run_group(n: int, repeat: int, scale: float) -> dict[tuple[str, int], list[l
     return {key: [r[key] for r in results] for key in results[0]}
 
 
-NODE_CALLS = {"shm": 10000, "tcp": 2000}  # per block, per rank
+NODE_CALLS = {"shm": 10000, "tcp": 2000, "mixed": 2000}  # per block, per rank
 
 
 async def time_async(coll, m: int, calls: int) -> np.ndarray:
@@ -122,7 +127,8 @@ async def time_async(coll, m: int, calls: int) -> np.ndarray:
     return ts[calls // 10:]
 
 
-def node_main(rank: int, n: int, name: bytes, addresses: list, conn, repeat: int, scale: float) -> None:
+def node_main(rank: int, n: int, name: bytes, addresses: list, mixed: list | None, conn, repeat: int,
+              scale: float) -> None:
     import trio
 
     async def main():
@@ -132,13 +138,16 @@ def node_main(rank: int, n: int, name: bytes, addresses: list, conn, repeat: int
         listener, _ = await open_listener(*addresses[rank])
         tcp = await TcpCollective.connect(rank, n, addresses, listener)
         await listener.aclose()
+        links = [("shm", shm), ("tcp", tcp)]
+        if mixed:
+            links.append(("mixed", await MixedCollective.connect(rank, [tuple(a) for a in mixed])))
         out: dict[tuple[str, int], list[np.ndarray]] = {}
         for _ in range(repeat):
             for m in LENGTHS:
-                for link, coll in (("shm", shm), ("tcp", tcp)):
+                for link, coll in links:
                     out.setdefault((link, m), []).append(await time_async(coll, m, int(NODE_CALLS[link] * scale)))
-        shm.close()
-        tcp.close()
+        for _, coll in links:
+            coll.close()
         return out
 
     conn.send(trio.run(main))
@@ -148,16 +157,12 @@ def run_nodes(n: int, repeat: int, scale: float) -> dict[tuple[str, int], list[l
     """NodeGroup's two links between ``n`` processes: per (link, length), per rank, per repeat."""
     ctx = mp.get_context("spawn")
     name = shm_rendezvous.abstract_name(f"bench-{os.getpid()}-{os.urandom(4).hex()}")
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    addresses = [s.getsockname() for s in socks]
-    for s in socks:
-        s.close()
+    addresses = _free_addresses(["127.0.0.1"] * n)
+    mixed = _free_addresses(["127.0.0.1"] * (n // 2) + ["127.0.0.2"] * (n // 2)) if n >= 4 and n % 2 == 0 else None
     procs, conns = [], []
     for rank in range(n):
         recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=node_main, args=(rank, n, name, addresses, send_end, repeat, scale))
+        p = ctx.Process(target=node_main, args=(rank, n, name, addresses, mixed, send_end, repeat, scale))
         p.start()
         send_end.close()
         procs.append(p)
@@ -171,6 +176,16 @@ def run_nodes(n: int, repeat: int, scale: float) -> dict[tuple[str, int], list[l
                 p.kill()
                 p.join()
     return {key: [r[key] for r in results] for key in results[0]}
+
+
+def _free_addresses(hosts: list[str]) -> list[tuple[str, int]]:
+    socks = [socket.socket() for _ in hosts]
+    for s, host in zip(socks, hosts):
+        s.bind((host, 0))
+    out = [s.getsockname() for s in socks]
+    for s in socks:
+        s.close()
+    return out
 
 
 def summarize(blocks: list[list[np.ndarray]]) -> tuple[float, float, float, float]:
@@ -203,11 +218,15 @@ def main() -> None:
         res = run_nodes(n, args.repeat, 0.1 if args.quick else 1.0)
         for m in LENGTHS:
             shm, tcp = summarize(res[("shm", m)]), summarize(res[("tcp", m)])
-            rows.append({"ranks": n, "int64s": m, "path": "node links (NodeGroup, trio)",
-                         "shm_median_us": shm[0], "shm_p99_us": shm[1],
-                         "shm_repeat_medians_us": f"{shm[2]:.3g}-{shm[3]:.3g}",
-                         "tcp_median_us": tcp[0], "tcp_p99_us": tcp[1], "tcp_over_shm": tcp[0] / shm[0],
-                         "note": f"ranks > cores ({cores})" if n > cores else ""})
+            row = {"ranks": n, "int64s": m, "path": "node links (NodeGroup, trio)",
+                   "shm_median_us": shm[0], "shm_p99_us": shm[1],
+                   "shm_repeat_medians_us": f"{shm[2]:.3g}-{shm[3]:.3g}",
+                   "tcp_median_us": tcp[0], "tcp_p99_us": tcp[1], "tcp_over_shm": tcp[0] / shm[0],
+                   "note": f"ranks > cores ({cores})" if n > cores else ""}
+            if ("mixed", m) in res:
+                mixed = summarize(res[("mixed", m)])
+                row.update(mixed_median_us=mixed[0], mixed_p99_us=mixed[1])
+            rows.append(row)
     head = next(r for r in rows if r["int64s"] == 1 and r["ranks"] == min(args.ranks) and "path" not in r)
     ours, base = head["shm_median_us"], head["gloo_median_us"]
     emit("bench_allreduce", rows, {
