@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                         "(shared memory within each host, TCP between hosts), or auto (shm when the node "
                         "addresses all name one host: all loopback, or all the same; mixed when some host "
                         "has several nodes; else tcp)")
+    s.add_argument("--node-rejoin-timeout", type=float, default=60.0,
+                   help="seconds the nodes of a failed instance wait for every node to rejoin (a lost one "
+                        "restarted by its supervisor) before stopping; 0: stop at once")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
@@ -99,7 +102,8 @@ def node_options(args) -> dict:
     if args.nodes == 1:
         return {}
     return dict(nodes=args.nodes, node_rank=args.node_rank, dist_init=args.dist_init, node_link=args.node_link,
-                node_addresses=tuple(a for a in args.node_addresses.split(",") if a))
+                node_addresses=tuple(a for a in args.node_addresses.split(",") if a),
+                node_rejoin_timeout_s=args.node_rejoin_timeout)
 
 
 def _timing_tokenizer(model: str) -> str | None:

@@ -5,12 +5,14 @@ runtimes (Gloo), an idle node is woken by the other's first message, and a node 
 takes the instance down with an error naming it, never a hang. The same at the level of
 ``NodeGroup`` in this process, where fds and processes are counted."""
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,26 +56,41 @@ def session_pids(sid: int) -> set[int]:
     return out
 
 
-@pytest.fixture(params=LINKS)
-def two_nodes(request):
+def node_commands(link: str, *extra: str) -> tuple[list[list[str]], list[str]]:
+    """The `lockstep serve` command of each of two nodes of one DEP2 instance, and their URLs."""
     http0, http1, link0, link1, dist = free_ports(5)
     common = ["--model", "tiny", "--dtype", "float64", "--dep", "2", "--nodes", "2",
               "--node-addresses", f"127.0.0.1:{link0},127.0.0.1:{link1}", "--dist-init", f"tcp://127.0.0.1:{dist}",
-              "--node-link", request.param, "--num-blocks", "256", "--log-format", "json"]
-    procs = [subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", *common, "--node-rank", str(i),
-                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
-                              start_new_session=True)
-             for i, port in enumerate((http0, http1))]
-    urls = [f"http://127.0.0.1:{p}" for p in (http0, http1)]
+              "--node-link", link, "--num-blocks", "256", "--log-format", "json", *extra]
+    cmds = [[sys.executable, "-m", "lockstep.cli", "serve", *common, "--node-rank", str(i), "--port", str(port)]
+            for i, port in enumerate((http0, http1))]
+    return cmds, [f"http://127.0.0.1:{p}" for p in (http0, http1)]
+
+
+def start_node(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+
+
+@contextlib.contextmanager
+def nodes_running(link: str, *extra: str):
+    """Two nodes serving; yields (processes, URLs, commands); every process is killed after."""
+    cmds, urls = node_commands(link, *extra)
+    procs = [start_node(c) for c in cmds]
     try:
         for proc, url in zip(procs, urls):
             wait_healthy(proc, url, timeout=120)
-        yield procs, urls, request.param
+        yield procs, urls, cmds
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+@pytest.fixture(params=LINKS)
+def two_nodes(request):
+    with nodes_running(request.param) as (procs, urls, _):
+        yield procs, urls, request.param
 
 
 def complete(url: str, prompt: list[int], n: int) -> list[int]:
@@ -95,10 +112,15 @@ def test_two_node_dep_matches_one_rank_and_wakes_the_idle_node(two_nodes):
         assert text == tok.decode(reference_greedy(np.array(p), 10))
 
 
-def test_a_dead_node_takes_the_instance_down_with_a_clear_error(two_nodes):
-    procs, urls, link = two_nodes
-    import threading
+@pytest.mark.parametrize("link", LINKS)
+def test_a_lost_node_that_never_returns_stops_the_instance_with_a_clear_error(link):
+    """With a short rejoin timeout: node 1 is killed and not restarted, so node 0 fails the
+    request in flight, waits for node 1 to rejoin, and stops naming it."""
+    with nodes_running(link, "--node-rejoin-timeout", "2") as (procs, urls, _):
+        lost_node_stops_node_0(procs, urls, link)
 
+
+def lost_node_stops_node_0(procs, urls, link):
     result = {}
 
     def long_request():
@@ -119,13 +141,78 @@ def test_a_dead_node_takes_the_instance_down_with_a_clear_error(two_nodes):
     assert result.get("status") != 200
     assert procs[0].wait(30) != 0  # node 0 stops: the instance cannot go on without node 1
     log = procs[0].stdout.read().decode()
-    assert "node(s) [1] gone" in log
+    assert "node(s) [1] gone" in log and "did not all rejoin within 2 s" in log
     assert joined_link(log) == link
     for _ in range(GUARD_S * 10):  # node 0's runtimes go with it (a bounded wait, not a timing check)
         if not session_pids(procs[0].pid):
             break
         time.sleep(0.1)
     assert not session_pids(procs[0].pid)
+
+
+@pytest.mark.parametrize("link", LINKS)
+def test_a_lost_node_restarted_by_its_supervisor_rejoins_and_the_instance_serves_again(link):
+    """Node 1 is killed with a request in flight and started again (as its supervisor
+    would): node 0 fails that request, keeps running, and once node 1 is back the instance
+    gives the reference greedy tokens on both nodes again."""
+    from test_engine import reference_greedy
+    from lockstep.runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    with nodes_running(link) as (procs, urls, cmds):
+        with httpx.Client(timeout=120) as client:
+            pending = threading.Thread(target=lambda: client.post(f"{urls[0]}/v1/completions", json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}))
+            pending.start()
+            time.sleep(1.0)
+            os.killpg(procs[1].pid, signal.SIGKILL)
+            procs[1].wait()
+            pending.join(60)
+            assert not pending.is_alive()
+            procs[1] = start_node(cmds[1])
+            wait_healthy(procs[1], urls[1], timeout=120)
+            for url, prompt in zip(urls, ([5, 6, 7, 8, 9], list(range(40, 77)))):
+                assert complete(url, prompt, 10) == tok.decode(reference_greedy(np.array(prompt), 10))
+        assert procs[0].poll() is None  # node 0 never stopped
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        log = procs[0].stdout.read().decode()
+    assert "node(s) [1] gone" in log and "waiting for every node to rejoin" in log
+    assert sum('"DEP nodes joined"' in line for line in log.splitlines()) == 2
+
+
+def test_a_runtime_death_restarts_every_node_of_the_instance():
+    """A runtime process of node 1 dies (its node lives): both nodes fail their requests,
+    restart their runtimes, join a fresh link, and serve the reference tokens again."""
+    from test_engine import reference_greedy
+    from lockstep.runtime.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    with nodes_running("tcp") as (procs, urls, _):
+        node1 = procs[1].pid
+        runtimes = [p for p in session_pids(node1) if p != node1 and parent(p) != node1]
+        assert runtimes, "no runtime process found under node 1"
+        os.kill(runtimes[0], signal.SIGKILL)
+        prompt = [5, 6, 7, 8, 9]
+        want = tok.decode(reference_greedy(np.array(prompt), 10))
+        for _ in range(GUARD_S * 2):  # requests fail while the instance restarts (a bounded wait)
+            r = httpx.post(f"{urls[0]}/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True})
+            if r.status_code == 200:
+                break
+            time.sleep(0.5)
+        assert complete(urls[0], prompt, 10) == want and complete(urls[1], prompt, 10) == want
+        assert all(p.poll() is None for p in procs)
+        os.killpg(procs[0].pid, signal.SIGKILL)
+        procs[0].wait()
+        log = procs[0].stdout.read().decode()
+    assert "waiting for every node to rejoin" in log
+    assert sum('"DEP nodes joined"' in line for line in log.splitlines()) == 2
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 def joined_link(log: str) -> str:

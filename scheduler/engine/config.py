@@ -65,6 +65,10 @@ class EngineConfig:
     node_addresses: tuple[str, ...] = ()
     dist_init: str = ""
     node_link: str = "auto"
+    # When the instance fails (a node or a runtime died), every node fails its requests and
+    # waits up to ``node_rejoin_timeout_s`` for all nodes to join a fresh link (a lost node
+    # once its supervisor restarts it), then the instance runs again; 0: stop instead.
+    node_rejoin_timeout_s: float = 60.0
 
     def __attrs_post_init__(self) -> None:
         if self.device != "cpu" and not self.device.startswith("cuda"):
@@ -104,6 +108,9 @@ class EngineConfig:
                               f"directory holding config.json, got {self.draft_model!r}")
         if self.draft_experts not in ("replicated", "sharded"):
             raise ConfigError(f"engine.draft_experts must be 'replicated' or 'sharded', got {self.draft_experts!r}")
+        if not self.node_rejoin_timeout_s >= 0:
+            raise ConfigError(f"engine.node_rejoin_timeout_s must be >= 0 seconds (0: stop when a node is "
+                              f"lost), got {self.node_rejoin_timeout_s!r}")
         if self.node_link not in ("auto", "tcp", "shm", "mixed"):
             raise ConfigError(f"engine.node_link must be 'auto', 'tcp', 'shm' or 'mixed' (auto: shared memory "
                               f"when the node addresses all name one host), got {self.node_link!r}")

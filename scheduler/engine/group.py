@@ -63,6 +63,9 @@ class LocalGroup:
         self._failed = trio.Event()
         self.dist_init = self.new_dist_init()
 
+    async def rejoined(self) -> None:
+        """After ``restarted``: wait until the group can run again (at once, in-process)."""
+
     async def allreduce(self, rank: int, values: np.ndarray) -> np.ndarray:
         """Element-wise max over the ranks (sums and mins are carried by the caller)."""
         r = self._next[rank]

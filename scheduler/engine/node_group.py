@@ -21,10 +21,12 @@ here is the wake-up (the schedule reaches every node, directly, through a woken 
 a nudge from its fold partner), so no rank ever waits in the all-reduce for a node parked on
 its mailbox. The watch never reads: it leaves the values to the all-reduce.
 
-Failure ends the instance: a dead peer node shows as a closed connection or a dead process
-(``RankFailed`` naming it), a dead local runtime makes this node leave the link so the peers
-learn at once, and every node then fails its requests and stops with that error; restarting
-the set is the job of whatever supervises the node processes. A local runtime often dies
+Failure restarts the instance: a dead peer node shows as a closed connection or a dead
+process (``RankFailed`` naming it), a dead local runtime makes this node leave the link so
+the peers learn at once, and every node then fails its requests, tears its ranks down and
+joins a fresh link with all the nodes (a new epoch). A lost node rejoins once whatever
+supervises the node processes restarts it; the others wait for it up to
+``rejoin_timeout_s`` and then stop with the error (0: stop at once). A local runtime often dies
 *because* a peer node died (its expert all-to-all lost the peer's runtime), a moment before
 that node's own link shows it; so a local failure waits up to ``_NAME_GRACE_S`` for a dead
 peer to show, and names it if one does.
@@ -88,8 +90,13 @@ def _is_loopback(host: str) -> bool:
 
 class NodeGroup(LocalGroup):
     def __init__(self, local_size: int, node: int, addresses: Sequence[tuple[str, int]], dist_init: str,
-                 link: str = "auto"):
+                 link: str = "auto", rejoin_timeout_s: float = 60.0):
         super().__init__(local_size, lambda: dist_init)
+        self.rejoin_timeout_s = rejoin_timeout_s
+        self._rejoin = trio.Event()  # set by ``restarted``: the run task makes a fresh link
+        self._rejoined = trio.Event()
+        self._cause: BaseException | None = None  # the failure being recovered from
+        self._lost: InstanceLost | None = None  # set when the nodes did not all rejoin
         self.node, self.nodes = node, len(addresses)
         self.addresses = list(addresses)
         self.link_kind = choose_link(link, self.addresses)
@@ -104,16 +111,44 @@ class NodeGroup(LocalGroup):
         return self.node * self.size + local
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Connect to the other nodes, then watch the link while every local rank idles."""
+        """Connect to the other nodes, then watch the link while every local rank idles; after
+        a failure, once every local rank is down, join a fresh link with all the nodes."""
         self.link = await self._connect()
         log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind)
         task_status.started()
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._judge)
-                await self._watch_while_idle()
+            while True:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._judge)
+                    nursery.start_soon(self._watch_while_idle)
+                    await self._rejoin.wait()
+                    nursery.cancel_scope.cancel()
+                self._rejoin = trio.Event()
+                self.link.close()
+                await self._relink()
+                self._rejoined.set()
+                if self.link is None:  # the ranks stop with ``_lost``
+                    return
         finally:
-            self.link.close()
+            if self.link is not None:
+                self.link.close()
+
+    async def _relink(self) -> None:
+        """A fresh link with every node, or (none within the timeout) the instance's end."""
+        log.warning("DEP instance restarting: waiting for every node to rejoin", node=self.node,
+                    epoch=self.epoch, timeout_s=self.rejoin_timeout_s)
+        with trio.move_on_after(self.rejoin_timeout_s):
+            try:
+                self.link = await self._connect()
+            except CollectiveError as e:  # a node missing at the connect deadline
+                self.link = None
+                self._lost = InstanceLost(f"DEP node {self.node}: the nodes did not all rejoin ({e})")
+                return
+            log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind, epoch=self.epoch)
+            return
+        self.link = None
+        self._lost = InstanceLost(f"DEP node {self.node}: the nodes did not all rejoin within "
+                                  f"{self.rejoin_timeout_s:g} s after {self._cause}")
 
     async def _watch_while_idle(self) -> None:
         while True:
@@ -197,7 +232,22 @@ class NodeGroup(LocalGroup):
         self.link.leave()  # the peers learn now, not at their next timeout
 
     def restarted(self) -> None:
-        raise InstanceLost(f"the DEP instance lost a node and stops: {self.failure}") from self.failure
+        """Every local rank is down: a new epoch, and the run task joins a fresh link (or,
+        with no rejoin timeout, the instance stops)."""
+        self._cause = self.failure
+        if self.rejoin_timeout_s <= 0:
+            raise InstanceLost(f"the DEP instance lost a node and stops: {self.failure}") from self.failure
+        super().restarted()
+        self._suspect = None
+        self._suspected = trio.Event()
+        self._lost = None
+        self._rejoined = trio.Event()
+        self._rejoin.set()
+
+    async def rejoined(self) -> None:
+        await self._rejoined.wait()
+        if self._lost is not None:
+            raise self._lost from self._cause
 
     @staticmethod
     def local_size(dep: int, nodes: int) -> int:

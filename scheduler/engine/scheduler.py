@@ -402,6 +402,7 @@ class Scheduler:
             self.client.proc.kill()  # it may be blocked in a collective with the dead rank
         await self.client.aclose()
         await self.group.barrier("down", on_last=self.group.restarted)
+        await self.group.rejoined()  # nodes: a fresh link with every node (raises if one never comes)
         self.client = self.make_client()
         await self.client.start()
         self._started()
