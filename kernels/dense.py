@@ -9,7 +9,7 @@ one weight tile are adjacent in the grid (M fastest), so a tile read twice comes
 
 Which one runs is a table: DENSE_CONFIGS maps (N, K, row bucket) to a tile config, or to
 {"BACKEND": "cublas"} where cuBLAS was faster in the tuning run; shapes not in it go to
-cuBLAS (F.linear). bf16/fp16 operands, float32 accumulation, output in x's dtype.
+cuBLAS (F.linear), as do float16 inputs. bf16 operands, float32 accumulation, bf16 output.
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None) -> t
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype: the tuned kernel where the table (or
     ``config``) names one, else F.linear."""
     cfg = config if config is not None else dense_config(w.shape[0], w.shape[1], x.shape[0])
-    if cfg is None or cfg.get("BACKEND") == "cublas":
-        return F.linear(x, w)
-    check(x, "x", dims=2, dtypes=(torch.bfloat16, torch.float16))
+    if cfg is None or cfg.get("BACKEND") == "cublas" or x.dtype != torch.bfloat16:
+        return F.linear(x, w)  # (the tiles were tuned, and multiply, in bfloat16)
+    check(x, "x", dims=2, dtypes=(torch.bfloat16,))
     check(w, "w", dims=2, dtypes=(x.dtype,), device=x.device)
     m, k = x.shape
     n = w.shape[0]

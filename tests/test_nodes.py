@@ -439,11 +439,13 @@ trio.run(main)
 """
 
 
+@pytest.mark.parametrize("idle", [False, True], ids=["in-round", "idle"])
 @pytest.mark.parametrize("dead", [3, 2], ids=["second-node-of-a-host", "first-node-of-a-host"])
-async def test_mixed_link_names_a_dead_node_on_another_host(dead):
+async def test_mixed_link_names_a_dead_node_on_another_host(dead, idle):
     """Node ``dead`` (on the second host) runs in its own process and is SIGKILLed. Every
     other node, on both hosts, fails with ``InstanceLost`` naming it: a death seen on one
-    link is passed on over the other, not reported as the messenger's."""
+    link is passed on over the other, not reported as the messenger's. Idle, the nodes learn
+    it outside any round (the node that sees it leaves both links naming the dead one)."""
     fds_before = open_fds()
     addresses = two_hosts(free_ports(4))
     proc = subprocess.Popen([sys.executable, "-c", NODE_OF_MANY, json.dumps(addresses), "mixed", str(dead)],
@@ -463,12 +465,15 @@ async def test_mixed_link_names_a_dead_node_on_another_host(dead):
                 while line != "ready\n":
                     line = await trio.to_thread.run_sync(proc.stdout.readline)
                     assert line, "the node process exited before its first round"
+                seen = {i: g.wake_gen for i, g in groups.items()}
                 proc.kill()
                 proc.wait()
 
                 async def doomed(g):
                     async with trio.open_nursery() as ranks:
                         ranks.start_soon(g.cancel_on_failure, ranks.cancel_scope)
+                        if idle:
+                            await g.wait_woken(seen[g.node])
                         await g.allreduce(0, np.array([0], np.int64))
                         raise AssertionError("a round with a dead node completed")
 

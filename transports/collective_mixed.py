@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import trio
 
-from lockstep.policy.allreduce import Op, RankFailed, check_values
+from lockstep.policy.allreduce import CollectiveError, CollectiveTimeout, Op, RankFailed, check_values
 
 from . import shm_rendezvous
 from .collective_shm import ShmCollective
@@ -70,7 +70,14 @@ class MixedCollective:
                                                         [addresses[n] for n in leaders], listener,
                                                         connect_timeout_s=connect_timeout_s, names=leaders)
                 finally:
-                    await listener.aclose()
+                    listener.socket.close()  # no checkpoint: a made link is never dropped unclosed
+        except CollectiveError as e:  # a rendezvous error names a rank of the host's group
+            if intra is not None:
+                intra.close()
+            if isinstance(e, (RankFailed, CollectiveTimeout)) and intra is None and len(mine) > 1:
+                rank = mine[e.rank] if 0 <= e.rank < len(mine) else e.rank
+                raise type(e)(rank, e.why if isinstance(e, RankFailed) else e.timeout_s) from e
+            raise
         except BaseException:
             if intra is not None:
                 intra.close()
@@ -123,10 +130,12 @@ class MixedCollective:
                 out.update(link.dead_peers())
         return sorted(out)
 
-    def leave(self) -> None:
+    def leave(self, dead: int | None = None) -> None:
+        """Leave both links; ``dead``: the node whose death this node leaves for (named to
+        the peers on both)."""
         for link in (self.intra, self.inter):
             if link is not None:
-                link.leave()
+                link.leave(dead)
 
     def close(self) -> None:
         for link in (self.intra, self.inter):

@@ -477,12 +477,15 @@ class ShmCollective:
         for fd in self._efds:
             os.eventfd_write(fd, 1)
 
-    def leave(self) -> None:
+    def leave(self, dead: int | None = None) -> None:
         """Tell the peers this rank is gone (the ones waiting on it get ``RankFailed`` at
         once) but keep the mapping: tasks of this process may still be parked in a wait,
-        and they now raise too. ``close`` releases everything."""
+        and they now raise too. ``dead`` (a name): the rank whose death this rank leaves
+        for, which the peers then name. ``close`` releases everything."""
         if self._map is None:
             return
+        if dead is not None and not self._q[_FAILED_W]:
+            self._q[_FAILED_W] = dead + 1
         if self._failed is None:
             self._failed = CollectiveError(f"rank {self.rank} left the all-reduce group")
         self._q[self._lay.gone(self.rank)] = 1

@@ -209,9 +209,20 @@ class TcpCollective:
                 out.append(self.names[peer])
         return sorted(out)
 
-    def leave(self) -> None:
-        """What a rank that fails for its own reasons does: close (trio's close wakes any
-        task of ours blocked on a socket, and the peers see EOF)."""
+    def leave(self, dead: int | None = None) -> None:
+        """What a rank that fails does: close (trio's close wakes any task of ours blocked on
+        a socket, and the peers see EOF). ``dead`` (a name): the rank whose death this rank
+        leaves for; the peers are told first (``FAILED`` frames, sent without waiting), so
+        they name it rather than this rank."""
+        if dead is not None and self._readers:
+            notice = _frame(dead, 0, _FAILED, "sum", np.zeros(0, np.int64))
+            for p, r in self._readers.items():
+                if self.names[p] != dead:
+                    try:
+                        with socket.fromfd(r.stream.socket.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup:
+                            dup.send(notice, socket.MSG_DONTWAIT)
+                    except OSError:
+                        pass  # a full or broken socket: that peer sees EOF instead
         self.close()
 
     def close(self) -> None:

@@ -22,8 +22,9 @@ a nudge from its fold partner), so no rank ever waits in the all-reduce for a no
 its mailbox. The watch never reads: it leaves the values to the all-reduce.
 
 Failure restarts the instance: a dead peer node shows as a closed connection or a dead
-process (``RankFailed`` naming it), a dead local runtime makes this node leave the link so
-the peers learn at once, and every node then fails its requests, tears its ranks down and
+process (``RankFailed`` naming it; outside the rounds a sentry polls the link for dead
+peers, so ranks restarting their runtimes do not wait on one), a dead local runtime makes
+this node leave the link so the peers learn at once (told whom to name), and every node then fails its requests, tears its ranks down and
 joins a fresh link with all the nodes (a new epoch). A lost node rejoins once whatever
 supervises the node processes restarts it; the others wait for it up to
 ``rejoin_timeout_s`` and then stop with the error (0: stop at once). A local runtime often dies
@@ -51,10 +52,16 @@ from .group import LocalGroup
 
 log = structlog.get_logger("lockstep.nodes")
 _NAME_GRACE_S = 1.0  # well inside the 5 s in which a lost node must be reported
+_SENTRY_S = 0.25  # how often a node looks for dead peers outside the rounds
 
 
 class InstanceLost(RuntimeError):
-    """A node of this DEP instance failed; the instance cannot go on without it."""
+    """A node of this DEP instance failed; the instance cannot go on without it (until it
+    rejoins). ``dead``: the nodes known dead, if any."""
+
+    def __init__(self, message: str, dead: Sequence[int] = ()):
+        super().__init__(message)
+        self.dead = list(dead)
 
 
 NODE_LINKS = ("auto", "tcp", "shm", "mixed")
@@ -120,6 +127,7 @@ class NodeGroup(LocalGroup):
             while True:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._judge)
+                    nursery.start_soon(self._sentry)
                     nursery.start_soon(self._watch_while_idle)
                     await self._rejoin.wait()
                     nursery.cancel_scope.cancel()
@@ -134,21 +142,27 @@ class NodeGroup(LocalGroup):
                 self.link.close()
 
     async def _relink(self) -> None:
-        """A fresh link with every node, or (none within the timeout) the instance's end."""
+        """A fresh link with every node, or (none within the timeout) the instance's end. A
+        join that fails early (a node dying again mid-rendezvous, a port not free yet) is
+        tried again while time is left."""
         log.warning("DEP instance restarting: waiting for every node to rejoin", node=self.node,
                     epoch=self.epoch, timeout_s=self.rejoin_timeout_s)
-        with trio.move_on_after(self.rejoin_timeout_s):
+        self.link = None
+        deadline = trio.current_time() + self.rejoin_timeout_s
+        last: BaseException | None = None
+        while (left := deadline - trio.current_time()) > 0:
             try:
-                self.link = await self._connect()
-            except CollectiveError as e:  # a node missing at the connect deadline
-                self.link = None
-                self._lost = InstanceLost(f"DEP node {self.node}: the nodes did not all rejoin ({e})")
-                return
+                with trio.fail_after(left):
+                    self.link = await self._connect(timeout_s=left)
+            except (CollectiveError, OSError, trio.TooSlowError) as e:
+                last = e
+                await trio.sleep(min(0.2, max(deadline - trio.current_time(), 0)))
+                continue
             log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind, epoch=self.epoch)
             return
-        self.link = None
+        why = f" (last: {last})" if last is not None and not isinstance(last, trio.TooSlowError) else ""
         self._lost = InstanceLost(f"DEP node {self.node}: the nodes did not all rejoin within "
-                                  f"{self.rejoin_timeout_s:g} s after {self._cause}")
+                                  f"{self.rejoin_timeout_s:g} s after {self._cause}{why}")
 
     async def _watch_while_idle(self) -> None:
         while True:
@@ -163,6 +177,17 @@ class NodeGroup(LocalGroup):
             self._watch = None
             await trio.sleep(0)
 
+    async def _sentry(self) -> None:
+        """A peer node's death, noticed outside any round: while the ranks restart their
+        runtimes (which would wait in their process group's rendezvous for the dead node's)
+        or work without all-reducing. A round or an idle watch notices it first otherwise."""
+        while self.failure is None:
+            gone = self.link.dead_peers() if self._suspect is None else []  # else: ``_judge`` names it
+            if gone:
+                self.fail(InstanceLost(f"DEP node {self.node}: node(s) {gone} gone (link closed)", gone))
+                return
+            await trio.sleep(_SENTRY_S)
+
     async def _judge(self) -> None:
         """Commit a local failure once a dead peer shows, or after the grace without one."""
         await self._suspected.wait()
@@ -171,17 +196,19 @@ class NodeGroup(LocalGroup):
                 await trio.sleep(0.01)
         self._commit(self._suspect)
 
-    async def _connect(self) -> TcpCollective | ShmCollective | MixedCollective:
+    async def _connect(self, timeout_s: float = 60.0) -> TcpCollective | ShmCollective | MixedCollective:
         if self.link_kind == "mixed":
-            return await MixedCollective.connect(self.node, self.addresses)
+            return await MixedCollective.connect(self.node, self.addresses, connect_timeout_s=timeout_s)
         if self.link_kind == "shm":
             host, port = self.addresses[0]
-            return await shm_rendezvous.join(self.node, self.nodes, shm_rendezvous.abstract_name(f"{host}:{port}"))
+            return await shm_rendezvous.join(self.node, self.nodes, shm_rendezvous.abstract_name(f"{host}:{port}"),
+                                             timeout_s=timeout_s)
         listener, _ = await open_listener(*self.addresses[self.node])
         try:
-            return await TcpCollective.connect(self.node, self.nodes, self.addresses, listener)
+            return await TcpCollective.connect(self.node, self.nodes, self.addresses, listener,
+                                               connect_timeout_s=timeout_s)
         finally:
-            await listener.aclose()
+            listener.socket.close()  # no checkpoint here: a made link is never dropped unclosed
 
     # -- the LocalGroup interface, across nodes -------------------------------------------------
     async def _reduce(self, local: np.ndarray) -> np.ndarray:
@@ -189,7 +216,7 @@ class NodeGroup(LocalGroup):
         try:
             return await self.link.allreduce_async(local, "max")
         except RankFailed as e:
-            self.fail(InstanceLost(f"DEP node {self.node}: node(s) [{e.rank}] gone ({e})"))
+            self.fail(InstanceLost(f"DEP node {self.node}: node(s) [{e.rank}] gone ({e})", [e.rank]))
         except CollectiveError as e:  # this node left the link (a local runtime died) mid-call
             self.fail(InstanceLost(f"DEP node {self.node}: {e}"))
         await trio.sleep_forever()  # cancel_on_failure takes every local rank down
@@ -227,9 +254,11 @@ class NodeGroup(LocalGroup):
         gone = self.link.dead_peers()
         if gone and not isinstance(error, InstanceLost):  # say which node, not the symptom
             error = InstanceLost(f"DEP node {self.node}: node(s) {gone} gone (link closed); here: "
-                                 f"{str(error).splitlines()[0]}")
+                                 f"{str(error).splitlines()[0]}", gone)
         super().fail(error)
-        self.link.leave()  # the peers learn now, not at their next timeout
+        dead = error.dead if isinstance(error, InstanceLost) else []
+        # The peers learn now, not at their next timeout, and (across hosts) whom to name.
+        self.link.leave(dead[0] if dead else None)
 
     def restarted(self) -> None:
         """Every local rank is down: a new epoch, and the run task joins a fresh link (or,
@@ -246,8 +275,8 @@ class NodeGroup(LocalGroup):
 
     async def rejoined(self) -> None:
         await self._rejoined.wait()
-        if self._lost is not None:
-            raise self._lost from self._cause
+        if self._lost is not None:  # a fresh error for each rank that raises it
+            raise InstanceLost(str(self._lost), self._lost.dead) from self._cause
 
     @staticmethod
     def local_size(dep: int, nodes: int) -> int:

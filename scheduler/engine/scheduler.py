@@ -40,6 +40,8 @@ from .output import RequestStream, deliver
 from .pacing import Pacer, RealTime
 from .runtime_client import RuntimeClient, RuntimeDied
 
+_MAX_FAILED_STARTS = 3  # a group restart whose runtime fails to start this often in a row stops
+
 log = structlog.get_logger("lockstep.scheduler")
 
 
@@ -123,6 +125,7 @@ class Scheduler:
         self._in_flight: deque[StepPlan] = deque()
         self._stopping = False
         self.steps = self.generated = self.restarts = 0
+        self._failed_starts = 0  # group restarts in a row whose runtime did not start
         self._old = (0, 0, 0)  # prefix queries, hits, preemptions of cores replaced on restarts
         self._old_spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens of replaced cores
         self._old_per_pos = np.zeros_like(self.core.spec_accepted_per_pos)
@@ -404,10 +407,23 @@ class Scheduler:
         await self.group.barrier("down", on_last=self.group.restarted)
         await self.group.rejoined()  # nodes: a fresh link with every node (raises if one never comes)
         self.client = self.make_client()
-        await self.client.start()
-        self._started()
-        self.restarts += 1
-        await self.group.barrier("up")
+        # A rank or node lost again while the runtimes start (their process group would wait
+        # for it) fails the group once more: the caller's loop then restarts it again.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.group.cancel_on_failure, nursery.cancel_scope)
+            try:
+                await self.client.start()
+            except (RuntimeDied, trio.TooSlowError) as e:
+                self._failed_starts += 1
+                if self._failed_starts >= _MAX_FAILED_STARTS:  # not a lost peer: it cannot start
+                    raise
+                self.group.fail(RuntimeDied(f"runtime of rank {self.rank} did not restart: {e!r}"))
+                await trio.sleep_forever()
+            self._failed_starts = 0
+            self._started()
+            self.restarts += 1
+            await self.group.barrier("up")
+            nursery.cancel_scope.cancel()
 
     def _new_core(self) -> None:
         """After a restart: a fresh core, and a fresh runtime at the initial placement."""

@@ -48,7 +48,7 @@ class CollectiveTimeout(CollectiveError):
     def __init__(self, rank: int, timeout_s: float):
         super().__init__(f"no values from rank {rank} within {timeout_s} s; "
                          "is it alive but stuck outside the all-reduce?")
-        self.rank = rank
+        self.rank, self.timeout_s = rank, timeout_s
 
 
 @attrs.frozen
