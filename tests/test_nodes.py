@@ -174,9 +174,7 @@ def test_a_lost_node_restarted_by_its_supervisor_rejoins_and_the_instance_serves
             for url, prompt in zip(urls, ([5, 6, 7, 8, 9], list(range(40, 77)))):
                 assert complete(url, prompt, 10) == tok.decode(reference_greedy(np.array(prompt), 10))
         assert procs[0].poll() is None  # node 0 never stopped
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        procs[0].wait()
-        log = procs[0].stdout.read().decode()
+        log = kill_and_read_log(procs[0])
     assert "node(s) [1] gone" in log and "waiting for every node to rejoin" in log
     assert sum('"DEP nodes joined"' in line for line in log.splitlines()) == 2
 
@@ -203,11 +201,16 @@ def test_a_runtime_death_restarts_every_node_of_the_instance():
             time.sleep(0.5)
         assert complete(urls[0], prompt, 10) == want and complete(urls[1], prompt, 10) == want
         assert all(p.poll() is None for p in procs)
-        os.killpg(procs[0].pid, signal.SIGKILL)
-        procs[0].wait()
-        log = procs[0].stdout.read().decode()
+        log = kill_and_read_log(procs[0])
     assert "waiting for every node to rejoin" in log
     assert sum('"DEP nodes joined"' in line for line in log.splitlines()) == 2
+
+
+def kill_and_read_log(proc: subprocess.Popen) -> str:
+    """Kill a node (and its runtimes) and return everything it logged."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return proc.stdout.read().decode()
 
 
 def parent(pid: int) -> int:
@@ -281,9 +284,10 @@ import numpy as np, trio
 from lockstep.engine.node_group import NodeGroup
 
 addresses, link = json.loads(sys.argv[1]), sys.argv[2]
+node = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 
 async def main():
-    group = NodeGroup(1, 1, [tuple(a) for a in addresses], "tcp://127.0.0.1:1", link=link)
+    group = NodeGroup(1, node, [tuple(a) for a in addresses], "tcp://127.0.0.1:1", link=link)
     async with trio.open_nursery() as nursery:
         await nursery.start(group.run)
         await group.allreduce(0, np.array([1], np.int64))
@@ -420,23 +424,6 @@ async def test_mixed_link_agrees_wakes_and_releases_everything():
     assert open_fds() == fds_before
 
 
-NODE_OF_MANY = """
-import json, sys
-import numpy as np, trio
-from lockstep.engine.node_group import NodeGroup
-
-addresses, link, node = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-
-async def main():
-    group = NodeGroup(1, node, [tuple(a) for a in addresses], "tcp://127.0.0.1:1", link=link)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(group.run)
-        await group.allreduce(0, np.array([1], np.int64))
-        print("ready", flush=True)
-        await trio.sleep_forever()  # killed here
-
-trio.run(main)
-"""
 
 
 @pytest.mark.parametrize("idle", [False, True], ids=["in-round", "idle"])
@@ -448,7 +435,7 @@ async def test_mixed_link_names_a_dead_node_on_another_host(dead, idle):
     it outside any round (the node that sees it leaves both links naming the dead one)."""
     fds_before = open_fds()
     addresses = two_hosts(free_ports(4))
-    proc = subprocess.Popen([sys.executable, "-c", NODE_OF_MANY, json.dumps(addresses), "mixed", str(dead)],
+    proc = subprocess.Popen([sys.executable, "-c", NODE_MAIN, json.dumps(addresses), "mixed", str(dead)],
                             stdout=subprocess.PIPE, text=True)
     alive = [i for i in range(4) if i != dead]
     groups = {i: NodeGroup(1, i, addresses, "tcp://127.0.0.1:1", link="mixed") for i in alive}
