@@ -206,6 +206,33 @@ def test_a_runtime_death_restarts_every_node_of_the_instance():
     assert sum('"DEP nodes joined"' in line for line in log.splitlines()) == 2
 
 
+def test_four_nodes_on_two_hosts_over_both_links_match_one_rank():
+    """`lockstep serve` DEP4 as four node processes, two on each of two "hosts" (127.0.0.1
+    and 127.0.0.2), joined by the mixed link: every node gives the reference greedy tokens."""
+    from test_engine import reference_greedy
+    from lockstep.runtime.tokenizer import load_tokenizer
+
+    ports = free_ports(9)
+    http, links, dist = ports[:4], ports[4:8], ports[8]
+    addresses = ",".join(f"127.0.0.{1 if i < 2 else 2}:{p}" for i, p in enumerate(links))
+    common = ["--model", "tiny", "--dtype", "float64", "--dep", "4", "--nodes", "4", "--node-addresses", addresses,
+              "--dist-init", f"tcp://127.0.0.1:{dist}", "--node-link", "mixed", "--num-blocks", "256",
+              "--log-format", "json"]
+    procs = [start_node([sys.executable, "-m", "lockstep.cli", "serve", *common, "--node-rank", str(i),
+                         "--port", str(port)]) for i, port in enumerate(http)]
+    tok = load_tokenizer("tiny")
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in http]
+        for proc, url in zip(procs, urls):
+            wait_healthy(proc, url, timeout=120)
+        for i, url in enumerate(urls):
+            prompt = [5 + i, 6, 7, 8, 9]
+            assert complete(url, prompt, 10) == tok.decode(reference_greedy(np.array(prompt), 10))
+    finally:
+        logs = [kill_and_read_log(p) for p in procs]
+    assert [joined_link(log) for log in logs] == ["mixed"] * 4
+
+
 def kill_and_read_log(proc: subprocess.Popen) -> str:
     """Kill a node (and its runtimes) and return everything it logged."""
     os.killpg(proc.pid, signal.SIGKILL)
