@@ -31,6 +31,8 @@ KINDS = (  # first match wins
     ("moe align", r"_moe_align_kernel"),
     ("mla decode", r"_mla_decode|mla_decode|_decode_.*kernel|_combine"),
     ("kv store", r"kv_store"),
+    ("router", r"_moe_route_kernel"),
+    ("dense projections (Triton)", r"_linear_kernel"),
     ("sampling", r"sample|argmax|topk|sort|softmax|exponential|cumsum"),
     ("fused elementwise (inductor)", r"^triton_"),
     ("gemm/bmm (cuBLAS)", r"gemm|gemv|nvjet|cutlass|sm90|xmma|cublas|splitK"),
