@@ -1,0 +1,59 @@
+"""benchmarks/gpu/apply_tuned.py: a tuning run's printed winners go into the kernel tables."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+from apply_tuned import rewrite, tuned  # noqa: E402
+
+MODULE = '''"""A kernel module."""
+
+DECODE_CONFIGS: dict[tuple, dict] = {
+    ('bf16', 1): {'BLOCK_N': 32},
+    ('bf16', 8): {'BLOCK_N': 64},
+}
+
+
+def decode_config():
+    return DECODE_CONFIGS
+'''
+
+RUN = """  tuned mla_decode.DECODE_CONFIGS[('bf16', 8)]: best {'BLOCK_N': 16} at 9.0 us
+# tuned configs (paste into the kernel modules):
+#   mla_decode.DECODE_CONFIGS[('bf16', 8)] = {'BLOCK_N': 16}
+#   mla_decode.DECODE_CONFIGS[('bf16', 256, 1024)] = {'BLOCK_N': 32, 'WAVES': 2}
+#   mla_decode.DECODE_CONFIGS[('fp8', 1)] = {'BLOCK_N': 64, 'error': "OutOfResources('shared memory')"}
+#   topk.TOPK_CONFIGS[64] (n=32768) = {'TILE': 4096}
+#   topk.TOPK_CONFIGS[64] (n=131072) = {'TILE': 1024}
+"""
+
+
+def test_tuned_reads_the_winners_and_skips_failures_and_other_row_lengths():
+    found = tuned(RUN.splitlines())
+    assert found == {("mla_decode", "DECODE_CONFIGS"): {("bf16", 8): {"BLOCK_N": 16},
+                                                        ("bf16", 256, 1024): {"BLOCK_N": 32, "WAVES": 2}},
+                     ("topk", "TOPK_CONFIGS"): {64: {"TILE": 1024}}}
+
+
+def test_rewrite_sets_keys_keeps_the_others_and_the_rest_of_the_module(tmp_path):
+    path = tmp_path / "mla_decode.py"
+    path.write_text(MODULE)
+    updates = tuned(RUN.splitlines())[("mla_decode", "DECODE_CONFIGS")]
+    assert rewrite(path, "DECODE_CONFIGS", updates, dry_run=True) and path.read_text() == MODULE
+    changes = rewrite(path, "DECODE_CONFIGS", updates, dry_run=False)
+    assert len(changes) == 2
+    namespace: dict = {}
+    exec(path.read_text(), namespace)
+    assert namespace["DECODE_CONFIGS"] == {("bf16", 1): {"BLOCK_N": 32}, ("bf16", 8): {"BLOCK_N": 16},
+                                           ("bf16", 256, 1024): {"BLOCK_N": 32, "WAVES": 2}}
+    assert namespace["decode_config"]() is namespace["DECODE_CONFIGS"]
+    assert rewrite(path, "DECODE_CONFIGS", updates, dry_run=False) == []  # nothing left to change
+
+
+def test_rewrite_names_a_table_it_cannot_find(tmp_path):
+    path = tmp_path / "other.py"
+    path.write_text("X = 1\n")
+    with pytest.raises(SystemExit, match="no dict literal `DECODE_CONFIGS = {`"):
+        rewrite(path, "DECODE_CONFIGS", {}, dry_run=False)
