@@ -122,6 +122,10 @@ class MixedCollective:
             for link in links:
                 nursery.start_soon(one, link)
 
+    def notice(self) -> int | None:
+        """The node a peer on this host reported failed, if any (see ``ShmCollective``)."""
+        return None if self.intra is None else self.intra.notice()
+
     def dead_peers(self) -> list[int]:
         """Nodes this node sees dead: on its host, and the other hosts' first nodes."""
         out = set()

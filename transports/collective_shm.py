@@ -406,6 +406,13 @@ class ShmCollective:
             out += [fds[fd] for fd in select.select(list(fds), [], [], 0)[0]]
         return sorted(set(out))
 
+    def notice(self) -> int | None:
+        """The rank (by name) another rank reported failed in the segment, if any (not this
+        one): the rank to name, whoever else has left since."""
+        if self._map is None or not (failed := self._q[_FAILED_W]) or failed - 1 == self.names[self.rank]:
+            return None
+        return int(failed - 1)
+
     def dead_peers(self) -> list[int]:
         """Ranks that left the group or died (empty once this rank closed its link)."""
         if self._map is None:

@@ -167,9 +167,11 @@ class TcpCollective:
     async def _fail(self, err: RankFailed) -> None:
         """Tell every other peer who failed (best effort, briefly), then drop all links."""
         self._failed = err
+        if self._readers is None:  # closed meanwhile (this rank left the group): nothing to tell
+            return
         notice = _frame(err.rank, 0, _FAILED, "sum", np.zeros(0, np.int64))
         with trio.move_on_after(0.5):
-            for p, reader in self._readers.items():
+            for p, reader in list(self._readers.items()):  # (another task may close it meanwhile)
                 if self.names[p] != err.rank:
                     try:
                         await reader.stream.send_all(notice)
@@ -194,6 +196,11 @@ class TcpCollective:
                 nursery.cancel_scope.cancel()
             for r in readers.values():
                 nursery.start_soon(one, r.stream.socket)
+
+    def notice(self) -> int | None:
+        """A failure notice is a frame the next call reads (``dead_peers`` sees a peer that
+        sent one as alive until it closes): none to report here."""
+        return None
 
     def dead_peers(self) -> list[int]:
         """Peers whose connection reached EOF or broke (they died): a peek, nothing consumed."""

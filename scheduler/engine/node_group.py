@@ -182,17 +182,24 @@ class NodeGroup(LocalGroup):
         runtimes (which would wait in their process group's rendezvous for the dead node's)
         or work without all-reducing. A round or an idle watch notices it first otherwise."""
         while self.failure is None:
-            gone = self.link.dead_peers() if self._suspect is None else []  # else: ``_judge`` names it
+            gone = self._dead() if self._suspect is None else []  # else: ``_judge`` names it
             if gone:
                 self.fail(InstanceLost(f"DEP node {self.node}: node(s) {gone} gone (link closed)", gone))
                 return
             await trio.sleep(_SENTRY_S)
 
+    def _dead(self) -> list[int]:
+        """The nodes to name as dead: the one a peer already named on the link (a node that
+        left for another's death leaves too, and is not the one to name), else those whose
+        link closed or whose process is gone."""
+        named = self.link.notice()
+        return [named] if named is not None else self.link.dead_peers()
+
     async def _judge(self) -> None:
         """Commit a local failure once a dead peer shows, or after the grace without one."""
         await self._suspected.wait()
         with trio.move_on_after(_NAME_GRACE_S):
-            while self.failure is None and not self.link.dead_peers():
+            while self.failure is None and not self._dead():
                 await trio.sleep(0.01)
         self._commit(self._suspect)
 
@@ -242,7 +249,7 @@ class NodeGroup(LocalGroup):
     def fail(self, error: BaseException) -> None:
         if self.failure is not None or self.link is None:
             return super().fail(error)
-        if isinstance(error, InstanceLost) or self.link.dead_peers():
+        if isinstance(error, InstanceLost) or self._dead():
             return self._commit(error)
         if self._suspect is None:  # a local cause: give a dying peer node a moment to show
             self._suspect = error
@@ -251,7 +258,7 @@ class NodeGroup(LocalGroup):
     def _commit(self, error: BaseException) -> None:
         if self.failure is not None:
             return
-        gone = self.link.dead_peers()
+        gone = self._dead()
         if gone and not isinstance(error, InstanceLost):  # say which node, not the symptom
             error = InstanceLost(f"DEP node {self.node}: node(s) {gone} gone (link closed); here: "
                                  f"{str(error).splitlines()[0]}", gone)
