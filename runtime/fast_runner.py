@@ -5,10 +5,13 @@ runs eagerly.
 State that lives on the device between steps: the block tables (one row per batch slot,
 updated with each plan's new block ids, never re-sent whole), and the graphs' input buffers
 (token ids, positions, KV slots, table rows), written by one host-to-device copy per step from
-a pinned staging array. A graph is captured per (padded batch size, context bound): the decode
+a pinned staging array. A graph is captured per (padded token count, context bound): the decode
 kernel's split count depends on the bound, and each graph bakes in its launches. A batch pads
 to the next captured size with tokens whose KV slot is -1: they store nothing, attend to
-nothing, choose no expert and are not counted.
+nothing, choose no expert and are not counted. Every token of a graph attends as a query of
+its own (its context is its position + 1, read through its sequence's table row), so a step
+whose sequences each feed at most ``DECODE_MAX_NEW`` tokens replays one too: a speculative
+verify (the last token and its drafts), or a draft pass that catches up on two tokens.
 
 ``graphs``: "on" (CUDA), "off", or "padded" (the graph path's buffers and padding without
 capturing: how the CPU tests run that code).
@@ -25,7 +28,7 @@ import numpy as np
 import torch
 
 from .models.batch import HostBatch
-from .models.fast import AttnPlan, FastDeepseek, FastInputs, len_bucket
+from .models.fast import DECODE_MAX_NEW, AttnPlan, FastDeepseek, FastInputs, len_bucket
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ _PAD = (0, 0, -1, 0)  # token id, position, KV slot, table row of a padding toke
 class FastRunner:
     def __init__(self, fast: FastDeepseek, kv: list, *, max_num_seqs: int, max_blocks: int,
                  max_model_len: int, device: torch.device, graphs: str = "on",
-                 sizes: tuple[int, ...] = GRAPH_SIZES, collective=None):
+                 sizes: tuple[int, ...] = GRAPH_SIZES, collective=None, max_tokens: int = 0):
         if graphs not in ("on", "off", "padded"):
             raise ValueError(f"cuda_graphs must be on, off or padded, got {graphs!r}")
         if graphs == "on" and device.type != "cuda":
@@ -51,9 +54,10 @@ class FastRunner:
         self.len_cap = len_bucket(max_model_len, 1 << 30)
         fast.len_cap = self.len_cap
         self.tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+        # Tokens a decode-rows step may feed: one per sequence, or more with speculation.
+        cap = max(max_tokens, max_num_seqs)
         want = sorted({int(s) for s in sizes if s >= 1})
-        self.sizes = [s for s in want if s < max_num_seqs] + [min([s for s in want if s >= max_num_seqs],
-                                                                  default=max_num_seqs)]
+        self.sizes = [s for s in want if s < cap] + [min([s for s in want if s >= cap], default=cap)]
         n = self.sizes[-1]
         pin = device.type == "cuda"
         self._staging = torch.zeros(4, n, dtype=torch.int64, pin_memory=pin)
@@ -76,12 +80,12 @@ class FastRunner:
     def forward(self, hb: HostBatch, pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits of hb.sample_index's rows, expert counts); ``pad_to``: the token count
         the DEP ranks agreed on for a decode step (padded expert dispatch), else 0."""
-        b = len(hb.seq_lens)
+        t = len(hb.input_ids)
         # With padded expert dispatch a graph holds padded all-to-alls: a step the ranks did
         # not agree to pad (some rank prefills) runs eagerly, with exact dispatch.
         graphs = self.mode != "off" and (self.collective is None or pad_to > 0)
-        if graphs and hb.is_decode() and max(b, pad_to) <= self.sizes[-1]:
-            size = self.pad_size(max(b, pad_to))
+        if graphs and max(t, pad_to) <= self.sizes[-1] and self._decode_rows(hb):
+            size = self.pad_size(max(t, pad_to))
             key = (size, len_bucket(int(hb.seq_lens.max()), self.len_cap))
             if self.collective is not None and self.mode == "on":
                 key = self._captured(key)
@@ -89,6 +93,13 @@ class FastRunner:
                 return self._replay(hb, key)
         self.eager_steps += 1
         return self._eager(hb)
+
+    def _decode_rows(self, hb: HostBatch) -> bool:
+        """Every token attends as a decode query: one token per sequence, or (no padded
+        dispatch, whose agreed size counts sequences) a few each."""
+        if hb.is_decode():
+            return True
+        return self.collective is None and int(hb.num_new.max()) <= DECODE_MAX_NEW
 
     def pad_size(self, tokens: int) -> int:
         """The batch size a decode step of ``tokens`` sequences runs at: the next graph size,
@@ -124,7 +135,7 @@ class FastRunner:
         return self.fast.forward(inp, self.kv)
 
     def _replay(self, hb: HostBatch, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        size, b = key[0], len(hb.seq_lens)
+        size, b = key[0], len(hb.input_ids)
         got = None
         if self.mode == "on":
             got = self._graphs.get(key)
@@ -134,7 +145,8 @@ class FastRunner:
                 self.eager_steps += 1
                 return self._eager(hb)
         st = self._staged
-        st[0, :b], st[1, :b], st[2, :b], st[3, :b] = hb.input_ids, hb.positions, hb.slot_mapping, hb.rows
+        rows = hb.rows if b == len(hb.rows) else np.repeat(hb.rows, hb.num_new)
+        st[0, :b], st[1, :b], st[2, :b], st[3, :b] = hb.input_ids, hb.positions, hb.slot_mapping, rows
         st[:, b:size] = np.array(_PAD, dtype=np.int64)[:, None]
         self._static.copy_(self._staging, non_blocking=True)  # whole rows: one contiguous copy
         if got is None:

@@ -21,6 +21,11 @@ that the next step overwrites.
 The draft is a preset (random weights), a checkpoint directory, or ``layers:N``: the target's
 own first N layers with its embeddings and head (self-speculation; shares the weights).
 
+On the fast path (CUDA) both models run through their ``FastRunner``: every token of a
+verify or of a draft pass attends as a decode query of its own, so those passes replay CUDA
+graphs sized by tokens, as plain decode steps do; only passes holding prefill chunks run
+eagerly. The argmax of every greedy row of a pass reaches the host in one transfer.
+
 With expert parallelism (DEP) the draft's routed experts are replicated on every rank
 (runtime option ``draft_experts`` "replicated", the default: a rank drafts on its own), or
 sharded over the ranks like the target's ("sharded", and always for ``layers:N``): then each
@@ -37,7 +42,7 @@ import torch
 
 from lockstep.policy.step import EMPTY_I32, PLACEHOLDER, StepPlan, StepResult
 
-from .models.batch import ForwardBatch
+from .models.batch import ForwardBatch, HostBatch
 from .sampling import _probs, _row_seed
 
 
@@ -61,7 +66,7 @@ class Speculator:
     ADAPT_WEIGHT = 1 / 16  # how far each speculative decode moves the running mean
 
     def __init__(self, runtime, draft, num_blocks: int, block_size: int, max_num_seqs: int, seed: int,
-                 adaptive: bool = False, lockstep: bool = False, placements=None):
+                 adaptive: bool = False, lockstep: bool = False, placements=None, fast_runner=None):
         self.rt, self.draft, self.bs = runtime, draft, block_size
         # The draft's own expert placement (sharded draft experts), and its tokens per
         # (layer, expert) summed over this step's passes, for the balancer's draft planner.
@@ -71,6 +76,9 @@ class Speculator:
         self.lockstep = lockstep
         self.gen = torch.Generator().manual_seed(seed)  # unseeded requests' draws, on the host
         self.kv_pool, self.kv = draft.make_kv_pool(num_blocks, block_size)
+        # The draft's fast path: ``fast_runner(draft, kv)`` makes its FastRunner (None: the
+        # draft's own forward), which reads the target runner's device tables.
+        self.runner = None if fast_runner is None else fast_runner(draft, self.kv)
         self.pos = np.full(max_num_seqs, -1, dtype=np.int64)  # position of each slot's last sampled token
         # Adaptive k: propose clamp(round(m) + 1, 1, d) drafts, m the running mean of drafts
         # accepted per speculative decode (one more than it expects to keep). The core still
@@ -131,8 +139,9 @@ class Speculator:
         logits, _ = self._forward(self.draft, self.kv, feed, [int(ends[r]) for *_, r in drafting])
         step = 0
         while True:
+            top = _argmax_rows(logits, [e[4] for e in drafting])
             for row, (i, slot, start, d, params, _) in enumerate(drafting):
-                tok, q = self._draw(logits[row], params, start + step + 1)
+                tok, q = self._draw(logits[row], params, start + step + 1, top[row])
                 proposals.setdefault(i, []).append(tok)
                 if q is not None:
                     qs.setdefault(i, []).append(q)
@@ -168,10 +177,13 @@ class Speculator:
                 rt.model(rt._empty_batch(), rt.kv)
             return [], None
         logits, counts = self._forward(rt.forward_model, rt.kv, feed, rows)
+        # One transfer for the expert counts and the argmax of every row (greedy acceptance).
+        host = torch.cat([logits.argmax(dim=-1).to(torch.int32), counts.flatten().to(torch.int32)]).cpu().numpy()
+        top, counts = host[: len(rows)].tolist(), host[len(rows):].reshape(counts.shape)
         out: list[int] = []
         for i, slot, pos0, r0, m, params in spans:
             drafts = proposals.get(i, [])
-            got = self._accept(logits[r0 : r0 + m], drafts, qs.get(i), params, pos0)
+            got = self._accept(logits[r0 : r0 + m], drafts, qs.get(i), params, pos0, top[r0 : r0 + m])
             ns[i] = len(got)
             out += got
             self.pos[slot] = pos0 + len(got)
@@ -181,7 +193,7 @@ class Speculator:
             if self.adaptive and drafts:
                 m = self.mean_accepted if self.mean_accepted is not None else float(len(drafts))
                 self.mean_accepted = m + self.ADAPT_WEIGHT * (len(got) - 1 - m)
-        return out, counts.cpu().numpy()
+        return out, counts
 
     def pad_passes(self, ran: int, agreed: int) -> None:
         """Empty draft forwards up to the ``agreed`` passes of this step (lockstep drafts)."""
@@ -218,6 +230,7 @@ class Speculator:
 
     def _run(self, model, kv, feed, sample_rows) -> tuple[torch.Tensor, torch.Tensor]:
         rt, bs = self.rt, self.bs
+        runner = self.runner if model is self.draft else rt.runner if model is rt.forward_model else None
         lens = np.array([len(t) for _, t, _ in feed], dtype=np.int64)
         ids = np.concatenate([t for _, t, _ in feed])
         starts = np.array([s for _, _, s in feed], dtype=np.int64)
@@ -229,6 +242,11 @@ class Speculator:
         width = int(-(-seq_lens.max() // bs))
         table = rt.tables[np.array([s for s, _, _ in feed], dtype=np.int64), :width]
         slot_mapping = table[entry, pos // bs].astype(np.int64) * bs + pos % bs
+        if runner is not None:
+            rows = np.array([s for s, _, _ in feed], dtype=np.int64)
+            return runner.forward(HostBatch(input_ids=ids.astype(np.int64), positions=pos, query_start=qs,
+                                            seq_lens=seq_lens, rows=rows, width=width, slot_mapping=slot_mapping,
+                                            sample_index=np.asarray(sample_rows, dtype=np.int64)))
         d = rt.device
         batch = ForwardBatch(
             input_ids=torch.from_numpy(ids).to(d), positions=torch.from_numpy(pos).to(d),
@@ -238,21 +256,22 @@ class Speculator:
             sample_index=torch.as_tensor(sample_rows, dtype=torch.int64).to(d))
         return model(batch, kv)
 
-    def _draw(self, logits: torch.Tensor, params, pos: int) -> tuple[int, torch.Tensor | None]:
-        """A draft token: the argmax for greedy requests, else a draw from q (kept for the
-        acceptance test)."""
+    def _draw(self, logits: torch.Tensor, params, pos: int, top: int) -> tuple[int, torch.Tensor | None]:
+        """A draft token: the argmax for greedy requests (``top``, the row's argmax), else a
+        draw from q (kept for the acceptance test)."""
         temp, top_p, top_k, seed, _ = params
         if temp <= 0:
-            return int(logits.argmax()), None
+            return top, None
         q = _probs(logits[None], np.array([temp]), np.array([top_p]), np.array([top_k]))[0].cpu()
         return int(torch.multinomial(q, 1, generator=self._gen(seed, pos, 1)).item()), q
 
-    def _accept(self, logits, drafts: list[int], q, params, pos0: int) -> list[int]:
+    def _accept(self, logits, drafts: list[int], q, params, pos0: int, target: list[int] | None = None) -> list[int]:
         """Tokens an entry gets: its accepted drafts, then one from the target. ``pos0`` is
-        the position of the fed token the first row of ``logits`` follows."""
+        the position of the fed token the first row of ``logits`` follows; ``target``: the
+        argmax of each row (greedy acceptance)."""
         temp, top_p, top_k, seed, _ = params
         if temp <= 0:
-            target = logits.argmax(dim=-1).tolist()
+            target = logits.argmax(dim=-1).tolist() if target is None else target
             got = []
             for j, x in enumerate(drafts):
                 if target[j] != x:
@@ -279,3 +298,10 @@ class Speculator:
         if seed < 0:
             return self.gen
         return torch.Generator().manual_seed(_row_seed(seed * 4 + salt, pos))
+
+
+def _argmax_rows(logits: torch.Tensor, params: list) -> list[int]:
+    """Each row's argmax in one transfer, when some row is greedy (else zeros, unread)."""
+    if not any(p[0] <= 0 for p in params):
+        return [0] * len(params)
+    return logits.argmax(dim=-1).tolist()

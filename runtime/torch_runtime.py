@@ -144,7 +144,6 @@ class TorchRuntime:
         want = opts.get("fast", self.device.type == "cuda" and self.model.dtype in (torch.bfloat16, torch.float16))
         if not want:
             return None
-        from .fast_runner import GRAPH_SIZES, FastRunner
         from .models.fast import FastDeepseek
 
         cuda = self.device.type == "cuda"
@@ -155,14 +154,48 @@ class TorchRuntime:
         # Exact expert dispatch syncs the host inside every MoE layer: no graphs there.
         graphs = opts.get("cuda_graphs", "on" if cuda and (self.placements is None or self.ep_padded) else "off")
         graphs = {True: "on", False: "off"}.get(graphs, graphs)
-        runner = FastRunner(fast, self.kv, max_num_seqs=spec.max_num_seqs, max_blocks=self.tables.shape[1],
+        # With a draft, a verify feeds 1 + k tokens a request: graphs sized for them.
+        k = int(opts.get("num_spec_tokens", 3)) if opts.get("draft_model") else 0
+        return self._make_runner(fast, self.kv, spec, graphs, max_tokens=spec.max_num_seqs * (1 + k),
+                                 collective=self._ep_mode if self.ep_padded else None)
+
+    def _make_runner(self, fast, kv, spec: RuntimeSpec, graphs: str, *, max_tokens: int, collective=None,
+                     tables=None):
+        """A FastRunner over ``kv``, its graphs captured at load (runtime option
+        ``capture_len``); ``tables``: another runner's device tables, to share."""
+        from .fast_runner import GRAPH_SIZES, FastRunner
+
+        opts = spec.options
+        runner = FastRunner(fast, kv, max_num_seqs=spec.max_num_seqs, max_blocks=self.tables.shape[1],
                             max_model_len=spec.max_model_len, device=self.device, graphs=graphs,
-                            sizes=tuple(opts.get("cuda_graph_sizes", GRAPH_SIZES)),
-                            collective=self._ep_mode if self.ep_padded else None)
+                            sizes=tuple(opts.get("cuda_graph_sizes", GRAPH_SIZES)), collective=collective,
+                            max_tokens=max_tokens)
+        if tables is not None:
+            runner.tables = tables  # before any capture: graphs bake in its address
         capture_len = int(opts.get("capture_len", min(spec.max_model_len, 4096)))
         if capture_len > 0:  # 0: capture each graph when a step first needs it
             runner.capture(capture_len)
         return runner
+
+    def _draft_runner(self, spec: RuntimeSpec, own_layers: bool):
+        """Makes the draft's FastRunner, on the target's fast path (drafts with replicated
+        experts: a sharded draft's passes run the model's own all-to-alls). A draft that is
+        the target's own layers reads its experts as the target does."""
+        if self.runner is None:
+            return None
+        from .models.fast import FastDeepseek
+
+        target = self.runner.fast
+        opts = spec.options
+
+        def make(draft, kv):
+            fast = FastDeepseek(draft, fused_moe=target.use_fused_moe if own_layers else True,
+                                compile=bool(opts.get("compile", self.device.type == "cuda")),
+                                moe_fp8=target.moe_fp8 if own_layers else False)
+            # A draft pass feeds one or two tokens a request (two after a fully accepted step).
+            return self._make_runner(fast, kv, spec, self.runner.mode, max_tokens=2 * spec.max_num_seqs,
+                                     tables=self.runner.tables)
+        return make
 
     def _speculator(self, spec: RuntimeSpec):
         """Speculative decoding with the draft named by runtime option ``draft_model``."""
@@ -198,7 +231,7 @@ class TorchRuntime:
             placements = ExpertPlacements(layers, self.device, int(spec.options.get("eplb_min_stage_steps", 0)))
         return Speculator(self, draft, spec.num_blocks, spec.block_size, spec.max_num_seqs, spec.seed,
                           adaptive=bool(spec.options.get("spec_adaptive", False)), lockstep=lockstep,
-                          placements=placements)
+                          placements=placements, fast_runner=None if lockstep else self._draft_runner(spec, own_layers))
 
     def _kv_endpoint(self, spec: RuntimeSpec):
         """P/D: the pool lives in (or is registered with) a KV transport."""

@@ -265,6 +265,48 @@ def test_padded_expert_dispatch_on_the_fast_path_follows_exact_dispatch():
             assert np.array_equal(b.expert_counts.sum(-1), a.expert_counts.sum(-1))
 
 
+def _serve(rt, prompts, *, spec_tokens=0, max_tokens=10) -> dict[int, list[int]]:
+    """Greedy tokens of each prompt, served through a SchedulerCore of its own (speculative
+    decodes of 1 + ``spec_tokens`` tokens when > 0)."""
+    cfg = SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                          max_model_len=256, async_scheduling=False, num_spec_tokens=spec_tokens)
+    core = SchedulerCore(cfg, BlockHasher(b"k", BS))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(Request(id=i, prompt=np.asarray(p, np.int32), params=params))
+        rt.add_requests(NewRequests([i], [0.0], [1.0], [-1], [-1], [-1]))
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    step = 0
+    while core.has_work():
+        plan = core.schedule(float(step))
+        if plan.num_reqs:
+            res = rt.execute(plan)
+            offs = np.concatenate([[0], np.cumsum(res.num_sampled)])
+            for j, rid in enumerate(plan.req_ids.tolist()):
+                out[rid] += res.token_ids[offs[j]:offs[j + 1]].tolist()
+            core.update(plan, res, float(step))
+        step += 1
+    return {i: t[:max_tokens] for i, t in out.items()}
+
+
+def test_speculation_on_the_fast_path_replays_verify_and_draft_passes_as_graphs():
+    """With a draft on the fast path, a verify (the last token and its drafts, per request)
+    and the draft's passes run as decode rows through the graph path's padded buffers, sized
+    by tokens; prefill chunks run eagerly. Greedy tokens equal the fast path's without
+    speculation."""
+    plain = _runtime(fast=True, cuda_graphs="padded", compile=False)
+    spec = _runtime(fast=True, cuda_graphs="padded", compile=False, draft_model="layers:1", num_spec_tokens=2)
+    assert spec.runner.sizes[-1] == 16 and spec.spec.runner.sizes[-1] == 8  # 4 requests x (1 + 2), x 2
+    assert spec.spec.runner.tables is spec.runner.tables
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    want = _serve(plain, prompts)
+    replays, draft_replays = spec.runner.replays, spec.spec.runner.replays
+    got = _serve(spec, prompts, spec_tokens=2)
+    assert got == want
+    assert spec.runner.replays > replays and spec.spec.runner.replays > draft_replays
+    assert spec.spec.draft_passes > 0
+
+
 def test_sample_on_device_greedy_seeded_and_distribution():
     g = torch.Generator(device=DEV).manual_seed(0)
     logits = torch.randn(6, 50, generator=g, device=DEV)

@@ -1,0 +1,181 @@
+"""Speculative decoding on the GPU through the whole engine: the v2-lite target with and
+without a draft, measured, not modeled (issue 9's H200 comparison).
+
+Each setting runs in a process of its own (one engine per process): the v2-lite shape
+(bf16, random weights drawn on the device) on the fast path, decode steps as CUDA graphs.
+With a draft, the runtime's verify (the last token and its k drafts, per request) and the
+draft's passes replay graphs sized by tokens. The draft is ``layers:N``: the target's own
+first N layers with its embeddings and head (self-speculation, sharing the weights), the one
+draft a random-weight target has whose proposals can agree with it.
+
+For each concurrency c in --concurrency: c requests at once (random prompts of --prompt
+tokens, greedy, --output tokens each, EOS ignored); output tokens/s over the wall time of the
+batch (median of --repeat), TPOT, and the speculation counters over those requests
+(acceptance per position, mean accepted drafts). Greedy tokens with a draft are compared with
+the plain run's, request by request, up to each one's first difference (bf16 near-ties may
+part them: a verify of 1 + k rows sums in another order than a one-row decode).
+
+    python3 benchmarks/gpu/bench_spec_gpu.py --drafts layers:2,layers:4 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from _common import emit  # noqa: E402
+
+
+async def serve(args, draft: str) -> dict:
+    import trio
+
+    from lockstep.api import open_engine
+    from lockstep.engine.config import EngineConfig
+    from lockstep.policy.config import SchedulerConfig
+    from lockstep.policy.request import SamplingParams
+
+    most = max(args.concurrency)
+    sched = SchedulerConfig(num_blocks=args.blocks, max_num_seqs=most, max_num_batched_tokens=8192,
+                            max_model_len=args.prompt + args.output + 64)
+    opts = {"init_on_device": args.device == "cuda", "capture_len": args.prompt + args.output + 64}
+    if args.layers:
+        opts["preset_overrides"] = {"num_hidden_layers": args.layers}
+    if args.device == "cpu":  # checks the script: the graph path's buffers, kernels interpreted
+        opts.update(fast=True, cuda_graphs="padded", compile=False, preset_overrides={"num_hidden_layers": 2})
+    extra = dict(draft_model=draft, num_spec_tokens=args.k) if draft else {}
+    cfg = EngineConfig(model=args.model if args.device == "cuda" else "tiny", device=args.device,
+                       dtype="bfloat16", tokenizer=None, scheduler=sched, runtime_options=opts, **extra)
+    rng = np.random.default_rng(args.seed)
+    params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    rows, tokens = [], {}
+    t_load = time.perf_counter()
+    async with open_engine(cfg) as engine:
+        load_s = time.perf_counter() - t_load
+        await engine.complete(rng.integers(10, 500, 16).astype(np.int32), SamplingParams(max_tokens=4))  # warm
+        for c in args.concurrency:
+            runs, first = [], None
+            for rep in range(args.repeat):
+                prompts = [np.random.default_rng([args.seed, c, i]).integers(10, 500, args.prompt).astype(np.int32)
+                           for i in range(c)]
+                before = engine.spec_statistics() if draft else None
+                out = [None] * c
+                t0 = time.perf_counter()
+
+                async def one(i):
+                    out[i] = await engine.complete(prompts[i], params)
+                async with trio.open_nursery() as n:
+                    for i in range(c):
+                        n.start_soon(one, i)
+                wall = time.perf_counter() - t0
+                n_out = sum(len(o.token_ids) for o in out)
+                tpot = [(o.e2e_s - o.ttft_s) / max(len(o.token_ids) - 1, 1) for o in out]
+                runs.append({"tokens_per_s": n_out / wall, "tpot_ms": 1e3 * float(np.median(tpot)),
+                             "spec": _delta(before, engine.spec_statistics()) if draft else None})
+                if first is None:
+                    first = [o.token_ids.tolist() for o in out]
+            mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+            tokens[c] = first
+            row = {"draft": draft or "none", "k": args.k if draft else 0, "concurrency": c,
+                   "tokens_per_s": mid["tokens_per_s"], "tpot_ms": mid["tpot_ms"],
+                   "all_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+            if draft:
+                sp = mid["spec"]
+                row.update(mean_accepted=sp["accepted_tokens"] / max(sp["drafts"], 1),
+                           acceptance=sp["accepted_tokens"] / max(sp["draft_tokens"], 1),
+                           per_position=[a / max(sp["drafts"], 1) for a in sp["accepted_per_position"]])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return {"rows": rows, "tokens": {str(c): t for c, t in tokens.items()}, "load_s": load_s}
+
+
+def _delta(a: dict, b: dict) -> dict:
+    """The counters' growth between two spec_statistics snapshots."""
+    out = {}
+    for key in ("drafts", "draft_tokens", "accepted_tokens"):
+        out[key] = b[key] - a[key]
+    out["accepted_per_position"] = [y - x for x, y in zip(a["accepted_per_position"], b["accepted_per_position"])]
+    return out
+
+
+def compare(plain: dict, other: dict) -> dict:
+    same = total = whole = seqs = 0
+    for c, seq in plain["tokens"].items():
+        for x, y in zip(seq, other["tokens"].get(c, [])):
+            k = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+            same, total, whole, seqs = same + k, total + len(x), whole + (k == len(x)), seqs + 1
+    return {"tokens_before_first_difference": same, "tokens": total, "sequences_equal": whole, "sequences": seqs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default="v2-lite")
+    ap.add_argument("--layers", type=int, default=0, help="cut the target to this many layers (0: all)")
+    ap.add_argument("--drafts", default="layers:2", help="comma-separated drafts to run besides no draft")
+    ap.add_argument("--k", type=int, default=3, help="drafts per decode")
+    ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--blocks", type=int, default=8192)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda", help="cpu: checks the script on the tiny model")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per setting's process")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: run this draft ("" for none), print JSON
+    args = ap.parse_args()
+    if args.one is not None:
+        import trio
+
+        print("RESULT " + json.dumps(trio.run(serve, args, args.one)), flush=True)
+        return
+    results = {}
+    for draft in [""] + [d for d in args.drafts.split(",") if d]:
+        cmd = [sys.executable, "-u", __file__, "--one", draft] + [a for a in sys.argv[1:] if a != "--json"]
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=os.environ)
+        except subprocess.TimeoutExpired as e:
+            print(f"draft {draft or 'none'}: timed out after {args.timeout:.0f} s\n{(e.stdout or b'')[-2000:]!r}",
+                  flush=True)
+            continue
+        got = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+        if p.returncode or not got:
+            print(f"draft {draft or 'none'}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
+            continue
+        results[draft] = json.loads(got[-1][len("RESULT "):])
+        print(f"draft {draft or 'none'}: {time.perf_counter() - t0:.0f} s (engine start {results[draft]['load_s']:.0f} s)",
+              flush=True)
+    rows, info = [], {}
+    plain = results.get("")
+    base = {r["concurrency"]: r["tokens_per_s"] for r in plain["rows"]} if plain else {}
+    for draft, res in results.items():
+        for r in res["rows"]:
+            b = base.get(r["concurrency"])
+            rows.append({**{k: v for k, v in r.items() if k != "all_tokens_per_s"},
+                         "speedup": r["tokens_per_s"] / b if b and draft else float("nan")})
+        if draft and plain:
+            info[f"greedy_vs_plain_{draft}"] = compare(plain, res)
+            print(draft, "greedy vs plain:", info[f"greedy_vs_plain_{draft}"], flush=True)
+    best = max((r for r in rows if r["draft"] != "none"), key=lambda r: r["speedup"], default=None)
+    emit("bench_spec_gpu", rows, {
+        "metric": f"output tokens/s with speculation ({best['draft']}, k={best['k']}, concurrency "
+                  f"{best['concurrency']})" if best else "output tokens/s with speculation",
+        "unit": "tokens/s", "value": best["tokens_per_s"] if best else float("nan"),
+        "baseline": {"name": "the same engine without a draft, same run",
+                     "value": base.get(best["concurrency"], float("nan")) if best else float("nan")},
+        "ratio": best["speedup"] if best else float("nan"),
+        "target": "the comparison (issue 9 gives no figure)", "meets_target": bool(best), **info,
+    }, args.json)
+
+
+if __name__ == "__main__":
+    main()
