@@ -18,7 +18,8 @@ block-scaled expert weights for fused MoE), ``ep_dispatch`` (expert parallelism:
 the default on the fast path without a draft model, or ``exact``; see
 ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
-size) as a CUDA graph, all-to-alls included; other steps use exact dispatch.
+size) as a CUDA graph, all-to-alls included; other steps use exact dispatch. Expert
+placement options (``eplb_min_stage_steps``, ``eplb_copy_all``): see ``_place_experts``.
 """
 
 from __future__ import annotations
@@ -283,7 +284,10 @@ class TorchRuntime:
     def _place_experts(self, spec: RuntimeSpec):
         """Physical expert slots: always with expert parallelism, and on one rank when the
         engine balances experts (it then sets options["redundant_experts"], maybe 0). Spare
-        storage (a second entry per slot, so any new placement fits) only when balancing."""
+        storage (a second entry per slot, so any new placement fits) only when balancing.
+        Option ``eplb_copy_all`` (benchmarks and tests): a switch copies every expert that
+        changes slot from host memory, as a rank copies one it lacked (see
+        ``models.expert_parallel``); one rank, which holds every expert, otherwise copies none."""
         balancing = "redundant_experts" in spec.options
         if self.world == 1 and not balancing:
             return None
@@ -296,7 +300,8 @@ class TorchRuntime:
         topo = Topology(e, e + int(spec.options.get("redundant_experts", 0)), self.world)
         layers = shard_experts(self.model, naive(topo, len(self.moe_layers)).phy2log, spec.rank, self.world,
                                spare=topo.slots_per_rank if balancing else 0,
-                               split=str(spec.options.get("expert_token_split", "even")))
+                               split=str(spec.options.get("expert_token_split", "even")),
+                               copy_all=bool(spec.options.get("eplb_copy_all", False)))
         return ExpertPlacements(layers, self.device, int(spec.options.get("eplb_min_stage_steps", 0)))
 
     def new_placement(self, msg: NewPlacement) -> None:

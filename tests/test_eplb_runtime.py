@@ -1,7 +1,7 @@
 """The expert load balancer's runtime side: physical expert slots and replica dispatch, new
 placements staged in the background and switched at a step boundary, the balancer policy,
 DEP2 on CPU rebalancing mid-generation with greedy tokens unchanged, and again after a rank
-died."""
+died; one rank switching placements mid-generation."""
 
 import importlib.util
 import os
@@ -19,6 +19,7 @@ from lockstep.engine.config import EngineConfig
 from lockstep.engine.runtime_client import RuntimeDied
 from lockstep.policy.config import ConfigError
 from lockstep.policy.eplb import Placement, Topology, naive, plan
+from lockstep.policy.eplb_align import moves
 from lockstep.policy.rebalance import EplbConfig, Rebalancer
 from lockstep.policy.request import SamplingParams
 from lockstep.runtime.models.expert_parallel import ShardedExperts, choose_slots
@@ -129,6 +130,22 @@ def test_copies_land_in_spare_entries_only():
     assert layer.tables.store_of.tolist()[2:] == [2, 4, 3]  # kept experts never move in memory
     with pytest.raises(ValueError, match="two replicas"):
         layer.prepare(np.array([0, 0, 2, 4, 3, 5, 1, 7, 6, 2]))
+
+
+def test_copy_all_copies_every_expert_that_changes_slot_into_spare_entries():
+    """One rank holds every expert, so a new order of its slots copies nothing; with
+    ``copy_all`` each expert that changes slot is copied in as if it came from elsewhere."""
+    x, w, ids = routed()
+    want = moe_layer().experts(x, w, ids)
+    swap = np.array([0, 6, 2, 3, 4, 5, 1, 7])  # experts 1 and 6 trade slots
+    assert ShardedExperts(moe_layer().experts, np.arange(8), rank=0, world=1, spare=8).prepare(swap).copies == []
+    layer = ShardedExperts(moe_layer().experts, np.arange(8), rank=0, world=1, spare=8, copy_all=True)
+    staged = layer.prepare(swap)
+    assert sorted(e for _, e in staged.copies) == [1, 6] and all(entry >= 8 for entry, _ in staged.copies)
+    layer.copy_in(staged)
+    layer.switch(staged)
+    assert layer.tables.store_np.tolist() == [0, staged.copies[0][0], 2, 3, 4, 5, staged.copies[1][0], 7]
+    assert torch.equal(layer(x, w, ids), want)
 
 
 # -- the balancer policy ------------------------------------------------------------------------
@@ -260,11 +277,11 @@ def test_proportional_split_levels_the_gpus_holding_replicas():
     assert loads["proportional"] > loads["even"] + 0.1  # 0.855 against 0.733
 
 
-def _check_switch(log: list, gen: int) -> None:
+def _check_switch(log: list, gen: int, ranks: tuple[int, ...] = (0, 1)) -> None:
     """Steps went on while the copy ran, and the ranks switched together, at a step boundary
     after every rank had said it was ready: no step waited for the copy."""
     first_plan = next(i for i, e in enumerate(log) if e[0] == "plan" and e[2] >= gen)
-    for r in (0, 1):
+    for r in ranks:
         ready_at = next(i for i, e in enumerate(log) if e[0] == "result" and e[1] == r and e[3] >= gen)
         assert ready_at < first_plan
         plans = [e for e in log if e[0] == "plan" and e[1] == r]
@@ -277,6 +294,96 @@ def _check_switch(log: list, gen: int) -> None:
         assert gens == sorted(gens)
     switched = [e for e in log if e[0] == "plan" and e[2] >= gen]
     assert any(not e[4] for e in switched)  # real tokens ran on the new placement (mid-generation)
+
+
+# -- one rank ------------------------------------------------------------------------------------
+def _swap_hot_and_cold(policy: Rebalancer, pairs: int = 2) -> list[np.ndarray]:
+    """One rank holds every expert once (a GPU holds one replica of an expert: no redundant
+    slots), so the planner has nothing to balance and moves nothing. Hand out instead the
+    placement in use with the slots of each layer's ``pairs`` hottest and coldest experts
+    swapped (what ``bench_multi_gpu.py --dep 1`` does). Returns the list the placements
+    handed out are appended to (phy2log, in generation order)."""
+    inner, inner_adopt, handed = policy.plan, policy.adopt, []
+
+    def swapped(load):
+        new, old = inner(load), policy.placement.phy2log
+        assert not len(new.moves)
+        p2l = old.copy()
+        for row, w in zip(p2l, load):
+            order, slot = np.argsort(-w, kind="stable"), np.argsort(row)
+            a, b = slot[order[:pairs]], slot[order[::-1][:pairs]]
+            row[a], row[b] = row[b].copy(), row[a].copy()
+        return attrs.evolve(new, placement=Placement.from_phy2log(p2l, policy.topo.experts), moves=moves(old, p2l))
+
+    def adopt(new):
+        gen = inner_adopt(new)
+        if gen is not None:
+            handed.append(new.placement.phy2log)
+        return gen
+    policy.plan, policy.adopt = swapped, adopt
+    return handed
+
+
+def _replay_copies(cfg: EngineConfig, placements: list[np.ndarray]) -> int:
+    """The expert copies a runtime started as ``cfg``'s makes to switch through
+    ``placements`` in turn (the engine's runtime is another process, so a second one here
+    replays them), checking that every slot then reads its expert's weights."""
+    from lockstep.runtime.torch_runtime import TorchRuntime
+
+    rt = TorchRuntime()
+    rt.load(cfg.runtime_spec(options={**cfg.runtime_options, "threads": torch.get_num_threads()}))
+    n = 0
+    for p2l in placements:
+        for layer, row in zip(rt.placements.layers, p2l):
+            staged = layer.prepare(row)
+            n += len(staged.copies)
+            layer.copy_in(staged)
+            layer.switch(staged)
+            for entry, e in zip(layer.tables.store_np, row):
+                assert torch.equal(layer.gate_up_proj[entry], layer._source[0][e])
+                assert torch.equal(layer.down_proj[entry], layer._source[1][e])
+    rt.shutdown()
+    return n
+
+
+@pytest.mark.parametrize("dispatch, copy_all", [("exact", False), ("padded", False), ("padded", True)])
+async def test_one_rank_switches_placements_mid_generation_with_greedy_tokens_unchanged(dispatch, copy_all):
+    """One rank with the balancer on and skewed routing: placements handed out mid-generation
+    are staged while steps go on and switched at a step boundary; greedy tokens equal a run
+    without the balancer. With padded dispatch the one-rank scheduler marks decode-only steps
+    as the DP sync of a DEP instance would (the runtime then pads them: CUDA graphs on a GPU).
+    With runtime option ``eplb_copy_all`` every switch copies the experts that change slot
+    (one rank's share of a DEP switch), and tokens still do not change."""
+    ps = E.prompts()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    skewed = {"expert_skew": 1.0}
+    async with open_engine(E.config(tokenizer=None, runtime_options=skewed)) as engine:
+        want = await greedy_all(engine, ps, params)
+    cfg = E.config(tokenizer=None, eplb=EplbConfig(redundant_experts=0, window_steps=3),
+                   runtime_options={**skewed, "eplb_min_stage_steps": HOLD, "ep_dispatch": dispatch,
+                                    "eplb_copy_all": copy_all})
+    log, plans = [], []
+    async with open_engine(cfg) as engine:
+        handed = _swap_hot_and_cold(engine.balancer.policy)
+        s = engine.schedulers[0]
+        s.on_plan = lambda p: (log.append(("plan", 0, p.placement_gen, s.placement_status().forwarded, p.is_dummy)),
+                               plans.append(p))
+        s.on_result = lambda p, res: log.append(("result", 0, p.placement_gen, res.placement_ready))
+        got = await greedy_all(engine, ps, params)
+        stats, status = engine.balancer_statistics(), s.placement_status()
+    assert got == want
+    assert stats.generation >= 1 and stats.moved_experts > 0 and status.running >= 1
+    _check_switch(log, gen=1, ranks=(0,))
+    # Mid-generation: a request decoded on the initial placement and then on a new one.
+    before = {int(r) for p in plans if p.placement_gen == 0 for r in p.req_ids}
+    after = {int(r) for p in plans if p.placement_gen >= 1 for r in p.req_ids}
+    assert before & after
+    decodes = [p for p in plans if p.num_reqs and p.num_new.max() <= 1]
+    assert decodes and all(p.uniform_decode for p in decodes)
+    assert not any(p.uniform_decode for p in plans if p.num_reqs and p.num_new.max() > 1)
+    # One copy per slot whose expert changed with the option, none without it.
+    assert len(handed) == stats.generation
+    assert _replay_copies(cfg, handed) == (stats.moved_experts if copy_all else 0)
 
 
 async def test_dep2_rebalancing_starts_over_after_a_rank_dies():

@@ -14,7 +14,17 @@
    staged, not yet running) and after; balancedness (mean/max tokens per GPU, averaged over
    MoE layers) of the initial placement and of each new one on the window it was planned
    on, and of the running placement on the next window (what the change bought on fresh
-   traffic); seconds from a plan being handed out to every rank running it.
+   traffic); seconds from a plan being handed out to every rank running it. ``--dep`` sets
+   the ranks (default: every GPU; NCCL takes one rank per GPU). With ``--dep 1`` there are
+   no redundant slots (a GPU holds one replica of an expert) and nothing to balance, so the
+   planner moves nothing: the run then hands out placements of its own instead, each
+   swapping the slots of the window's ``--rb-swaps`` hottest and coldest experts per layer,
+   to time switches at step boundaries on one GPU. The rank holds every expert, so on its
+   own such a switch would copy no weights (only the slot tables change); the run sets the
+   runtime option ``eplb_copy_all``, so every expert that changes slot is copied from pinned
+   host memory on a side stream while decoding goes on, as a DEP rank copies an expert it
+   lacked: one rank's share of a DEP switch. The row counts the expert copies (and bytes)
+   of the placements that were switched to.
 
 --parts picks some of dep, pd, rebalance. --json prints one JSON object last.
 """
@@ -39,26 +49,44 @@ sys.path.insert(0, str(HERE))
 from _common import emit  # noqa: E402
 
 
+def expert_copies(old: np.ndarray, new: np.ndarray, ranks: int, *, copy_all: bool) -> int:
+    """Expert weight copies the ranks make to switch from placement ``old`` to ``new``
+    (layers, slots), by ``ShardedExperts.prepare``'s rule: a rank copies each expert it
+    lacked, and with ``copy_all`` each expert that changes slot."""
+    k, n = old.shape[1] // ranks, 0
+    for a, b in zip(old.reshape(-1, k), new.reshape(-1, k)):  # (layer, rank) rows
+        n += int((a != b).sum()) if copy_all else len(set(b.tolist()) - set(a.tolist()))
+    return n
+
+
 async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: int, skew: float, window: int,
-                    redundant: int, *, model: str = "v2-lite", device: str = "cuda") -> dict:
+                    redundant: int, *, model: str = "v2-lite", device: str = "cuda", dispatch: str = "padded",
+                    swaps: int = 4) -> dict:
+    """``dispatch``: the runtimes' expert dispatch ("padded": decode steps as CUDA graphs on a
+    GPU; "exact"). ``swaps``: with one rank, the hottest / coldest expert pairs of each MoE
+    layer whose slots each handed-out placement swaps (the planner moves nothing there)."""
+    import attrs
     import trio
 
     from lockstep.api import open_engine
     from lockstep.engine.config import EngineConfig
     from lockstep.policy.config import SchedulerConfig
-    from lockstep.policy.eplb import evaluate
+    from lockstep.policy.eplb import Placement, evaluate
+    from lockstep.policy.eplb_align import moves
     from lockstep.policy.rebalance import EplbConfig
     from lockstep.policy.request import SamplingParams
+    from lockstep.runtime.models.config import preset
 
     sched = SchedulerConfig(num_blocks=16384, max_num_seqs=per_rank, max_num_batched_tokens=16384, max_model_len=4096)
     cfg = EngineConfig(model=model, device=device, dtype="bfloat16" if device != "cpu" else "float32", dep=dep,
                        tokenizer=None, scheduler=sched, eplb=EplbConfig(redundant_experts=redundant, window_steps=window),
                        runtime_options={"preset_overrides": {"num_hidden_layers": layers}, "expert_skew": skew,
-                                        "init_on_device": device != "cpu"})
+                                        "init_on_device": device != "cpu", "ep_dispatch": dispatch,
+                                        "eplb_copy_all": dep == 1})
     rng = np.random.default_rng(2)
     prompts = [rng.integers(10, 500, prompt).astype(np.int32) for _ in range(per_rank * dep)]
     params = SamplingParams(max_tokens=output, ignore_eos=True)
-    steps, plans, handed = [], [], {}
+    steps, plans, handed, copies = [], [], {}, {}
     async with open_engine(cfg) as engine:
         policy_holder = engine.balancer
         s0 = engine.schedulers[0]
@@ -67,18 +95,35 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
         pol = policy_holder.policy
         inner_plan, inner_adopt = pol.plan, pol.adopt
 
+        def swapped(load, new):
+            """One rank: the current placement with the slots of the ``swaps`` hottest and
+            coldest experts of each layer swapped (a GPU's own order changes nothing)."""
+            p2l, n = pol.placement.phy2log.copy(), min(swaps, pol.topo.experts // 2)
+            for row, w in zip(p2l, load):
+                order = np.argsort(-w, kind="stable")
+                hot, cold = order[:n], order[::-1][:n]
+                a, b = np.argsort(row)[hot], np.argsort(row)[cold]  # their slots (one each)
+                row[a], row[b] = row[b].copy(), row[a].copy()
+            placement = Placement.from_phy2log(p2l, pol.topo.experts)
+            return attrs.evolve(new, placement=placement, moves=moves(pol.placement.phy2log, p2l),
+                                balancedness=evaluate(placement, load, pol.topo))
+
         def plan(load):
             current = pol.placement
             new = inner_plan(load)
+            if dep == 1 and swaps:
+                new = swapped(load, new)
             plans.append({"before": float(evaluate(current, load, pol.topo).mean),
                           "planned": float(new.balancedness.mean), "moves": len(new.moves),
                           "gen_running": int(pol.gen)})
             return new
 
         def adopt(new):
+            old = pol.placement.phy2log
             gen = inner_adopt(new)
             if gen is not None:
                 handed[gen] = time.perf_counter()
+                copies[gen] = expert_copies(old, new.placement.phy2log, dep, copy_all=dep == 1)
             return gen
         pol.plan, pol.adopt = plan, adopt
         await engine.complete(prompts[0][:8], SamplingParams(max_tokens=2))  # warm up
@@ -114,14 +159,19 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
     first_switch = switched.get(1, float("inf"))
     after, n_after = ms(lambda t, g: t >= first_switch and not during(t))
     lag = [switched[g] - handed[g] for g in handed if g in switched]
+    copied = sum(copies[g] for g in handed if g in switched)
+    c = preset(model)
+    expert_bytes = 3 * c.hidden_size * c.moe_intermediate_size * (2 if device != "cpu" else 4)
     return {"dep": dep, "gpus": dep, "layers": layers, "requests": len(prompts), "expert_skew": skew,
-            "redundant_slots": redundant, "window_steps": window, "output_tokens_per_s": tokens / wall,
+            "redundant_slots": redundant, "window_steps": window, "dispatch": dispatch,
+            "forced_swaps": swaps if dep == 1 else 0, "output_tokens_per_s": tokens / wall,
             "step_ms_before": before, "steps_before": n_before, "step_ms_during": dur, "steps_during": n_dur,
             "step_ms_after": after, "steps_after": n_after,
             "balancedness_initial": plans[0]["before"] if plans else float("nan"),
             "balancedness_planned": plans[0]["planned"] if plans else float("nan"),
             "balancedness_next_window": plans[1]["before"] if len(plans) > 1 else float("nan"),
             "generations": stats.generation if stats else 0, "moved_experts": stats.moved_experts if stats else 0,
+            "switches": len(lag), "expert_copies": copied, "copied_gb": copied * expert_bytes / 1e9,
             "switch_s_median": float(np.median(lag)) if lag else float("nan"), "plans": plans}
 
 
@@ -135,9 +185,15 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--skew", type=float, default=1.0)
     ap.add_argument("--window", type=int, default=40, help="rebalancing window, steps")
-    ap.add_argument("--redundant", type=int, default=16)
+    ap.add_argument("--redundant", type=int, default=None,
+                    help="redundant expert slots in the rebalancing run (default 16; 0 with --dep 1)")
     ap.add_argument("--rb-output", type=int, default=256, help="tokens per request in the rebalancing run")
     ap.add_argument("--dispatch", default="padded,exact", help="DEP-n expert dispatches to run, in order")
+    ap.add_argument("--dep", type=int, default=0, help="ranks of the rebalancing run (default: every GPU)")
+    ap.add_argument("--dispatch-rb", choices=("padded", "exact"), default="padded",
+                    help="expert dispatch of the rebalancing run (padded: decode steps as CUDA graphs)")
+    ap.add_argument("--rb-swaps", type=int, default=4,
+                    help="--dep 1: hottest/coldest expert pairs per layer each handed-out placement swaps")
     ap.add_argument("--pd-args", default="", help="extra arguments for bench_pd, e.g. '--requests 32'")
     args = ap.parse_args()
     import torch
@@ -173,11 +229,20 @@ def main() -> None:
             print("pd trace:", r, flush=True)
             rows.append({"run": f"trace {mode}", **r})
     if "rebalance" in parts:
-        r = trio.run(rebalance, gpus, args.layers, args.per_rank, args.prompt, args.rb_output, args.skew, args.window,
-                     args.redundant)
+        import functools
+
+        dep = args.dep or gpus
+        if not 1 <= dep <= gpus:
+            ap.error(f"--dep {dep}: this host has {gpus} GPUs (one rank each)")
+        redundant = args.redundant if args.redundant is not None else (16 if dep > 1 else 0)
+        if dep == 1 and redundant:
+            ap.error("--dep 1 takes no redundant slots (a GPU holds one replica of an expert): --redundant 0")
+        r = trio.run(functools.partial(rebalance, dep, args.layers, args.per_rank, args.prompt, args.rb_output,
+                                       args.skew, args.window, redundant, dispatch=args.dispatch_rb,
+                                       swaps=args.rb_swaps))
         print("rebalance:", r, flush=True)
         info["rebalance_plans"] = r.pop("plans")
-        rows.append({"run": f"DEP{gpus} live rebalancing", **r})
+        rows.append({"run": f"DEP{dep} live rebalancing", **r})
     head = next((r for r in rows if r["run"] == "P/D KV transfer"), None)
     emit("bench_multi_gpu_h200", rows, {
         "metric": "KV tokens/s pulled GPU 0 -> GPU 1 over NIXL (VRAM to VRAM), v2-lite bf16",

@@ -14,9 +14,11 @@ pair's math does not depend on where it runs, so a placement changes speed, neve
 Slots read their weights through an indirection (slot -> storage entry). A new placement's
 missing experts are copied into storage entries that no slot of the active placement reads
 (``spare`` entries) while steps keep running on the active placement; switching is then
-replacing the tables, with no copy. torch.distributed carries the all-to-alls: Gloo on CPU,
-NCCL on GPU. Every rank must run every layer's collectives in every step, so a rank with no
-tokens (a dummy step) sends and receives empty buffers.
+replacing the tables, with no copy. (``copy_all``, for benchmarks and tests: an expert that
+changes slot is copied too, as if it arrived from another rank; one rank holds every expert,
+so only then does a switch there copy weights.) torch.distributed carries the all-to-alls:
+Gloo on CPU, NCCL on GPU. Every rank must run every layer's collectives in every step, so a
+rank with no tokens (a dummy step) sends and receives empty buffers.
 
 Two dispatches:
 - ``exact``: the ranks first exchange how many pairs each sends each, then exactly those
@@ -128,13 +130,13 @@ DISPATCHES = ("exact", "padded")
 
 class ShardedExperts(nn.Module):
     def __init__(self, experts: nn.Module, phy2log: np.ndarray, rank: int, world: int, *,
-                 spare: int = 0, group=None, split: str = "even", dispatch: str = "exact"):
+                 spare: int = 0, group=None, split: str = "even", dispatch: str = "exact", copy_all: bool = False):
         super().__init__()
         if split not in SPLITS:
             raise ValueError(f"expert token split must be one of {SPLITS}, got {split!r}")
         if dispatch not in DISPATCHES:
             raise ValueError(f"expert dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-        self.split, self.dispatch = split, dispatch
+        self.split, self.dispatch, self.copy_all = split, dispatch, copy_all
         self.pad_tokens = 0  # padded dispatch: tokens every rank's buffers hold this step
         phy2log = np.asarray(phy2log, dtype=np.int64)
         if len(phy2log) % world:
@@ -174,15 +176,19 @@ class ShardedExperts(nn.Module):
 
     def prepare(self, phy2log: np.ndarray) -> Staged:
         """What switching to ``phy2log`` takes here: an expert this rank holds now keeps its
-        storage entry (whichever slot it moves to); any other goes to a spare entry."""
+        storage entry (whichever slot it moves to); any other goes to a spare entry. With
+        ``copy_all`` only an expert that keeps its slot keeps its entry."""
         phy2log = np.asarray(phy2log, dtype=np.int64)
         if phy2log.shape != self.tables.phy2log.shape:
             raise ValueError(f"placement has {phy2log.shape} slots, this layer {self.tables.phy2log.shape}")
         new = self._own(phy2log).tolist()
         if len(set(new)) < len(new):
             raise ValueError(f"placement puts two replicas of one expert on rank {self.rank}: {new}")
-        held = dict(zip(self._own(self.tables.phy2log).tolist(), self.tables.store_np.tolist()))
-        spare = iter(sorted(set(range(len(self.gate_up_proj))) - set(held.values())))
+        old, entries = self._own(self.tables.phy2log).tolist(), self.tables.store_np.tolist()
+        held = dict(zip(old, entries))
+        spare = iter(sorted(set(range(len(self.gate_up_proj))) - set(entries)))  # none the active one reads
+        if self.copy_all:  # an expert that changes slot arrives as on a rank that lacked it
+            held = {e: s for e, s, n in zip(old, entries, new) if e == n}
         store, copies = [], []
         for e in new:
             if e not in held:
@@ -300,7 +306,8 @@ class ShardedExperts(nn.Module):
 
 
 def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, *, spare: int = 0,
-                  group=None, split: str = "even", dispatch: str = "exact") -> list[ShardedExperts]:
+                  group=None, split: str = "even", dispatch: str = "exact",
+                  copy_all: bool = False) -> list[ShardedExperts]:
     """Replace every MoE layer's experts by this rank's slots of ``phy2log`` (MoE layers,
     slots); the full weights stay only as the host-side source of later copies."""
     from .deepseek_v3 import MoE
@@ -310,5 +317,5 @@ def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, 
         raise ValueError(f"placement has {len(phy2log)} layers, the model {len(moe)} MoE layers")
     for mlp, row in zip(moe, phy2log):
         mlp.experts = ShardedExperts(mlp.experts, row, rank, world, spare=spare, group=group, split=split,
-                                     dispatch=dispatch)
+                                     dispatch=dispatch, copy_all=copy_all)
     return [mlp.experts for mlp in moe]

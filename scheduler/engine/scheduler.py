@@ -308,8 +308,14 @@ class Scheduler:
         ready, draft_ready = self._placement.ready, self._draft_placement.ready
         if self.group is None:
             if plan is not None:
-                if (plan.placement_gen, plan.draft_placement_gen) != (ready, draft_ready):
-                    plan = attrs.evolve(plan, placement_gen=ready, draft_placement_gen=draft_ready)
+                # What the DP sync sets on one rank: the placement to run and, with expert
+                # slots (the balancer on), whether the step only decodes (padded expert
+                # dispatch then runs it, as a CUDA graph on the fast path).
+                uniform = self.loads is not None and plan.num_reqs > 0 and int(plan.num_new.max()) <= 1
+                if (plan.placement_gen, plan.draft_placement_gen, plan.uniform_decode) != (ready, draft_ready,
+                                                                                          uniform):
+                    plan = attrs.evolve(plan, placement_gen=ready, draft_placement_gen=draft_ready,
+                                        uniform_decode=uniform)
                 self._send(plan)
             return plan is not None
         d = decide(await self.group.allreduce(self.rank, local_state(plan, ready_gen=ready,
