@@ -67,6 +67,25 @@ def skew_routing(model, skew: float, seed: int) -> None:
             gate.e_score_correction_bias.copy_((skew * spread * z).to(gate.e_score_correction_bias.device))
 
 
+def scale_layer_outputs(model, scale: float) -> None:
+    """Benchmarks only (runtime option ``layer_output_scale``): multiply every layer's output
+    projections (attention's o_proj, the MLPs' and experts' down projections) by ``scale``,
+    so each layer adds a smaller update to the residual stream. A random-weight model's
+    layers otherwise each rewrite its next-token choice, and a draft made of its first layers
+    (``layers:N``) agrees with it almost never; with a small scale the choice is mostly the
+    embeddings' and the head's, and a self-draft agrees often. Step times do not change."""
+    with torch.no_grad():
+        for layer in model.layers:
+            mlp = layer.mlp
+            outs = [layer.self_attn.o_proj.weight]
+            outs += [mlp.down_proj.weight] if hasattr(mlp, "down_proj") else [mlp.experts.down_proj]
+            shared = getattr(mlp, "shared_experts", None)
+            if shared is not None:
+                outs.append(shared.down_proj.weight)
+            for w in outs:
+                w.mul_(scale)
+
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
 
@@ -89,6 +108,9 @@ class TorchRuntime:
         skew = float(spec.options.get("expert_skew", 0.0))
         if skew:
             skew_routing(self.model, skew, spec.seed)
+        scale = float(spec.options.get("layer_output_scale", 1.0))
+        if scale != 1.0:
+            scale_layer_outputs(self.model, scale)
         self.world = spec.world_size
         if self.world > 1:
             self._join_group(spec)
