@@ -53,8 +53,13 @@ async def serve(args, draft: str, scale: float) -> dict:
                             max_model_len=args.prompt + args.output + 64)
     opts = {"init_on_device": args.device == "cuda", "capture_len": args.prompt + args.output + 64,
             "layer_output_scale": scale}
-    if args.layers:
-        opts["preset_overrides"] = {"num_hidden_layers": args.layers}
+    over = {"num_hidden_layers": args.layers} if args.layers else {}
+    if args.init_range:
+        over["initializer_range"] = args.init_range
+    if over:
+        opts["preset_overrides"] = over
+    if args.no_compile:
+        opts["compile"] = False
     if args.device == "cpu":  # checks the script: the graph path's buffers, kernels interpreted
         opts.update(fast=True, cuda_graphs="padded", compile=False, preset_overrides={"num_hidden_layers": 2})
     extra = dict(draft_model=draft, num_spec_tokens=args.k) if draft else {}
@@ -128,6 +133,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="cut the target to this many layers (0: all)")
     ap.add_argument("--runs", default="none@1,layers:2@1",
                     help="comma-separated DRAFT@SCALE settings (DRAFT 'none': no speculation)")
+    ap.add_argument("--init-range", type=float, default=0.0, help="the preset's initializer_range (0: its own)")
+    ap.add_argument("--no-compile", action="store_true", help="no torch.compile of the fast path's small ops")
     ap.add_argument("--k", type=int, default=3, help="drafts per decode")
     ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--prompt", type=int, default=256)
