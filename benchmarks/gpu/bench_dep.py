@@ -4,7 +4,14 @@
 2. The v2-lite shape (bf16, random weights, `--layers` of its 27 layers) through the whole
    engine: output tokens/s per GPU with DEP1 on one GPU and DEP2 on two, at `--per-rank`
    concurrent requests per rank, and the time each step spends in the ranks' per-step sync.
-   The all-to-all's own time is inside the runtime's step time (not split out yet).
+3. ``sweep`` (what bench_multi_gpu.py runs): one engine per process and DEP size, decoding
+   at each of several loads per rank in turn (64, 128, 256): the decode step (the runtime's,
+   rank 0, steps at the load's full batch), tokens/s per GPU, the per-step sync, and the
+   step's memory roofline for one rank (its non-expert weights, the routed experts its
+   tokens' pairs touch on it, its KV). The all-to-all runs inside the step's CUDA graph, so
+   ``alltoall`` times the collective alone on the padded dispatch's own buffers (three
+   exchanges per MoE layer: rows out, their expert entries, rows back), as NCCL runs it
+   between the ranks' processes.
 
 Runs on a machine with >= 2 GPUs (`nvidia-h200-x2`); NVLink multicast stays off.
 """
@@ -92,6 +99,137 @@ async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: 
             "sync_ms_per_step": 1e3 * float(np.median(sync)) if sync else 0.0}
 
 
+async def sweep(dep: int, layers: int, levels: list[int], prompt: int, output: int,
+                dispatch: str | None = None) -> list[dict]:
+    """One engine of ``dep`` ranks; per load c in ``levels``: c requests a rank decoding."""
+    sched = SchedulerConfig(num_blocks=32768, max_num_seqs=max(levels), max_num_batched_tokens=16384,
+                            max_model_len=prompt + output + 64)
+    opts = {"init_on_device": True, "capture_len": prompt + output + 64}
+    if layers:
+        opts["preset_overrides"] = {"num_hidden_layers": layers}
+    if dispatch:
+        opts["ep_dispatch"] = dispatch
+    cfg = EngineConfig(model="v2-lite", device="cuda", dtype="bfloat16", dep=dep, tokenizer=None, scheduler=sched,
+                       runtime_options=opts)
+    params = SamplingParams(max_tokens=output, ignore_eos=True)
+    rows = []
+    async with open_engine(cfg) as engine:
+        steps, sync = [], []
+        # decode-only steps: each request feeds one token
+        engine.schedulers[0].on_result = lambda p, r: p.num_tokens == p.num_reqs and steps.append((p.num_reqs,
+                                                                                                     r.gpu_s))
+        group = engine.schedulers[0].group
+        if group is not None:
+            inner = group.allreduce
+
+            async def timed(rank, values):
+                t = time.perf_counter()
+                try:
+                    return await inner(rank, values)
+                finally:
+                    if rank == 0:
+                        sync.append(time.perf_counter() - t)
+            group.allreduce = timed
+        rng = np.random.default_rng(1)
+        await engine.complete(rng.integers(10, 500, 8).astype(np.int32), SamplingParams(max_tokens=2))  # warm up
+        for c in levels:
+            prompts = [rng.integers(10, 500, prompt).astype(np.int32) for _ in range(c * dep)]
+            steps.clear()
+            sync.clear()
+            tokens = 0
+            t = time.perf_counter()
+
+            async def one(p):
+                nonlocal tokens
+                got = len((await engine.complete(p, params)).token_ids)
+                tokens += got
+            async with trio.open_nursery() as nursery:
+                for p in prompts:
+                    nursery.start_soon(one, p)
+            wall = time.perf_counter() - t
+            full = max((k for k, _ in steps), default=0)
+            decode = [g for k, g in steps if k >= 0.95 * full]  # the router may give a rank a few more or fewer
+            step = float(np.median(decode)) if decode else float("nan")
+            rows.append({"dep": dep, "per_rank": c, "requests": c * dep, "layers": layers or 27,
+                         "decode_step_ms": 1e3 * step, "decode_tokens_per_s_per_gpu": full / step,
+                         "output_tokens_per_s_per_gpu": tokens / wall / dep,
+                         "sync_ms_per_step": 1e3 * float(np.median(sync)) if sync else 0.0,
+                         "step_bytes_per_gpu": rank_bytes(layers, dep, full, prompt + output // 2)})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def rank_bytes(layers: int, dep: int, batch: int, ctx: int) -> float:
+    """Bytes one rank's decode step must read: bench_decode's step_bytes with the routed
+    experts its ``batch`` tokens touch on this rank (of the pairs of every rank's tokens,
+    the expected distinct experts among its 1/dep share of the experts)."""
+    from bench_decode import step_bytes
+
+    from lockstep.runtime.models import preset
+
+    cfg = preset("v2-lite", **({"num_hidden_layers": layers} if layers else {}))
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    local = e / dep
+    pairs = batch * dep * k / dep  # every rank's tokens' pairs for this rank's experts, even routing
+    touched = local * (1 - (1 - 1 / local) ** pairs)
+    return step_bytes(cfg, batch, ctx, touched)
+
+
+def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int, port: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res = {}
+    for pad in sizes:
+        rows = world * pad * top_k
+        x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
+        ids = torch.zeros(rows, dtype=torch.int64, device="cuda")
+        y, yi = torch.empty_like(x), torch.empty_like(ids)
+
+        def layer():
+            dist.all_to_all_single(y, x)
+            dist.all_to_all_single(yi, ids)
+            dist.all_to_all_single(x, y)
+        for _ in range(5):
+            layer()
+        times = []
+        for _ in range(30):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier()
+            a.record()
+            layer()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        res[pad] = float(np.median(times))
+    if rank == 0:
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def alltoall(world: int, sizes: list[int], *, hidden: int = 2048, top_k: int = 6) -> dict[int, float]:
+    """Seconds of one MoE layer's padded exchanges (rows out, entries, rows back) per
+    ``pad_tokens`` in ``sizes``, NCCL between ``world`` processes, one GPU each."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_a2a_worker, args=(r, world, sizes, hidden, top_k, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = q.get(timeout=300)
+    for p in procs:
+        p.join(timeout=60)
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", action="store_true")
@@ -99,7 +237,16 @@ def main() -> None:
     ap.add_argument("--per-rank", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--sweep-one", type=int, help="run `sweep` for this DEP size, print its rows as JSON")
+    ap.add_argument("--levels", default="64,128,256", help="requests per rank, for --sweep-one")
     args = ap.parse_args()
+    if args.sweep_one:
+        import json
+
+        rows = trio.run(sweep, args.sweep_one, args.layers, [int(x) for x in args.levels.split(",")], args.prompt,
+                        args.output)
+        print("RESULT " + json.dumps(rows), flush=True)
+        return
     g1, g2 = trio.run(greedy, 1), trio.run(greedy, 2)
     print("greedy DEP2 == DEP1:", g1 == g2, flush=True)
     rows = [trio.run(throughput, dep, args.layers, args.per_rank, args.prompt, args.output) for dep in (1, 2)]

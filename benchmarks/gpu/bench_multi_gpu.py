@@ -175,6 +175,48 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
             "switch_s_median": float(np.median(lag)) if lag else float("nan"), "plans": plans}
 
 
+def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
+    """DEP1 and DEP-n decoding at each load per rank, one engine per process; the
+    collective's own time per step; each row's fraction of its rank's memory roofline."""
+    import json
+    import subprocess
+
+    import bench_dep
+    from bench_decode import copy_bandwidth
+
+    levels = [int(x) for x in args.levels.split(",")]
+    got = {}
+    for dep in (1, gpus):
+        cmd = [sys.executable, "-u", str(HERE / "bench_dep.py"), "--sweep-one", str(dep), "--levels", args.levels,
+               "--layers", str(args.sweep_layers), "--prompt", str(args.prompt), "--output", str(args.output)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+        res = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+        if p.returncode or not res:
+            print(f"sweep DEP{dep}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
+            continue
+        got[dep] = json.loads(res[-1][len("RESULT "):])
+    bw = copy_bandwidth() / 2  # bytes read per second (the copy reads and writes each byte)
+    a2a = bench_dep.alltoall(gpus, levels) if gpus > 1 else {}
+    info["sweep_copy_read_bandwidth_GBps"] = bw / 1e9
+    from lockstep.runtime.models import preset
+
+    cfg = preset("v2-lite", **({"num_hidden_layers": args.sweep_layers} if args.sweep_layers else {}))
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    out = []
+    for dep, rows in got.items():
+        for r in rows:
+            step = r["decode_step_ms"] / 1e3
+            row = {"run": f"DEP{dep} sweep", **r, "roofline_ms": 1e3 * r["step_bytes_per_gpu"] / bw,
+                   "fraction_of_roofline": r["step_bytes_per_gpu"] / bw / step}
+            if dep > 1 and a2a:
+                pad = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= r["per_rank"]), r["per_rank"])
+                if str(pad) in a2a or pad in a2a:
+                    row["alltoall_ms_per_step"] = 1e3 * moe_layers * a2a.get(pad, a2a.get(str(pad)))
+            out.append(row)
+            print("sweep:", row, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
@@ -194,6 +236,8 @@ def main() -> None:
                     help="expert dispatch of the rebalancing run (padded: decode steps as CUDA graphs)")
     ap.add_argument("--rb-swaps", type=int, default=4,
                     help="--dep 1: hottest/coldest expert pairs per layer each handed-out placement swaps")
+    ap.add_argument("--levels", default="64,128,256", help="requests per rank of the sweep part")
+    ap.add_argument("--sweep-layers", type=int, default=0, help="v2-lite layers of the sweep (0: all 27)")
     ap.add_argument("--pd-args", default="", help="extra arguments for bench_pd, e.g. '--requests 32'")
     args = ap.parse_args()
     import torch
@@ -213,6 +257,8 @@ def main() -> None:
             r = trio.run(bench_dep.throughput, dep, args.layers, args.per_rank, args.prompt, args.output, dispatch)
             print("dep:", r, flush=True)
             rows.append({"run": f"DEP{dep} decode", **r})
+    if "sweep" in parts:
+        rows += dep_sweep(gpus, args, info)
     if "pd" in parts:
         import bench_pd
 
