@@ -210,6 +210,23 @@ async def test_dep2_ranks_step_in_lockstep_and_match_one_rank():
     assert any(d for _, d, _ in sent[0] + sent[1])
 
 
+async def test_a_burst_of_requests_spreads_over_the_dep_ranks():
+    """Requests that arrive together are routed before any rank has taken the previous
+    ones into its core: the router must count what it already sent each rank, or every one
+    of them sees the same loads and a burst lands on one rank."""
+    rng = np.random.default_rng(3)
+    burst = [rng.integers(3, 500, 40).astype(np.int32) for _ in range(12)]  # no shared prefix
+    seen = {0: set(), 1: set()}
+    async with open_engine(attrs_evolve(config(tokenizer=None), dep=2)) as engine:
+        for r, s in enumerate(engine.schedulers):
+            s.on_plan = lambda p, r=r: seen[r].update(p.req_ids.tolist())
+        async with trio.open_nursery() as n:
+            for p in burst:
+                n.start_soon(collect, engine, p, SamplingParams(max_tokens=2, ignore_eos=True))
+        assert [s.inbound for s in engine.schedulers] == [0, 0]
+    assert len(seen[0]) + len(seen[1]) == len(burst) and abs(len(seen[0]) - len(seen[1])) <= 2
+
+
 async def test_dep2_a_killed_rank_fails_the_group_cleanly_and_it_restarts():
     async with open_engine(attrs_evolve(config(tokenizer=None), dep=2)) as engine:
         pids = [s.client.ready.pid for s in engine.schedulers]

@@ -66,13 +66,16 @@ class Frontend:
                       cache_salt=p.cache_salt, eos_token_id=self.eos)
         rank = self._route(hashes)
         self.rank_of[p.req_id] = rank
+        self.schedulers[rank].inbound += req.prompt_len  # the rank takes it off when it takes the request
         await self.schedulers[rank].send_channel.send(Submit(req, p.stream))
 
     def _route(self, hashes) -> int:
+        """The rank for a prompt: by its ranks' loads counting what was routed to them and
+        is not in their cores yet (a burst routed on the cores' loads alone goes to one rank)."""
         if len(self.schedulers) == 1:
             return 0
-        cores = [s.core for s in self.schedulers]
-        return self.router.choose(hashes, [c.pool for c in cores], [c.load() for c in cores])
+        return self.router.choose(hashes, [s.core.pool for s in self.schedulers],
+                                  [s.core.load() + s.inbound for s in self.schedulers])
 
     def _prepare(self, p: Prompt):
         if isinstance(p.prompt, str):

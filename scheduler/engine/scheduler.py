@@ -113,6 +113,10 @@ class Scheduler:
         self.group, self.rank = group, rank  # the DEP instance this rank steps with, if any
         self.loads = loads  # the expert load balancer's mailbox, when it runs
         self.role = role  # the P/D side this rank plays (lockstep.engine.disagg), or None
+        # Prompt tokens the Frontend routed here that are not in the core yet (in the mailbox,
+        # or held by the pacer): the router counts them, or a burst of requests all see the
+        # same stale loads and go to one rank.
+        self.inbound = 0
         self._placement = PlacementStatus(0, 0, 0)
         self._draft_placement = PlacementStatus(0, 0, 0)  # a speculative draft's sharded experts
         self.streams: dict[int, RequestStream] = {}
@@ -249,6 +253,7 @@ class Scheduler:
     def _handle(self, msg, now: float) -> None:
         match msg:
             case Submit(req=req, stream=stream):
+                self.inbound -= req.prompt_len
                 if self.role is not None:
                     req = self.role.on_submit(req)
                 try:
