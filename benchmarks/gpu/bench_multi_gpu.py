@@ -195,9 +195,9 @@ def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
             print(f"sweep DEP{dep}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
             continue
         got[dep] = json.loads(res[-1][len("RESULT "):])
-    bw = copy_bandwidth() / 2  # bytes read per second (the copy reads and writes each byte)
+    bw = copy_bandwidth()  # bytes moved per second, as bench_decode's roofline counts them
     a2a = bench_dep.alltoall(gpus, levels) if gpus > 1 else {}
-    info["sweep_copy_read_bandwidth_GBps"] = bw / 1e9
+    info["sweep_copy_bandwidth_GBps"] = bw / 1e9
     from lockstep.runtime.models import preset
 
     cfg = preset("v2-lite", **({"num_hidden_layers": args.sweep_layers} if args.sweep_layers else {}))
