@@ -1,6 +1,7 @@
-"""Runs the torch runtime's forwards through the fast model path: decode-only steps replay a
-CUDA graph, anything else (prefill chunks, mixed steps, batches larger than the largest graph)
-runs eagerly.
+"""Runs the torch runtime's forwards through the fast model path: steps whose sequences each
+feed at most ``DECODE_MAX_NEW`` tokens (decodes, speculative verifies, draft passes) replay a
+CUDA graph; anything else (longer chunks, steps of more tokens than the largest graph, and
+with padded expert dispatch any step but a one-token-per-sequence decode) runs eagerly.
 
 State that lives on the device between steps: the block tables (one row per batch slot,
 updated with each plan's new block ids, never re-sent whole), and the graphs' input buffers
@@ -32,7 +33,7 @@ from .models.fast import DECODE_MAX_NEW, AttnPlan, FastDeepseek, FastInputs, len
 
 log = logging.getLogger(__name__)
 
-GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens; a runner keeps those up to its capacity
 _PAD = (0, 0, -1, 0)  # token id, position, KV slot, table row of a padding token
 
 
@@ -102,8 +103,8 @@ class FastRunner:
         return self.collective is None and int(hb.num_new.max()) <= DECODE_MAX_NEW
 
     def pad_size(self, tokens: int) -> int:
-        """The batch size a decode step of ``tokens`` sequences runs at: the next graph size,
-        or ``tokens`` beyond the largest."""
+        """The token count a graph step of ``tokens`` tokens runs at: the next graph size, or
+        ``tokens`` beyond the largest."""
         return next((s for s in self.sizes if s >= tokens), tokens)
 
     def _captured(self, key: tuple[int, int]) -> tuple[int, int] | None:
@@ -201,20 +202,20 @@ class FastRunner:
                 logits, counts = self.fast.forward(inp, self.kv)
         except Exception as e:  # noqa: BLE001 - recorded; this size then runs eagerly
             self.graph_errors[key] = f"{type(e).__name__}: {e}"
-            log.warning("CUDA graph capture for batch %d, context bound %d failed: %s", *key, self.graph_errors[key])
+            log.warning("CUDA graph capture for %d tokens, context bound %d failed: %s", *key, self.graph_errors[key])
             return None
         self._graphs[key] = (graph, logits, counts)
         return self._graphs[key]
 
     def graph_for(self, batch: int, max_len: int) -> torch.cuda.CUDAGraph | None:
-        """The captured graph a decode step of ``batch`` sequences up to ``max_len`` tokens
-        replays, if any (benchmarks time bare replays with it)."""
+        """The captured graph a decode step of ``batch`` one-token sequences up to ``max_len``
+        tokens of context replays, if any (benchmarks time bare replays with it)."""
         size = next((s for s in self.sizes if s >= batch), None)
         got = None if size is None else self._graphs.get((size, len_bucket(max_len, self.len_cap)))
         return None if got is None else got[0]
 
     def statistics(self) -> dict:
-        """Plain values (JSON-ready): graphs as "batch x context bound"."""
+        """Plain values (JSON-ready): graphs as "tokens x context bound"."""
         name = "{}x{}".format
         return {"graphs": [name(*k) for k in sorted(self._graphs)],
                 "graph_errors": {name(*k): v for k, v in self.graph_errors.items()},

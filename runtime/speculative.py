@@ -21,10 +21,13 @@ that the next step overwrites.
 The draft is a preset (random weights), a checkpoint directory, or ``layers:N``: the target's
 own first N layers with its embeddings and head (self-speculation; shares the weights).
 
-On the fast path (CUDA) both models run through their ``FastRunner``: every token of a
-verify or of a draft pass attends as a decode query of its own, so those passes replay CUDA
-graphs sized by tokens, as plain decode steps do; only passes holding prefill chunks run
-eagerly. The argmax of every greedy row of a pass reaches the host in one transfer.
+On the fast path (CUDA) the target, and a draft whose experts it holds itself (not a
+lockstep draft under DEP), run through their ``FastRunner``s: every token of a verify or of
+a draft pass attends as a decode query of its own, so a pass whose sequences each feed at
+most ``DECODE_MAX_NEW`` tokens replays a CUDA graph sized by tokens, as a plain decode step
+does (where the runner has graphs: not with exact expert dispatch); longer chunks and passes
+larger than the largest graph run eagerly. The argmax of every row of a pass reaches the
+host in one transfer (the greedy rows read it).
 
 With expert parallelism (DEP) the draft's routed experts are replicated on every rank
 (runtime option ``draft_experts`` "replicated", the default: a rank drafts on its own), or
@@ -219,6 +222,7 @@ class Speculator:
             self.draft_passes += 1
             if self.placements is not None:
                 logits, counts = self._run(model, kv, feed, sample_rows)
+                counts = counts.clone()  # a graph's output buffer, overwritten by its next replay
                 self._counts = counts if self._counts is None else self._counts + counts
                 return logits, counts
         return self._run(model, kv, feed, sample_rows)

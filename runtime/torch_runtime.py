@@ -9,7 +9,8 @@ Sampling settings arrive once per request (``NewRequests``) and are dropped on `
 Two paths run a step. The reference one (the model's own forward, host-side sampling) is
 what the CPU tests compare against float64 references. The fast one (default on CUDA for
 bfloat16/float16 models; runtime option ``fast``) runs ``models.fast`` through the Triton
-kernels via a ``FastRunner`` (device block tables, CUDA graphs for decode-only steps) and
+kernels via a ``FastRunner`` (device block tables, CUDA graphs for decode steps and
+speculative verifies) and
 samples on the device; only the sampled ids and expert counts cross to the host. Options:
 ``fast`` (bool), ``cuda_graphs`` (on/off/padded), ``cuda_graph_sizes`` (list),
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
@@ -24,6 +25,7 @@ placement options (``eplb_min_stage_steps``, ``eplb_copy_all``): see ``_place_ex
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -108,7 +110,13 @@ class TorchRuntime:
         skew = float(spec.options.get("expert_skew", 0.0))
         if skew:
             skew_routing(self.model, skew, spec.seed)
-        scale = float(spec.options.get("layer_output_scale", 1.0))
+        raw = spec.options.get("layer_output_scale", 1.0)
+        try:
+            scale = float(raw)
+        except (TypeError, ValueError):
+            scale = float("nan")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"runtime option layer_output_scale must be a finite number > 0, got {raw!r}")
         if scale != 1.0:
             scale_layer_outputs(self.model, scale)
         self.world = spec.world_size
@@ -177,9 +185,13 @@ class TorchRuntime:
         # Exact expert dispatch syncs the host inside every MoE layer: no graphs there.
         graphs = opts.get("cuda_graphs", "on" if cuda and (self.placements is None or self.ep_padded) else "off")
         graphs = {True: "on", False: "off"}.get(graphs, graphs)
-        # With a draft, a verify feeds 1 + k tokens a request: graphs sized for them.
+        # With a draft, a verify feeds 1 + k tokens a request: graphs sized for them (up to
+        # the most tokens a sequence may feed and still replay one).
+        from .models.fast import DECODE_MAX_NEW
+
         k = int(opts.get("num_spec_tokens", 3)) if opts.get("draft_model") else 0
-        return self._make_runner(fast, self.kv, spec, graphs, max_tokens=spec.max_num_seqs * (1 + k),
+        cap = min(spec.max_num_seqs * min(1 + k, DECODE_MAX_NEW), max(spec.max_num_seqs, 1024))  # logits: ~0.4 GB
+        return self._make_runner(fast, self.kv, spec, graphs, max_tokens=cap,
                                  collective=self._ep_mode if self.ep_padded else None)
 
     def _make_runner(self, fast, kv, spec: RuntimeSpec, graphs: str, *, max_tokens: int, collective=None,

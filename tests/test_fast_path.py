@@ -265,6 +265,21 @@ def test_padded_expert_dispatch_on_the_fast_path_follows_exact_dispatch():
             assert np.array_equal(b.expert_counts.sum(-1), a.expert_counts.sum(-1))
 
 
+@pytest.mark.parametrize("bad", [0, -0.5, float("nan"), "x"])
+def test_layer_output_scale_must_be_a_positive_number(bad):
+    with pytest.raises(ValueError, match="runtime option layer_output_scale must be a finite number > 0"):
+        _runtime(fast=False, layer_output_scale=bad)
+
+
+def test_layer_output_scale_scales_every_layer_output_projection():
+    """Benchmarks' knob: attention's o_proj and every down projection (dense MLP, routed and
+    shared experts) times the scale, nothing else."""
+    ref, scaled = _runtime(fast=False), _runtime(fast=False, layer_output_scale=0.5)
+    for a, b in zip(ref.model.named_parameters(), scaled.model.named_parameters()):
+        want = 0.5 if a[0].endswith(("o_proj.weight", "down_proj.weight", "down_proj")) else 1.0
+        assert torch.equal(b[1], a[1] * want), a[0]
+
+
 def _serve(rt, prompts, *, spec_tokens=0, max_tokens=10) -> dict[int, list[int]]:
     """Greedy tokens of each prompt, served through a SchedulerCore of its own (speculative
     decodes of 1 + ``spec_tokens`` tokens when > 0)."""
@@ -297,7 +312,7 @@ def test_speculation_on_the_fast_path_replays_verify_and_draft_passes_as_graphs(
     graphs = "on" if DEV == "cuda" else "padded"
     plain = _runtime(fast=True, cuda_graphs=graphs, compile=False)
     spec = _runtime(fast=True, cuda_graphs=graphs, compile=False, draft_model="layers:1", num_spec_tokens=2)
-    assert spec.runner.sizes[-1] == 16 and spec.spec.runner.sizes[-1] == 8  # 4 requests x (1 + 2), x 2
+    assert spec.runner.sizes[-1] == 16 and spec.spec.runner.sizes[-1] == 8  # 4 requests x (1 + 2) = 12, x 2
     assert spec.spec.runner.tables is spec.runner.tables
     prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
     want = _serve(plain, prompts)

@@ -185,6 +185,9 @@ def main() -> None:
             info[f"greedy_vs_plain_{draft}@{scale}"] = compare(results["", scale], res)
             print(f"{draft}@{scale} greedy vs plain:", info[f"greedy_vs_plain_{draft}@{scale}"], flush=True)
     best = max((r for r in rows if r["draft"] != "none"), key=lambda r: r["speedup"], default=None)
+    if best is not None:  # its own baseline: no draft at its scale (else at any)
+        plain = results.get(("", best["scale"])) or next((v for (d, _), v in results.items() if not d), None)
+        base = {r["concurrency"]: r["tokens_per_s"] for r in plain["rows"]} if plain else {}
     emit("bench_spec_gpu", rows, {
         "metric": f"output tokens/s with speculation ({best['draft']}@{best['scale']}, k={best['k']}, concurrency "
                   f"{best['concurrency']})" if best else "output tokens/s with speculation",

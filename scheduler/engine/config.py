@@ -201,7 +201,7 @@ class EngineConfig:
             options.setdefault("expert_token_split", self.eplb.token_split)
         if self.draft_model:
             options.setdefault("draft_model", self.draft_model)
-            options.setdefault("num_spec_tokens", self.num_spec_tokens)  # sizes the fast path's graphs
+            options.setdefault("num_spec_tokens", self.core_config().num_spec_tokens)  # sizes the fast path's graphs
             if self.spec_adaptive:
                 options.setdefault("spec_adaptive", True)
             if self.draft_experts != "replicated":
