@@ -9,8 +9,8 @@
    rank 0, steps at the load's full batch), tokens/s per GPU, the per-step sync, and the
    step's memory roofline for one rank (its non-expert weights, the routed experts its
    tokens' pairs touch on it, its KV). The all-to-all runs inside the step's CUDA graph, so
-   ``alltoall`` times the collective alone on the padded dispatch's own buffers (three
-   exchanges per MoE layer: rows out, their expert entries, rows back), as NCCL runs it
+   ``alltoall`` times the collective alone on the padded dispatch's own buffers (two
+   exchanges per MoE layer: rows out with their slots, as bytes; rows back), as NCCL runs it
    between the ranks' processes.
 
 Runs on a machine with >= 2 GPUs (`nvidia-h200-x2`); NVLink multicast stays off.
@@ -184,14 +184,13 @@ def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int
     res = {}
     for pad in sizes:
         rows = world * pad * top_k
+        out = torch.zeros(rows, 2 * hidden + 2, dtype=torch.uint8, device="cuda")  # rows and slots, as bytes
         x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        ids = torch.zeros(rows, dtype=torch.int64, device="cuda")
-        y, yi = torch.empty_like(x), torch.empty_like(ids)
+        recv, y = torch.empty_like(out), torch.empty_like(x)
 
         def layer():
+            dist.all_to_all_single(recv, out)
             dist.all_to_all_single(y, x)
-            dist.all_to_all_single(yi, ids)
-            dist.all_to_all_single(x, y)
         for _ in range(5):
             layer()
         times = []
@@ -210,7 +209,7 @@ def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int
 
 
 def alltoall(world: int, sizes: list[int], *, hidden: int = 2048, top_k: int = 6) -> dict[int, float]:
-    """Seconds of one MoE layer's padded exchanges (rows out, entries, rows back) per
+    """Seconds of one MoE layer's padded exchanges (rows out with their slots, rows back) per
     ``pad_tokens`` in ``sizes``, NCCL between ``world`` processes, one GPU each."""
     import socket
 

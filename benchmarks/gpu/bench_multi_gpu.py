@@ -186,7 +186,7 @@ def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
 
     levels = [int(x) for x in args.levels.split(",")]
     got = {}
-    for dep in (1, gpus):
+    for dep in sorted({int(d) for d in args.sweep_deps.split(",")} if args.sweep_deps else {1, gpus}):
         cmd = [sys.executable, "-u", str(HERE / "bench_dep.py"), "--sweep-one", str(dep), "--levels", args.levels,
                "--layers", str(args.sweep_layers), "--prompt", str(args.prompt), "--output", str(args.output)]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
@@ -237,6 +237,7 @@ def main() -> None:
     ap.add_argument("--rb-swaps", type=int, default=4,
                     help="--dep 1: hottest/coldest expert pairs per layer each handed-out placement swaps")
     ap.add_argument("--levels", default="64,128,256", help="requests per rank of the sweep part")
+    ap.add_argument("--sweep-deps", default="", help="DEP sizes of the sweep (default: 1 and every GPU)")
     ap.add_argument("--sweep-layers", type=int, default=0, help="v2-lite layers of the sweep (0: all 27)")
     ap.add_argument("--pd-args", default="", help="extra arguments for bench_pd, e.g. '--requests 32'")
     args = ap.parse_args()

@@ -25,8 +25,9 @@ Two dispatches:
   rows. The sizes reach the host (a sync in every MoE layer), so no CUDA graph can hold it.
 - ``padded`` (the shape of DeepEP's low-latency mode): every rank sends every rank a buffer
   of ``pad_tokens * top_k`` rows, enough for all its pairs, whose unused rows carry no
-  expert. No sizes travel and nothing waits on the host, so a decode step, all-to-alls
-  included, replays as one CUDA graph. ``pad_tokens`` must be the same on every rank in a
+  expert; each row carries the slot it runs through in two extra bytes, so a layer takes two
+  exchanges (rows out, results back). No sizes travel and nothing waits on the
+  host, so a decode step, all-to-alls included, replays as one CUDA graph. ``pad_tokens`` must be the same on every rank in a
   step (the runtime sets it from the DP sync's padded token count) and at least the tokens
   this rank feeds. The local experts run as one fused MoE over the received rows (``local``,
   the fast path's kernel) or, on CPU, per expert.
@@ -266,14 +267,18 @@ class ShardedExperts(nn.Module):
         nth, _ = _nth(dest, world + 1)
         row = torch.where(real, dest * cap + nth, world * cap)
         token = torch.arange(tokens, device=x.device).repeat_interleave(top_k)
-        send = x.new_zeros((world * cap + 1, x.shape[1]))
-        send[row] = x[token]
-        # The storage entry each row runs through on its destination; "none" past the end.
-        none = len(self.gate_up_proj)
-        entry = torch.full((world * cap + 1,), -1, dtype=torch.int64, device=x.device)
-        entry[row] = slot - dest * self.k
-        rx = self._exchange(send[:-1], None, None)
-        r_local = self._exchange(entry[:-1], None, None)
+        # One exchange carries each row and, in two more bytes, the slot it runs through on
+        # its destination (-1: an unused row), all as bytes (NCCL and Gloo move uint8; no
+        # 16-bit integer type), so nothing on the way reads the slot as a float.
+        h = x.shape[1] * x.element_size()  # a row's bytes
+        send = torch.zeros((world * cap + 1, h + 2), dtype=torch.uint8, device=x.device)
+        send[:, h:] = 255  # int16 -1
+        send[row, :h] = x[token].view(torch.uint8)
+        send[row, h:] = (slot - dest * self.k).to(torch.int16)[:, None].view(torch.uint8)
+        recv = self._exchange(send[:-1], None, None)
+        rx = recv[:, :h].contiguous().view(x.dtype)
+        r_local = recv[:, h:].contiguous().view(torch.int16)[:, 0].to(torch.int64)
+        none = len(self.gate_up_proj)  # the storage entry "none": past the end
         r_entry = torch.where(r_local >= 0, self.tables.store_of[r_local.clamp(min=0)], none)
         if local is not None:
             ones = torch.ones(len(r_entry), 1, dtype=torch.float32, device=x.device)
