@@ -175,7 +175,7 @@ def rank_bytes(layers: int, dep: int, batch: int, ctx: int) -> float:
     return step_bytes(cfg, batch, ctx, touched)
 
 
-def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int, port: int, out) -> None:
+def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -184,12 +184,12 @@ def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int
     res = {}
     for pad in sizes:
         rows = world * pad * top_k
-        out = torch.zeros(rows, 2 * hidden + 2, dtype=torch.uint8, device="cuda")  # rows and slots, as bytes
+        send = torch.zeros(rows, 2 * hidden + 2, dtype=torch.uint8, device="cuda")  # rows and slots, as bytes
         x = torch.randn(rows, hidden, dtype=torch.bfloat16, device="cuda")
-        recv, y = torch.empty_like(out), torch.empty_like(x)
+        recv, y = torch.empty_like(send), torch.empty_like(x)
 
         def layer():
-            dist.all_to_all_single(recv, out)
+            dist.all_to_all_single(recv, send)
             dist.all_to_all_single(y, x)
         for _ in range(5):
             layer()
@@ -204,7 +204,7 @@ def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int
             times.append(a.elapsed_time(b) / 1e3)
         res[pad] = float(np.median(times))
     if rank == 0:
-        out.put(res)
+        results.put(res)
     dist.destroy_process_group()
 
 
@@ -223,7 +223,18 @@ def alltoall(world: int, sizes: list[int], *, hidden: int = 2048, top_k: int = 6
     procs = [ctx.Process(target=_a2a_worker, args=(r, world, sizes, hidden, top_k, port, q)) for r in range(world)]
     for p in procs:
         p.start()
-    got = q.get(timeout=300)
+    import queue
+
+    deadline = time.monotonic() + 300
+    while True:  # until rank 0 reports, or every worker is gone (a failure) or time is up
+        try:
+            got = q.get(timeout=2)
+            break
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("the all-to-all workers ended without a result") from None
     for p in procs:
         p.join(timeout=60)
     return got

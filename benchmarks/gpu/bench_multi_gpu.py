@@ -195,8 +195,13 @@ def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
             print(f"sweep DEP{dep}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
             continue
         got[dep] = json.loads(res[-1][len("RESULT "):])
+        print(f"sweep DEP{dep}:", got[dep], flush=True)  # before anything later can fail
     bw = copy_bandwidth()  # bytes moved per second, as bench_decode's roofline counts them
-    a2a = bench_dep.alltoall(gpus, levels) if gpus > 1 else {}
+    try:
+        a2a = bench_dep.alltoall(gpus, levels) if gpus > 1 else {}
+    except Exception as e:  # noqa: BLE001 - reported; the sweep's rows stand without it
+        print(f"all-to-all timing failed: {type(e).__name__}: {e}", flush=True)
+        a2a = {}
     info["sweep_copy_bandwidth_GBps"] = bw / 1e9
     from lockstep.runtime.models import preset
 
