@@ -280,16 +280,17 @@ def test_layer_output_scale_scales_every_layer_output_projection():
         assert torch.equal(b[1], a[1] * want), a[0]
 
 
-def _serve(rt, prompts, *, spec_tokens=0, max_tokens=10) -> dict[int, list[int]]:
-    """Greedy tokens of each prompt, served through a SchedulerCore of its own (speculative
-    decodes of 1 + ``spec_tokens`` tokens when > 0)."""
+def _serve(rt, prompts, *, spec_tokens=0, max_tokens=10, temperature=0.0) -> dict[int, list[int]]:
+    """Tokens of each prompt (greedy, or sampled at ``temperature`` with seed = its index),
+    served through a SchedulerCore of its own (speculative decodes of 1 + ``spec_tokens``
+    tokens when > 0)."""
     cfg = SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
                           max_model_len=256, async_scheduling=False, num_spec_tokens=spec_tokens)
     core = SchedulerCore(cfg, BlockHasher(b"k", BS))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.add_request(Request(id=i, prompt=np.asarray(p, np.int32), params=params))
-        rt.add_requests(NewRequests([i], [0.0], [1.0], [-1], [-1], [-1]))
+        rt.add_requests(NewRequests([i], [temperature], [1.0], [-1], [i if temperature else -1], [-1]))
     out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
     step = 0
     while core.has_work():
@@ -342,3 +343,16 @@ def test_sample_on_device_greedy_seeded_and_distribution():
                              np.zeros(n, np.int64), g)
     freq = torch.bincount(picks.cpu(), minlength=4).double() / n
     torch.testing.assert_close(freq, row[0].double().softmax(-1).cpu(), atol=0.01, rtol=0)
+
+
+def test_sampled_speculation_on_the_fast_path_draws_what_the_eager_path_draws():
+    """Seeded sampled requests (rejection sampling of the draft's proposals) through the
+    graph path's padded buffers draw the tokens the same runtime draws eagerly: the rows a
+    sampled request reads from a verify or a draft pass are its own."""
+    kw = dict(fast=True, compile=False, draft_model="layers:1", num_spec_tokens=2)
+    graph, eager = _runtime(cuda_graphs="on" if DEV == "cuda" else "padded", **kw), _runtime(cuda_graphs="off", **kw)
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    got = _serve(graph, prompts, spec_tokens=2, temperature=0.8)
+    assert got == _serve(eager, prompts, spec_tokens=2, temperature=0.8)
+    assert graph.runner.replays and graph.spec.runner.replays and not eager.runner.replays
+

@@ -54,6 +54,35 @@ async def greedy(dep: int) -> list[list[int]]:
     return out
 
 
+async def complete_all(engine, prompts, params) -> int:
+    """Serve every prompt at once; the output tokens, in all."""
+    counts = []
+
+    async def one(p):
+        counts.append(len((await engine.complete(p, params)).token_ids))
+    async with trio.open_nursery() as nursery:
+        for p in prompts:
+            nursery.start_soon(one, p)
+    return sum(counts)
+
+
+def time_sync(engine, sync: list[float]) -> None:
+    """Append to ``sync`` the seconds rank 0 spends in each per-step DP all-reduce."""
+    group = engine.schedulers[0].group
+    if group is None:
+        return
+    inner = group.allreduce
+
+    async def timed(rank, values):
+        t = time.perf_counter()
+        try:
+            return await inner(rank, values)
+        finally:
+            if rank == 0:
+                sync.append(time.perf_counter() - t)
+    group.allreduce = timed
+
+
 async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: int, dispatch: str | None = None) -> dict:
     sched = SchedulerConfig(num_blocks=16384, max_num_seqs=per_rank, max_num_batched_tokens=16384, max_model_len=4096)
     cfg = EngineConfig(model="v2-lite", device="cuda", dtype="bfloat16", dep=dep, tokenizer=None, scheduler=sched,
@@ -66,31 +95,12 @@ async def throughput(dep: int, layers: int, per_rank: int, prompt: int, output: 
     async with open_engine(cfg) as engine:
         steps, sync = [], []
         engine.schedulers[0].on_result = lambda p, r: steps.append((p.num_reqs, r.gpu_s))
-        group = engine.schedulers[0].group
-        if group is not None:
-            inner = group.allreduce
-
-            async def timed(rank, values):
-                t = time.perf_counter()
-                try:
-                    return await inner(rank, values)
-                finally:
-                    if rank == 0:
-                        sync.append(time.perf_counter() - t)
-            group.allreduce = timed
+        time_sync(engine, sync)
         await engine.complete(prompts[0][:8], SamplingParams(max_tokens=2))  # warm up
         steps.clear()
         sync.clear()
-        tokens = 0
         t = time.perf_counter()
-
-        async def one(p):
-            nonlocal tokens
-            got = len((await engine.complete(p, params)).token_ids)  # not `tokens += await ...`:
-            tokens += got  # that would read `tokens` before the await and lose the others' counts
-        async with trio.open_nursery() as nursery:
-            for p in prompts:
-                nursery.start_soon(one, p)
+        tokens = await complete_all(engine, prompts, params)
         wall = time.perf_counter() - t
     full = max((k for k, _ in steps), default=0)  # the router may give a rank a few more or fewer
     decode = [g for k, g in steps if k == full]
@@ -118,34 +128,15 @@ async def sweep(dep: int, layers: int, levels: list[int], prompt: int, output: i
         # decode-only steps: each request feeds one token
         engine.schedulers[0].on_result = lambda p, r: p.num_tokens == p.num_reqs and steps.append((p.num_reqs,
                                                                                                      r.gpu_s))
-        group = engine.schedulers[0].group
-        if group is not None:
-            inner = group.allreduce
-
-            async def timed(rank, values):
-                t = time.perf_counter()
-                try:
-                    return await inner(rank, values)
-                finally:
-                    if rank == 0:
-                        sync.append(time.perf_counter() - t)
-            group.allreduce = timed
+        time_sync(engine, sync)
         rng = np.random.default_rng(1)
         await engine.complete(rng.integers(10, 500, 8).astype(np.int32), SamplingParams(max_tokens=2))  # warm up
         for c in levels:
             prompts = [rng.integers(10, 500, prompt).astype(np.int32) for _ in range(c * dep)]
             steps.clear()
             sync.clear()
-            tokens = 0
             t = time.perf_counter()
-
-            async def one(p):
-                nonlocal tokens
-                got = len((await engine.complete(p, params)).token_ids)
-                tokens += got
-            async with trio.open_nursery() as nursery:
-                for p in prompts:
-                    nursery.start_soon(one, p)
+            tokens = await complete_all(engine, prompts, params)
             wall = time.perf_counter() - t
             full = max((k for k, _ in steps), default=0)
             decode = [g for k, g in steps if k >= 0.95 * full]  # the router may give a rank a few more or fewer

@@ -66,7 +66,7 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
     GPU; "exact"). ``swaps``: with one rank, the hottest / coldest expert pairs of each MoE
     layer whose slots each handed-out placement swaps (the planner moves nothing there)."""
     import attrs
-    import trio
+    from bench_dep import complete_all
 
     from lockstep.api import open_engine
     from lockstep.engine.config import EngineConfig
@@ -129,15 +129,7 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
         await engine.complete(prompts[0][:8], SamplingParams(max_tokens=2))  # warm up
         steps.clear()
         t0 = time.perf_counter()
-        tokens = 0
-
-        async def one(p):
-            nonlocal tokens
-            got = len((await engine.complete(p, params)).token_ids)
-            tokens += got
-        async with trio.open_nursery() as nursery:
-            for p in prompts:
-                nursery.start_soon(one, p)
+        tokens = await complete_all(engine, prompts, params)
         wall = time.perf_counter() - t0
         stats = engine.balancer_statistics()
     # Step phases on rank 0: before the first new placement was handed out, while any is
