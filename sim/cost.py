@@ -15,8 +15,9 @@ time is the slowest rank's):
     gemm_r    = 2 * pad * dense_params
               + 2 * (T * k / n / balancedness) * 3 * hidden * moe_inter * moe_layers
     attn_r    = attn_flops_per_pair * pairs_r * num_layers    (BF16; GEMMs run at 2x with FP8)
-    a2a_r     = moe_layers * pad * k * hidden * 3 bytes / link_bandwidth   (n > 1 only:
-                FP8 dispatch + BF16 combine), of which ``a2a_overlap`` hides behind compute
+    a2a_r     = moe_layers * (pad * k * hidden * 3 bytes / link_bandwidth   (n > 1 only:
+                FP8 dispatch + BF16 combine) + 2 * a2a_latency_s), of which ``a2a_overlap``
+                hides behind compute
     t_r       = max(bytes_r / hbm_bandwidth, gemm_r / gemm_flops + attn_r / flops)
               + (1 - overlap) * a2a_r
               + kv_bytes_per_token * loaded_r / host_bandwidth    (host-tier prefix loads)
@@ -71,6 +72,11 @@ class AnalyticCost:
         self.balancedness = cost.expert_balancedness  # the simulator may move it window by window
         self._distinct: dict[tuple[float, float], tuple[float, float]] = {}
 
+    def _a2a(self, pad):
+        """Seconds of a step's all-to-alls (before overlap) at ``pad`` tokens a rank."""
+        m = self.m
+        return m.moe_layers * (pad * m.top_k * m.hidden_size * 3 / self.hw.link_bandwidth + 2 * self.c.a2a_latency_s)
+
     def _weights_and_moe(self, total: float) -> tuple[float, float]:
         """(weight bytes a rank reads, MoE GEMM FLOPs) for ``total`` tokens through the MoE
         layers, in ``step_time``'s operations and order, cached by ``total``."""
@@ -102,13 +108,12 @@ class AnalyticCost:
         # engine's timing runtime's, needs no such case): no forward pass runs.
         if pad == 0 and not any(loaded):
             return self._host_only(host_extra)
-        k = m.top_k
         dense_bytes, moe_gemm = self._weights_and_moe(pad * n)
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
         a2a_keep = 1 - c.a2a_overlap
         worst = -np.inf
         gemm = 2 * pad * m.dense_params + moe_gemm
-        a2a = a2a_keep * (m.moe_layers * pad * k * m.hidden_size * 3 / hw.link_bandwidth)
+        a2a = a2a_keep * self._a2a(pad)
         serial = host_extra if host_extra is not None and not self.host_overlap else None
         for r, (tok, cx, pr, ld) in enumerate(zip(tokens, ctx, pairs, loaded)):
             bytes_r = dense_bytes + m.kv_bytes_per_token * (cx + tok)
@@ -145,12 +150,11 @@ class AnalyticCost:
         operations in its order."""
         m, hw, c, n = self.m, self.hw, self.c, self.dep
         pad = max(ns)  # the DP sync rule, as in rank_step_time
-        kk = m.top_k
         dense, moe_gemm = self._weights_and_moe(pad * n)
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)
         kvb, hbm, flops, afpp, layers = m.kv_bytes_per_token, hw.hbm_bandwidth, hw.flops, m.attn_flops_per_pair, m.num_layers
         ranks, idle = [], -np.inf  # ranks without requests cost the same every step
-        a2a = (1 - c.a2a_overlap) * (m.moe_layers * pad * kk * m.hidden_size * 3 / hw.link_bandwidth) if n > 1 else None
+        a2a = (1 - c.a2a_overlap) * self._a2a(pad) if n > 1 else None
         gemm = (2 * pad * m.dense_params + moe_gemm) / gemm_rate
         for tok, base in zip(ns, bases):
             if tok or base:
@@ -208,8 +212,7 @@ class AnalyticCost:
         gemm_rate = hw.flops * (2.0 if m.bytes_per_param <= 1 else 1.0)  # FP8 GEMMs run 2x
         t = np.maximum(bytes_r / hw.hbm_bandwidth, gemm / gemm_rate + attn / hw.flops)
         if n > 1:
-            a2a = m.moe_layers * pad * k * m.hidden_size * 3 / hw.link_bandwidth
-            t = t + (1 - c.a2a_overlap) * a2a
+            t = t + (1 - c.a2a_overlap) * self._a2a(pad)
         # Host-tier loads are charged as blocking the step (the engine can overlap them).
         t = t + m.kv_bytes_per_token * np.asarray(load.loaded, np.float64) / hw.host_bandwidth
         return np.maximum(t.max(axis=0), self.host_floor) + self.host_added

@@ -19,6 +19,7 @@ from test_core import (FAST, FakeRuntime, Run, check_outcome, check_plan, decode
 from lockstep.policy.block_pool import HostTier
 from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.core import SchedulerCore
+from lockstep.policy.config import ConfigError
 from lockstep.policy.deployment import load_deployment
 from lockstep.policy.hashing import BlockHasher
 from lockstep.policy.request import FinishReason, Request, SamplingParams
@@ -198,6 +199,34 @@ def test_long_runs_are_priced_to_the_bit_as_step_by_step(example, monkeypatch):
         with monkeypatch.context() as mp:
             mp.setattr(cost_module, "VECTOR_RUN", 1 << 30)
             assert cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free) == fast
+
+
+def test_a2a_latency_adds_two_exchanges_a_moe_layer_to_dep_steps_only():
+    """[cost] a2a_latency_s: each MoE layer's dispatch and combine cost that much more, of
+    which a2a_overlap hides its share; one rank has no all-to-all; the priced runs agree."""
+    import attrs
+
+    for example in ("h200-dep8.toml", "h200-v2lite.toml"):
+        d = load_deployment(ROOT / "examples" / example)
+        pool = d.pools[0]
+        model = d.model(pool.model)
+        plain = cost_module.AnalyticCost(model, d.hardware, d.cost, pool.dep, d.host)
+        slow_cost = attrs.evolve(d.cost, a2a_latency_s=50e-6)
+        slow = cost_module.AnalyticCost(model, d.hardware, slow_cost, pool.dep, d.host)
+        ns, bases = [64.0] * pool.dep, [64.0 * 1024] * pool.dep
+        want = 0.0 if pool.dep == 1 else model.moe_layers * 2 * 50e-6 * (1 - d.cost.a2a_overlap)
+        a = plain.decode_run_ends(0.0, ns, bases, 1, np.inf, last_free=False)
+        b = slow.decode_run_ends(0.0, ns, bases, 1, np.inf, last_free=False)
+        assert b[-1] - a[-1] == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+def test_a2a_latency_must_not_be_negative(tmp_path):
+    src = (ROOT / "examples" / "h200-dep8.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(src.replace("[cost]", "[cost]\na2a_latency_s = -1e-6", 1) if "[cost]" in src
+                   else src + "\n[cost]\na2a_latency_s = -1e-6\n")
+    with pytest.raises(ConfigError, match=r"\[cost\].*a2a_latency_s must be a number of seconds >= 0, got -1e-06"):
+        load_deployment(bad)
 
 
 # --- the pool's bulk paths --------------------------------------------------------------------

@@ -93,6 +93,15 @@ class CostSpec:
     expert_drift: float = 0.1
     expert_window_s: float = 60.0
     a2a_overlap: float = 0.5  # share of all-to-all time hidden behind compute
+    # Fixed cost of each of a MoE layer's two exchanges (dispatch, combine), on top of its
+    # bytes over the link: NCCL's per-call latency. 0 prices bytes only (kernels that overlap
+    # and pipeline their exchanges); lockstep's padded NCCL dispatch measured about 55 us a
+    # call between two H200s (benchmarks/results/2026-11-30-h200x2-session7.md).
+    a2a_latency_s: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.a2a_latency_s < float("inf"):
+            raise ConfigError(f"a2a_latency_s must be a number of seconds >= 0, got {self.a2a_latency_s!r}")
     # A measured profile (`lockstep profile`, JSON; relative to the deployment file): the
     # simulator prices its model's pools from it instead (lockstep.sim.profile).
     profile: str = ""
