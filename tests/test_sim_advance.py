@@ -223,8 +223,8 @@ def test_a2a_latency_adds_two_exchanges_a_moe_layer_to_dep_steps_only():
 def test_a2a_latency_must_not_be_negative(tmp_path):
     src = (ROOT / "examples" / "h200-dep8.toml").read_text()
     bad = tmp_path / "bad.toml"
-    bad.write_text(src.replace("[cost]", "[cost]\na2a_latency_s = -1e-6", 1) if "[cost]" in src
-                   else src + "\n[cost]\na2a_latency_s = -1e-6\n")
+    assert "a2a_latency_s = 0.0" in src
+    bad.write_text(src.replace("a2a_latency_s = 0.0", "a2a_latency_s = -1e-6", 1))
     with pytest.raises(ConfigError, match=r"\[cost\].*a2a_latency_s must be a number of seconds >= 0, got -1e-06"):
         load_deployment(bad)
 
