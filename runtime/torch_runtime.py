@@ -21,11 +21,12 @@ the default on the fast path without a draft model, or ``exact``; see
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
 size) as a CUDA graph, all-to-alls included; other steps use exact dispatch. Expert
 placement options (``eplb_min_stage_steps``, ``eplb_copy_all``): see ``_place_experts``.
+Benchmarks' changes to random weights (``expert_skew``, ``layer_output_scale``): see
+``runtime.synthetic``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -37,8 +38,10 @@ from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
 from .base import KVConnect, KVPull, NewPlacement, NewRequests, Ready, RuntimeSpec
 from .models import load_model
+from . import synthetic
 from .models.batch import ForwardBatch, HostBatch
 from .sampling import sample, sample_on_device
+
 
 def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
     """Log-probabilities under the model's own distribution (before temperature and
@@ -49,43 +52,6 @@ def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
     return (chosen.cpu().numpy(),
             None if top is None else top.indices.to(torch.int32).cpu().numpy(),
             None if top is None else top.values.cpu().numpy())
-
-
-def skew_routing(model, skew: float, seed: int) -> None:
-    """Benchmarks only (runtime option ``expert_skew``): random weights route tokens about
-    evenly, real checkpoints do not. Set every router's selection bias (DeepSeek-V3's
-    e_score_correction_bias, which steers which experts are chosen, not their weights) to
-    ``skew`` times a standard normal draw per expert and layer, in units of the spread of the
-    router's scores (a quarter of each expert's weight norm: the sigmoid's slope at 0 for
-    unit-variance inputs). The same seed gives the same bias on every rank."""
-    g = torch.Generator().manual_seed(seed + 7919)
-    for layer in model.layers:
-        gate = getattr(layer.mlp, "gate", None)
-        if gate is None or not hasattr(gate, "e_score_correction_bias"):
-            continue
-        spread = 0.25 * gate.weight.float().norm(dim=1).mean().item()
-        z = torch.randn(gate.e_score_correction_bias.shape, generator=g, dtype=torch.float32)
-        with torch.no_grad():
-            gate.e_score_correction_bias.copy_((skew * spread * z).to(gate.e_score_correction_bias.device))
-
-
-def scale_layer_outputs(model, scale: float) -> None:
-    """Benchmarks only (runtime option ``layer_output_scale``): multiply every layer's output
-    projections (attention's o_proj, the MLPs' and experts' down projections) by ``scale``,
-    so each layer adds a smaller update to the residual stream. A random-weight model's
-    layers otherwise each rewrite its next-token choice, and a draft made of its first layers
-    (``layers:N``) agrees with it almost never; with a small scale the choice is mostly the
-    embeddings' and the head's, and a self-draft agrees often. Step times do not change."""
-    with torch.no_grad():
-        for layer in model.layers:
-            mlp = layer.mlp
-            outs = [layer.self_attn.o_proj.weight]
-            outs += [mlp.down_proj.weight] if hasattr(mlp, "down_proj") else [mlp.experts.down_proj]
-            shared = getattr(mlp, "shared_experts", None)
-            if shared is not None:
-                outs.append(shared.down_proj.weight)
-            for w in outs:
-                w.mul_(scale)
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -107,18 +73,7 @@ class TorchRuntime:
         self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed,
                                 overrides=spec.options.get("preset_overrides"),
                                 draw_on_device=bool(spec.options.get("init_on_device", False)))
-        skew = float(spec.options.get("expert_skew", 0.0))
-        if skew:
-            skew_routing(self.model, skew, spec.seed)
-        raw = spec.options.get("layer_output_scale", 1.0)
-        try:
-            scale = float(raw)
-        except (TypeError, ValueError):
-            scale = float("nan")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"runtime option layer_output_scale must be a finite number > 0, got {raw!r}")
-        if scale != 1.0:
-            scale_layer_outputs(self.model, scale)
+        synthetic.apply(self.model, spec.options, spec.seed)  # benchmarks' skew and scale options
         self.world = spec.world_size
         if self.world > 1:
             self._join_group(spec)
