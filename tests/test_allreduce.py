@@ -278,6 +278,25 @@ async def all_ranks(colls, fn) -> list:
     return outs
 
 
+async def test_tcp_round_whose_link_closes_under_it_fails_naming_the_node_it_left_for():
+    """Another task (the node's sentry, a peer's failure notice) may make this rank leave the
+    link while one of its rounds waits between a send and a receive: the round then fails
+    with RankFailed naming the rank the link was left for (once a TypeError: a CI race)."""
+    with trio.fail_after(GUARD_S):
+        colls = await tcp_group(2)
+        coll, inner = colls[0], colls[0]._send
+
+        async def send_then_leave(peer, frame):
+            await inner(peer, frame)
+            coll.leave(dead=7)  # what the other task does at this checkpoint
+        coll._send = send_then_leave
+        with pytest.raises(RankFailed) as got:
+            await coll.allreduce_async(np.array([1], np.int64), "sum")
+        assert got.value.rank == 7
+        for c in colls:
+            c.close()
+
+
 @settings(max_examples=12)
 @given(call_lists())
 def test_tcp_gives_every_rank_the_exact_result(cases):

@@ -79,6 +79,7 @@ class TcpCollective:
         self._readers = readers
         self._calls = 0
         self._failed: CollectiveError | None = None
+        self._left_for: int | None = None  # the rank whose death this rank left the link for
 
     @classmethod
     async def connect(cls, rank: int, size: int, addresses: Sequence[tuple[str, int]],
@@ -136,12 +137,21 @@ class TcpCollective:
 
     async def _send(self, peer: int, frame: bytes) -> None:
         try:
-            await self._readers[peer].stream.send_all(frame)
+            await self._reader(peer).stream.send_all(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise RankFailed(self.names[peer], f"broke its connection ({e})") from e
 
+    def _reader(self, peer: int) -> _Reader:
+        """The connection to ``peer``; a round whose link another task closed under it (this
+        rank left the group) fails as the rank it left for, or as the peer."""
+        readers = self._readers
+        if readers is None:
+            name = self._left_for if self._left_for is not None else self.names[peer]
+            raise RankFailed(name, "is gone: this rank left the link during the round")
+        return readers[peer]
+
     async def _recv(self, s: Step, op: Op, n: int) -> np.ndarray:
-        reader = self._readers[s.peer]
+        reader = self._reader(s.peer)
         with trio.move_on_after(self.timeout_s if self.timeout_s is not None else float("inf")) as scope:
             length, call, rnd, kind, got_op = _FRAME.unpack(await reader.read(_FRAME.size))
             while kind == _NUDGE:  # the partner woke us for this call; its values come next
@@ -221,6 +231,8 @@ class TcpCollective:
         a socket, and the peers see EOF). ``dead`` (a name): the rank whose death this rank
         leaves for; the peers are told first (``FAILED`` frames, sent without waiting), so
         they name it rather than this rank."""
+        if dead is not None:
+            self._left_for = dead
         if dead is not None and self._readers:
             notice = _frame(dead, 0, _FAILED, "sum", np.zeros(0, np.int64))
             for p, r in self._readers.items():
