@@ -35,7 +35,9 @@ LOG2E = 1.4426950408889634
 # and (cache dtype, batch bucket, context bucket) -> config where the context changes the best
 # split (those keys win). BLOCK_N tokens per tile; MIN_SPLIT: fewest tokens a split may get;
 # WAVES: programs wanted, in multiples of the SM count (more splits fill the GPU at small batch
-# but add partial-output traffic and a merge; one split writes the output directly). Tiles and
+# but add partial-output traffic and a merge; one split writes the output directly); HALVES: 2
+# splits the latent into two halves, two tensor-core chains a tile (retuned 2026-11-30 with the
+# constant page size and the per-column denominator, raw/2026-11-30-h200-session8-*). Tiles and
 # splits from the 2026-11-29 run, which timed a kernel whose tile loop could not prefetch;
 # num_stages is 3 here because with 2 the compiler issues the next tile's copy after this
 # tile's math and waits for it at once.
@@ -52,30 +54,30 @@ DECODE_CONFIGS: dict[tuple, dict] = {
     ('fp8', 128): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64},
     ('bf16', 256): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512},
     ('fp8', 256): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512},
-    ('bf16', 1, 4096): {'BLOCK_N': 16, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 2},
-    ('fp8', 1, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 2},
-    ('bf16', 1, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1},
-    ('fp8', 1, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1},
-    ('bf16', 8, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1},
-    ('fp8', 8, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1},
-    ('bf16', 8, 1024): {'BLOCK_N': 16, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1},
-    ('fp8', 8, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1},
+    ('bf16', 1, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2},
+    ('fp8', 1, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 2, 'PAGED': False},
+    ('bf16', 1, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'PAGED': False},
+    ('fp8', 1, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'PAGED': False},
+    ('bf16', 8, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 4, 'MIN_SPLIT': 256, 'WAVES': 4, 'HALVES': 2},
+    ('fp8', 8, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 256, 'WAVES': 1, 'PAGED': False},
+    ('bf16', 8, 1024): {'BLOCK_N': 16, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2},
+    ('fp8', 8, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'PAGED': False},
     ('bf16', 32, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 4},
-    ('fp8', 32, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 2},
-    ('bf16', 32, 1024): {'BLOCK_N': 16, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 2},
-    ('fp8', 32, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 512, 'WAVES': 2, 'PAGED': False},
-    ('bf16', 64, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('fp8', 64, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('bf16', 64, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('fp8', 64, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('bf16', 128, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('fp8', 128, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 2},
-    ('bf16', 128, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('fp8', 128, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 2},
-    ('bf16', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('fp8', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('bf16', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
-    ('fp8', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2},
+    ('fp8', 32, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 2, 'PAGED': False},
+    ('bf16', 32, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1, 'HALVES': 2},
+    ('fp8', 32, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 2, 'HALVES': 1},
+    ('bf16', 64, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 2, 'HALVES': 2},
+    ('fp8', 64, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 2, 'HALVES': 2},
+    ('bf16', 64, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 4, 'MIN_SPLIT': 512, 'WAVES': 2, 'HALVES': 2},
+    ('fp8', 64, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 2, 'HALVES': 1},
+    ('bf16', 128, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 1, 'HALVES': 2},
+    ('fp8', 128, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 1, 'HALVES': 2},
+    ('bf16', 128, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 1, 'HALVES': 2},
+    ('fp8', 128, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 1, 'HALVES': 2},
+    ('bf16', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2},
+    ('fp8', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2},
+    ('bf16', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1, 'HALVES': 2},
+    ('fp8', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2},
 }
 DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256, "WAVES": 2}
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
@@ -116,21 +118,27 @@ def num_splits_for(batch: int, head_groups: int, max_seq_len: int, min_split: in
 
 
 @triton.jit
-def _attend(q, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc, sm_scale_log2,
-            DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-            QUANT: tl.constexpr):
+def _attend(qa, qb, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc_a, acc_b, sm_scale_log2,
+            DL: tl.constexpr, DR: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+            HALVES: tl.constexpr, QUANT: tl.constexpr):
     """Fold one tile of cache entries (at row offsets `rows`, live where pm) into a head
-    group's running max m, denominator den and output acc."""
-    ol, orr = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
-    kv = tl.load(cache_ptr + rows[:, None] + ol[None, :], mask=pm[:, None] & (ol < DL)[None, :],
-                 other=0.0)
+    group's running max m, denominator den and output acc_a (and acc_b: with HALVES = 2 the
+    latent is two halves of HALF columns, two independent tensor-core chains, not one)."""
+    oh, orr = tl.arange(0, HALF), tl.arange(0, BLOCK_R)
+    kva = tl.load(cache_ptr + rows[:, None] + oh[None, :], mask=pm[:, None] & (oh < DL)[None, :],
+                  other=0.0)
     kp = tl.load(cache_ptr + rows[:, None] + DL + orr[None, :],
                  mask=pm[:, None] & (orr < DR)[None, :], other=0.0)
     if QUANT:
-        kv, kp = kv.to(DOT16), kp.to(DOT16)
+        kva, kp = kva.to(DOT16), kp.to(DOT16)
     else:
-        kv, kp = kv.to(DOT), kp.to(DOT)
-    s = tl.dot(q, tl.trans(kv)) + tl.dot(qp, tl.trans(kp))
+        kva, kp = kva.to(DOT), kp.to(DOT)
+    s = tl.dot(qa, tl.trans(kva)) + tl.dot(qp, tl.trans(kp))
+    if HALVES == 2:
+        kvb = tl.load(cache_ptr + rows[:, None] + HALF + oh[None, :],
+                      mask=pm[:, None] & (HALF + oh < DL)[None, :], other=0.0)
+        kvb = kvb.to(kva.dtype)
+        s += tl.dot(qb, tl.trans(kvb))
     if QUANT:
         ts = tl.load(scale_ptr + srows, mask=pm, other=0.0)
         s = s * ts[None, :]
@@ -138,26 +146,38 @@ def _attend(q, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc, sm_scale_
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
-    den = den * alpha + tl.sum(p, 1)
+    # The denominator stays per column and is summed once at the end: a row sum here would
+    # cost a cross-warp reduction (shared memory and a barrier) per tile.
+    den = den * alpha[:, None] + p
     if QUANT:
         # The value sum weighs token t by p * scale_t. float16 holds p * scale_t / max(scale)
         # in [0, 1] precisely (p * scale_t itself underflows for a cache of small values).
         tmax = tl.maximum(tl.max(ts, 0), 1e-30)
-        pv = tl.dot((p * (ts / tmax)[None, :]).to(DOT16), kv) * tmax
+        pw = (p * (ts / tmax)[None, :]).to(DOT16)
+        acc_a = acc_a * alpha[:, None] + tl.dot(pw, kva) * tmax
+        if HALVES == 2:
+            acc_b = acc_b * alpha[:, None] + tl.dot(pw, kvb) * tmax
     else:
-        pv = tl.dot(p.to(DOT), kv)
-    return m_new, den, acc * alpha[:, None] + pv
+        pw = p.to(DOT)
+        acc_a = acc_a * alpha[:, None] + tl.dot(pw, kva)
+        if HALVES == 2:
+            acc_b = acc_b * alpha[:, None] + tl.dot(pw, kvb)
+    return m_new, den, acc_a, acc_b
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
 def _mla_decode_split_kernel(
         ql_ptr, qpe_ptr, cache_ptr, scale_ptr, bt_ptr, len_ptr, op_ptr, lse_ptr, sm_scale_log2,
         s_qlb, s_qlh, s_qpb, s_qph, s_cblk, s_ctok, s_sblk, s_stok, s_btb,
-        s_ob, s_oh, s_os, s_lb, s_lh, num_heads, block_size, num_splits,
+        s_ob, s_oh, s_os, s_lb, s_lh, num_heads, num_splits,
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-        GROUP: tl.constexpr, MULTI: tl.constexpr, DIRECT: tl.constexpr):
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        QUANT: tl.constexpr, GROUP: tl.constexpr, MULTI: tl.constexpr, DIRECT: tl.constexpr,
+        HALVES: tl.constexpr):
     # DIRECT (one split): op_ptr is the output [B, H, DL] itself (s_os unused), no lse.
+    # BLOCK_SIZE (the cache's page size) is a constant: a token's page and slot are a shift and
+    # a mask, not a signed division (which was most of the tile loop's instructions).
+    HALF: tl.constexpr = BLOCK_L // HALVES
     b, sp, hg = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(len_ptr + b)
     per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -165,18 +185,24 @@ def _mla_decode_split_kernel(
     end = tl.minimum(start + per, seq_len)
     heads = hg * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = heads < num_heads
-    ol, orr = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_R)
-    q = tl.load(ql_ptr + b * s_qlb + heads[:, None] * s_qlh + ol[None, :],
-                mask=hm[:, None] & (ol < DL)[None, :], other=0.0)
+    oh, orr = tl.arange(0, HALF), tl.arange(0, BLOCK_R)
+    qa = tl.load(ql_ptr + b * s_qlb + heads[:, None] * s_qlh + oh[None, :],
+                 mask=hm[:, None] & (oh < DL)[None, :], other=0.0)
     qp = tl.load(qpe_ptr + b * s_qpb + heads[:, None] * s_qph + orr[None, :],
                  mask=hm[:, None] & (orr < DR)[None, :], other=0.0)
     if QUANT:
-        q, qp = q.to(DOT16), qp.to(DOT16)
+        qa, qp = qa.to(DOT16), qp.to(DOT16)
     else:
-        q, qp = q.to(DOT), qp.to(DOT)
+        qa, qp = qa.to(DOT), qp.to(DOT)
+    acc_a = tl.zeros([BLOCK_H, HALF], tl.float32)
+    if HALVES == 2:
+        qb = tl.load(ql_ptr + b * s_qlb + heads[:, None] * s_qlh + HALF + oh[None, :],
+                     mask=hm[:, None] & (HALF + oh < DL)[None, :], other=0.0).to(qa.dtype)
+        acc_b = tl.zeros([BLOCK_H, HALF], tl.float32)
+    else:
+        qb, acc_b = qa, 0.0  # unused
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    den = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    den = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
     toks = tl.arange(0, BLOCK_N)
     if GROUP > 0:
         # A tile lies in one page (or in whole pages, MULTI). The block ids of GROUP pages
@@ -184,40 +210,46 @@ def _mla_decode_split_kernel(
         # prefetches the next tiles while this one is computed (a per-tile block-table load
         # would serialise: table load, then tile load, then compute).
         g = tl.arange(0, GROUP)
-        last_page = tl.cdiv(end, block_size)
-        for p0 in range(start // block_size, last_page, GROUP):
+        last_page = tl.cdiv(end, BLOCK_SIZE)
+        for p0 in range(start // BLOCK_SIZE, last_page, GROUP):
             pages = tl.load(bt_ptr + b * s_btb + p0 + g, mask=p0 + g < last_page, other=0)
-            lo = tl.maximum(start, p0 * block_size)
-            hi = tl.minimum(end, (p0 + GROUP) * block_size)
+            lo = tl.maximum(start, p0 * BLOCK_SIZE)
+            hi = tl.minimum(end, (p0 + GROUP) * BLOCK_SIZE)
             for n0 in range(lo, hi, BLOCK_N):
                 if MULTI:  # each token's page, picked from the group's ids in registers
-                    pidx = (n0 + toks) // block_size - p0
+                    pidx = (n0 + toks) // BLOCK_SIZE - p0
                     blk = tl.sum(tl.where(g[None, :] == pidx[:, None], pages[None, :], 0), 1).to(tl.int64)
-                    slot = (n0 + toks) % block_size
+                    slot = (n0 + toks) % BLOCK_SIZE
                 else:
-                    blk = tl.sum(tl.where(g == n0 // block_size - p0, pages, 0), 0).to(tl.int64)
-                    slot = n0 % block_size + toks
-                m, den, acc = _attend(q, qp, cache_ptr, blk * s_cblk + slot * s_ctok,
-                                      n0 + toks < end, scale_ptr, blk * s_sblk + slot * s_stok,
-                                      m, den, acc, sm_scale_log2, DL, DR, BLOCK_L, BLOCK_R, QUANT)
+                    blk = tl.sum(tl.where(g == n0 // BLOCK_SIZE - p0, pages, 0), 0).to(tl.int64)
+                    slot = n0 % BLOCK_SIZE + toks
+                m, den, acc_a, acc_b = _attend(
+                    qa, qb, qp, cache_ptr, blk * s_cblk + slot * s_ctok, n0 + toks < end, scale_ptr,
+                    blk * s_sblk + slot * s_stok, m, den, acc_a, acc_b, sm_scale_log2,
+                    DL, DR, HALF, BLOCK_R, HALVES, QUANT)
     else:  # tiles span pages: a block-table entry per token
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + toks
             pm = pos < end
-            blk = tl.load(bt_ptr + b * s_btb + pos // block_size, mask=pm, other=0).to(tl.int64)
-            slot = pos % block_size
-            m, den, acc = _attend(q, qp, cache_ptr, blk * s_cblk + slot * s_ctok, pm, scale_ptr,
-                                  blk * s_sblk + slot * s_stok, m, den, acc, sm_scale_log2,
-                                  DL, DR, BLOCK_L, BLOCK_R, QUANT)
-    some = den > 0.0  # false for an empty split (seq_len shorter than this split's start)
-    out = acc / tl.where(some, den, 1.0)[:, None]
-    if DIRECT:
-        tl.store(op_ptr + b * s_ob + heads[:, None] * s_oh + ol[None, :],
-                 out.to(op_ptr.dtype.element_ty), mask=hm[:, None] & (ol < DL)[None, :])
-    else:
-        lse = tl.where(some, m + tl.log2(tl.where(some, den, 1.0)), float("-inf"))
-        tl.store(op_ptr + b * s_ob + heads[:, None] * s_oh + sp * s_os + ol[None, :], out,
-                 mask=hm[:, None] & (ol < DL)[None, :])
+            blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=pm, other=0).to(tl.int64)
+            slot = pos % BLOCK_SIZE
+            m, den, acc_a, acc_b = _attend(
+                qa, qb, qp, cache_ptr, blk * s_cblk + slot * s_ctok, pm, scale_ptr,
+                blk * s_sblk + slot * s_stok, m, den, acc_a, acc_b, sm_scale_log2,
+                DL, DR, HALF, BLOCK_R, HALVES, QUANT)
+    total = tl.sum(den, 1)
+    some = total > 0.0  # false for an empty split (seq_len shorter than this split's start)
+    inv = 1.0 / tl.where(some, total, 1.0)
+    out_ptrs = op_ptr + b * s_ob + heads[:, None] * s_oh + oh[None, :]
+    if not DIRECT:
+        out_ptrs += sp * s_os
+    out_ty = op_ptr.dtype.element_ty
+    tl.store(out_ptrs, (acc_a * inv[:, None]).to(out_ty), mask=hm[:, None] & (oh < DL)[None, :])
+    if HALVES == 2:
+        tl.store(out_ptrs + HALF, (acc_b * inv[:, None]).to(out_ty),
+                 mask=hm[:, None] & (HALF + oh < DL)[None, :])
+    if not DIRECT:
+        lse = tl.where(some, m + tl.log2(tl.where(some, total, 1.0)), float("-inf"))
         tl.store(lse_ptr + b * s_lb + heads * s_lh + sp, lse, mask=hm)
 
 
@@ -291,14 +323,17 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         lse = torch.empty(b, h, num_splits, dtype=torch.float32, device=dev)
     sc = scale if quant else seq_lens.view(1, -1)  # unused pointer when not quantized
     group, multi = page_group(cfg, cache.shape[1])
+    # two latent halves only where each is a whole tensor-core step (16 columns) or more
+    halves = 2 if cfg.get("HALVES", 1) == 2 and next_pow2(dl) >= 32 else 1
     _mla_decode_split_kernel[(b, num_splits, groups)](
         q_latent, q_pe, cache, sc, block_tables, seq_lens, part, lse, sm_scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         cache.stride(0), cache.stride(1), sc.stride(0), sc.stride(1), block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        h, cache.shape[1], num_splits,
+        h, num_splits,
         DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
-        BLOCK_N=cfg["BLOCK_N"], QUANT=quant, GROUP=group, MULTI=multi, DIRECT=direct,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1], QUANT=quant, GROUP=group, MULTI=multi,
+        DIRECT=direct, HALVES=halves,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if direct:
         return out

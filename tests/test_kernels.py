@@ -104,14 +104,17 @@ def _decode_case(g, fp8: bool):
 
 
 # Tiles within a page and tiles of whole pages (block ids loaded a group of pages at a time:
-# whole splits, or two pages to cross groups), and a block-table entry per token.
+# whole splits, or two pages to cross groups), a block-table entry per token, and the latent
+# as two halves.
 DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP": 2},
                 "pages": {"BLOCK_N": 8}, "pages-groups": {"BLOCK_N": 8, "MAX_GROUP": 2},
-                "per-token": {"BLOCK_N": 16, "PAGED": False}}
+                "per-token": {"BLOCK_N": 16, "PAGED": False},
+                "halves": {"BLOCK_N": 8, "HALVES": 2}, "halves-per-token": {"BLOCK_N": 16, "PAGED": False, "HALVES": 2}}
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
                     "pages": {"BLOCK_N": 64}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
-                    "per-token": {"PAGED": False}}
+                    "per-token": {"PAGED": False}, "halves": {"BLOCK_N": 32, "HALVES": 2},
+                    "halves-page": {"BLOCK_N": 16, "HALVES": 2}}
 
 
 @pytest.mark.parametrize("fp8", [False, True])

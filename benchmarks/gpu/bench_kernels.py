@@ -374,20 +374,24 @@ def bench_topk(b: Bench, bw: float) -> None:
 # -- 4. MLA decode ------------------------------------------------------------------------------
 
 def decode_candidates(committed: dict, fp8: bool, smoke: bool) -> list[dict]:
-    """(The page-group tile loop prefetches only with num_stages >= 3.)"""
+    """(The page-group tile loop prefetches only with num_stages >= 3.) HALVES 2: the latent
+    as two halves, two tensor-core chains a tile instead of one."""
     if smoke:
-        return [{"BLOCK_N": 4, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64}]
+        return [{"BLOCK_N": 4, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64},
+                {"BLOCK_N": 4, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64, "HALVES": 2}]
     if fp8:
         tiles = [(64, 8, 3), (32, 8, 3), (16, 4, 3), (32, 4, 3), (64, 8, 4)]
     else:
         tiles = [(16, 4, 3), (32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 4), (64, 4, 3), (32, 4, 4)]
     out = [committed]
     for bn, w, s in tiles:
-        for split in (64, 256, 512, 1024):
-            for waves in (1, 2, 4):
-                cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s, "MIN_SPLIT": split, "WAVES": waves}
-                if cfg != committed:
-                    out.append(cfg)
+        for halves in (1, 2):
+            for split in (64, 256, 512, 1024):
+                for waves in (1, 2, 4):
+                    cfg = {"BLOCK_N": bn, "num_warps": w, "num_stages": s, "MIN_SPLIT": split,
+                           "WAVES": waves, "HALVES": halves}
+                    if cfg != committed:
+                        out.append(cfg)
     # the loop as it was before page groups (a block-table entry per token), for comparison
     out.append({**committed, "num_stages": 2, "PAGED": False})
     return out
@@ -395,8 +399,9 @@ def decode_candidates(committed: dict, fp8: bool, smoke: bool) -> list[dict]:
 
 def bench_decode(b: Bench, bw: float) -> None:
     h, dl, dr, bs = (16, 512, 64, 16) if not b.smoke else (4, 32, 16, 4)  # bs: the runtime's pages
-    batches = (1, 8, 32, 64, 128, 256) if not b.smoke else (1, 3)
-    ctxs = (4096, 1024) if not b.smoke else (40,)
+    # the batches the decode targets name first: tuning stops at the budget
+    batches = (256, 64, 128, 1, 8, 32) if not b.smoke else (1, 3)
+    ctxs = (1024, 4096) if not b.smoke else (40,)
     sm_scale = 192 ** -0.5
     g = torch.Generator(device=b.dev).manual_seed(1)
     most = max(batches) * max(ctxs) // bs
