@@ -1,16 +1,15 @@
 """Exact top-k over long rows (k up to a few thousand of 32K-128K candidates), as a
-sparse-attention indexer needs: two launches (and a memset of the histograms), each row read
-from HBM once, by many programs.
+sparse-attention indexer needs: three launches, each row read from HBM once, by many programs.
 
 Floats map to uint32 keys whose unsigned order is the float order (`_key`).
-1. scan (programs over chunks of every row, none waiting on another): each derives the same
-   floor T from the same sample of its row: the (e + Z sqrt(e) + 1)-th largest of SAMPLE
-   sampled keys, e = k * SAMPLE / n being how many are expected above the k-th largest key,
-   its low 17 bits cleared. T keeps a few thousand elements, and fewer than k only if the
-   sample is off by Z standard deviations. Each program copies its chunk's keys >= T, with
-   their indices, in index order, to the chunk's region of a scratch buffer, writes how many,
-   and counts them (relaxed atomics, ~4% of the elements) into a histogram of BINS bins of
-   equal key width spanning [T, the sample's largest key].
+0. floor (one program a row): the row's floor T from a sample of it: the (e + Z sqrt(e) +
+   1)-th largest of SAMPLE sampled keys, e = k * SAMPLE / n being how many are expected above
+   the k-th largest key, its low 17 bits cleared; and the row's histogram zeroed. T keeps a
+   few thousand elements, and fewer than k only if the sample is off by Z standard deviations.
+1. scan (programs over chunks of every row, none waiting on another): each program copies
+   its chunk's keys >= T, with their indices, in index order, to the chunk's region of a
+   scratch buffer, writes how many, and counts them (relaxed atomics, ~4% of the elements)
+   into a histogram of BINS bins of equal key width spanning [T, the sample's largest key].
 2. select (one program per row): the histogram names the bin holding the k-th largest key,
    with c keys above it. The candidates are read into registers in index order (as one
    [chunks, CAND / chunks] tile, or, when one chunk holds most of them, by a binary search of
@@ -43,8 +42,8 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # at the k-th key of a Gaussian row of 128K); CAND: the select program's register tile (a
 # floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round.
 TOPK_CONFIGS: dict[int, dict] = {
-    1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
-    64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 8, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
+    1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 2, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
+    64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
 }
 DEFAULT_CONFIG = {"ALGO": "select", "CHUNK": None, "PROGRAMS_PER_SM": 4, "TILE": 2048,
                   "num_warps": 4, "SAMPLE": 1024, "PIECES": 64, "Z": 6.0, "BINS": 4096,
@@ -121,32 +120,50 @@ def _compact(x, offs, m, floor, shift, ckey_ptr, cidx_ptr, hist_ptr, region, kep
     return kept + tl.sum(keep.to(tl.int32), 0)
 
 
-@triton.jit(do_not_specialize=["k", "n_chunks"])
-def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_xr, n, k, chunk,
-                      n_chunks, SAMPLE: tl.constexpr, PIECES: tl.constexpr, Z: tl.constexpr,
-                      TILE: tl.constexpr, LOG_NB: tl.constexpr):
+@triton.jit(do_not_specialize=["k"])
+def _topk_floor_kernel(x_ptr, hist_ptr, info_ptr, s_xr, n, k, SAMPLE: tl.constexpr,
+                       PIECES: tl.constexpr, Z: tl.constexpr, LOG_NB: tl.constexpr,
+                       ZERO: tl.constexpr):
+    """One program a row: its floor and bin shift from the sample, into info, and its
+    histogram zeroed (this launch replaces the histogram's memset). Every scan program of
+    the row once derived the same floor itself: ncu counted that as 30% of the scan's
+    instructions at 64 rows of 128K."""
+    row = tl.program_id(0).to(tl.int64)
+    floor, shift = _sample_floor(x_ptr, row, s_xr, n, k, SAMPLE, PIECES, Z, LOG_NB)
+    tl.store(info_ptr + row * 2, floor.to(tl.int32, bitcast=True))
+    tl.store(info_ptr + row * 2 + 1, shift.to(tl.int32))
+    hist = hist_ptr + row * (1 << LOG_NB)
+    for z0 in tl.static_range(0, 1 << LOG_NB, ZERO):
+        tl.store(hist + z0 + tl.arange(0, ZERO), tl.zeros([ZERO], tl.int32))
+
+
+@triton.jit(do_not_specialize=["n_chunks"])
+def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_xr, n, chunk,
+                      n_chunks, TILE: tl.constexpr, LOG_NB: tl.constexpr):
     c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, n)
     region = row * n + lo  # this chunk's region: chunk-length slots
     hist = hist_ptr + row * (1 << LOG_NB)
-    # The first tile's load is issued before the sample's arithmetic, which hides its latency.
-    # A chunk is whole tiles, so only the row's end needs a mask (`< n`, which the compiler
-    # can see is vector-aligned when n is: `< hi` would cost 4-byte loads).
+    # The first tile's load is issued before the floor's, and each later tile's load before
+    # the tile ahead of it is compacted (without that, ncu found the scan waiting on its
+    # loads). A chunk is whole tiles, so only the row's end needs an element mask (`< n`,
+    # which the compiler can see is vector-aligned when n is: `< hi` would cost 4-byte
+    # loads); the chunk's end masks a whole prefetch at once.
+    x_row = x_ptr + row * s_xr
     offs = lo + tl.arange(0, TILE)
-    x = tl.load(x_ptr + row * s_xr + offs, mask=offs < n, other=0.0)
-    floor, shift = _sample_floor(x_ptr, row, s_xr, n, k, SAMPLE, PIECES, Z, LOG_NB)
-    kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region, 0, LOG_NB,
-                    TILE)
-    for t0 in range(lo + TILE, hi, TILE):
+    x = tl.load(x_row + offs, mask=offs < n, other=0.0)
+    floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
+    shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
+    kept = 0
+    for t0 in range(lo, hi, TILE):
         offs = t0 + tl.arange(0, TILE)
-        x = tl.load(x_ptr + row * s_xr + offs, mask=offs < n, other=0.0)
+        ahead = offs + TILE
+        x_next = tl.load(x_row + ahead, mask=(ahead < n) & (t0 + TILE < hi), other=0.0)
         kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region, kept,
                         LOG_NB, TILE)
+        x = x_next
     tl.store(cnt_ptr + row * n_chunks + c, kept)
-    if c == 0:
-        tl.store(info_ptr + row * 2, floor.to(tl.int32, bitcast=True))
-        tl.store(info_ptr + row * 2 + 1, shift.to(tl.int32))
 
 
 @triton.jit
@@ -399,14 +416,15 @@ def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
     chunk = triton.cdiv(min(chunk, n), tile) * tile  # whole tiles: only the row's end is masked
     n_chunks = triton.cdiv(n, chunk)
     # The regions are padded by CAND: the select program reads whole [chunks, CAND / chunks] tiles.
-    cnt, info, scr, ckey, cidx = carve([r * n_chunks, r * 2, r * SMALL, r * n + cfg["CAND"],
-                                        r * n + cfg["CAND"]], x.device)
     log_nb = (cfg["BINS"] - 1).bit_length()
-    hist = torch.zeros(r << log_nb, dtype=torch.int32, device=x.device)
+    cnt, info, scr, ckey, cidx, hist = carve([r * n_chunks, r * 2, r * SMALL, r * n + cfg["CAND"],
+                                              r * n + cfg["CAND"], r << log_nb], x.device)
     sample = max(32, min(cfg["SAMPLE"], next_pow2(n)))
-    _topk_scan_kernel[(n_chunks, r)](x, cnt, ckey, cidx, hist, info, x.stride(0), n, k, chunk,
-                                     n_chunks, SAMPLE=sample, PIECES=min(cfg["PIECES"], sample),
-                                     Z=cfg["Z"], TILE=tile, LOG_NB=log_nb,
+    _topk_floor_kernel[(r,)](x, hist, info, x.stride(0), n, k, SAMPLE=sample,
+                             PIECES=min(cfg["PIECES"], sample), Z=cfg["Z"], LOG_NB=log_nb,
+                             ZERO=min(1024, 1 << log_nb), num_warps=4)
+    _topk_scan_kernel[(n_chunks, r)](x, cnt, ckey, cidx, hist, info, x.stride(0), n, chunk,
+                                     n_chunks, TILE=tile, LOG_NB=log_nb,
                                      num_warps=cfg["num_warps"])
     return chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist
 
