@@ -112,7 +112,7 @@ DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP
                 "halves": {"BLOCK_N": 8, "HALVES": 2}, "halves-per-token": {"BLOCK_N": 16, "PAGED": False, "HALVES": 2}}
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
-                    "pages": {"BLOCK_N": 64}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
+                    "pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
                     "per-token": {"PAGED": False}, "halves": {"BLOCK_N": 32, "HALVES": 2},
                     "halves-page": {"BLOCK_N": 16, "HALVES": 2}}
 
