@@ -142,9 +142,10 @@ class AnalyticCost:
         return (self.host_floor + extra if self.host_overlap else extra) + self.host_added
 
     def decode_run_ends(self, t: float, ns: list[float], bases: list[float], k: int,
-                        until: float, last_free: bool = False) -> list[float]:
+                        until: float, last_free: bool = False, through: bool = False) -> list[float]:
         """End times of up to k identical decode steps from t, stopping before the first
-        that reaches ``until`` (``last_free``: the k-th step may end later). Rank r feeds
+        that reaches ``until`` (``last_free``: the k-th step may end later; ``through``: the
+        first step that reaches it is the last one given). Rank r feeds
         ns[r] tokens and reads bases[r] + ns[r] * j of context in step j: ``step_time`` on
         those loads, summed one step at a time (as stepping would), in Python floats with its
         operations in its order."""
@@ -162,6 +163,14 @@ class AnalyticCost:
                 continue
             t_r = max((dense + kvb * (base + tok)) / hbm, gemm + afpp * base * layers / flops)
             idle = max(idle, t_r if a2a is None else t_r + a2a)
+        # No step is shorter than reading the weights (or the host floor): a long run that
+        # ``until`` cuts is priced up to there only (a running sum: its prefix is the same).
+        least = max(dense / hbm, self.host_floor) + self.host_added
+        if k >= VECTOR_RUN and least > 0 and (until - t) / least + 3 < k:
+            head = int(max(until - t, 0.0) / least) + 3
+            got = self.decode_run_ends(t, ns, bases, head, until, through=through)
+            if len(got) < head or got[-1] >= until:  # it reached until, as the whole run does
+                return got
         if k >= VECTOR_RUN:  # the same operations elementwise, then a sequential running sum
             j = np.arange(k, dtype=np.float64)
             worst = np.full(k, idle)
@@ -178,7 +187,10 @@ class AnalyticCost:
             late = ends >= until
             if last_free:
                 late[-1] = False
-            return ends[: late.argmax() if np.count_nonzero(late) else k].tolist()
+            return ends[: late.argmax() + through if np.count_nonzero(late) else k].tolist()
+        if len(ranks) == 1 and idle == -np.inf:
+            return self._one_rank_ends(t, ranks[0], dense, kvb, hbm, afpp, layers, flops, k, until, last_free, through)
+        floor, added = self.host_floor, self.host_added
         ends = []
         for j in range(k):
             worst = idle
@@ -188,8 +200,32 @@ class AnalyticCost:
                 if a2a is not None:
                     t_r = t_r + a2a
                 worst = t_r if t_r > worst else worst
-            t = t + ((worst if worst > self.host_floor else self.host_floor) + self.host_added)
+            t = t + ((worst if worst > floor else floor) + added)
             if t >= until and not (last_free and j == k - 1):
+                if through:
+                    ends.append(t)
+                break
+            ends.append(t)
+        return ends
+
+    def _one_rank_ends(self, t, rank, dense, kvb, hbm, afpp, layers, flops, k, until, last_free, through):
+        """``decode_run_ends``' loop for one busy rank: the same operations in the same order."""
+        tok, base, gemm, a2a = rank
+        floor, added = self.host_floor, self.host_added
+        free_at = k - 1 if last_free else -1
+        ends = []
+        for j in range(k):
+            ctx = base + tok * float(j)
+            t_r = (dense + kvb * (ctx + tok)) / hbm
+            g = gemm + afpp * ctx * layers / flops
+            if g > t_r:  # max(t_r, g)
+                t_r = g
+            if a2a is not None:
+                t_r = t_r + a2a
+            t = t + ((t_r if t_r > floor else floor) + added)
+            if t >= until and j != free_at:
+                if through:
+                    ends.append(t)
                 break
             ends.append(t)
         return ends

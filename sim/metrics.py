@@ -56,6 +56,18 @@ class Metrics:
         if len(rids) == 0:
             return
         ntok, last, first, second = self.ntok, self.last, self.first, self.second
+        if len(rids) > 8:  # the same values, in the same order, from vector operations
+            n = ntok[rids]
+            seen = rids[n > 0]
+            self._itl_v += (t - last[seen]).tolist()
+            self._itl_w += [1.0] * len(seen)
+            second[rids[n == 1]] = t
+            first[rids[n == 0]] = t
+            last[rids] = t
+            ntok[rids] = n + 1
+            self._tok_t.append(t)
+            self._tok_n.append(len(rids))
+            return
         itl_v, itl_w = self._itl_v, self._itl_w
         for r in rids.tolist():  # item() and Python floats: a step is one or a few requests
             n = ntok.item(r)
@@ -95,14 +107,24 @@ class Metrics:
         """k tokens for each request, at step ends ``ends`` (k,)."""
         self.tokens(rids, ends[0])
         if len(ends) > 1:
-            got_one = rids[self.ntok[rids] == 1]
-            self.second[got_one] = ends[1]
+            more = len(ends) - 1
+            if len(rids) <= 8:  # item() and Python floats, as ``tokens``
+                ntok, second, last, end = self.ntok, self.second, self.last, ends[-1]
+                for r in rids.tolist():
+                    n = ntok.item(r)
+                    if n == 1:
+                        second[r] = ends[1]
+                    last[r] = end
+                    ntok[r] = n + more
+            else:
+                got_one = rids[self.ntok[rids] == 1]
+                self.second[got_one] = ends[1]
+                self.last[rids] = ends[-1]
+                self.ntok[rids] += more
             self._itl_v += [b - a for a, b in zip(ends, ends[1:])]
-            self._itl_w += [float(len(rids))] * (len(ends) - 1)
-            self.last[rids] = ends[-1]
-            self.ntok[rids] += len(ends) - 1
+            self._itl_w += [float(len(rids))] * more
             self._tok_t += ends[1:]
-            self._tok_n += [len(rids)] * (len(ends) - 1)
+            self._tok_n += [len(rids)] * more
 
     def kv_sample(self, instance: int, t, used_blocks) -> None:
         """Blocks in use on one instance from time t on (scalars, or lists of both)."""

@@ -208,7 +208,7 @@ class ProfiledCost(AnalyticCost):
         return self._with_host(worst, host_extra, draft_s)
 
     def decode_run_ends(self, t: float, ns: list[float], bases: list[float], k: int,
-                        until: float, last_free: bool = False) -> list[float]:
+                        until: float, last_free: bool = False, through: bool = False) -> list[float]:
         """As the parent's, by calling ``rank_step_time`` on each step's loads: the same bits
         as stepping. Step j feeds position ncomp - 1 + j of each request, so its cached
         contexts sum to bases[r] - ns[r] + ns[r] * j."""
@@ -218,6 +218,8 @@ class ProfiledCost(AnalyticCost):
             mix = [(n, b - n + n * float(j), 0.0, 0.0) for n, b in zip(ns, bases)]
             t = t + self.rank_step_time(ns, zeros, zeros, zeros, mix=mix)
             if t >= until and not (last_free and j == k - 1):
+                if through:
+                    ends.append(t)
                 break
             ends.append(t)
         return ends

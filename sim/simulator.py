@@ -8,9 +8,13 @@ DEP instance's ranks step together; the step costs what its slowest rank costs.
 Runs of identical decode steps are applied at once with ``SchedulerCore.advance(k)``: the
 simulator's cost grows with events (arrivals, admissions, block boundaries, completions),
 not with steps. Plans skipped by an advance are not materialized. A run reaches through the
-step in which its first requests finish (``SchedulerCore.decode_run``): that step is applied
-with the run, not planned, dispatched and updated on its own, but its end stays an event at
-the time a single step would end, so everything is recorded in the order stepping records it.
+step in which its first requests finish (``SchedulerCore.decode_run``), or through the step
+in which the next arrival falls (planned before it, that step is still identical; where
+routing reads the instance, only if its update changes nothing routing reads): that step is
+applied with the run, not planned, dispatched and updated on its own, but its end stays an
+event at the time a single step would end, so everything is recorded in the order stepping
+records it. With one instance of one rank, a run's end that comes before the next arrival
+is handled at once, without a trip through the event heap.
 
 Pools are all colocated, or split into prefill and decode pools (``sim.disagg``: hand-offs,
 KV pulls over a link, the prefill side's held blocks).
@@ -34,7 +38,7 @@ from lockstep.policy.deployment import Deployment, PoolSpec
 from lockstep.policy.hashing import BlockHasher
 from lockstep.policy.request import Request, RequestError, SamplingParams
 from lockstep.policy.router import PrefixAffinityRouter
-from lockstep.policy.step import StepPlan, StepResult
+from lockstep.policy.step import StepPlan, StepResult, decode_constants
 
 from .cost import AnalyticCost
 from .disagg import HANDOFF, JOIN, LINK, STEP, PDFlow, check_pd_pools, pd_report
@@ -254,6 +258,19 @@ class Simulator(PDFlow):
         self._next_window = t + self.d.cost.expert_window_s
 
     def _step_done(self, idx: int, t: float, next_arrival: float) -> None:
+        while True:
+            t_fold = self._step_end(idx, t, next_arrival)
+            if t_fold is None:
+                return
+            if not (self._one_rank and t_fold < next_arrival):
+                self._push(t_fold, STEP, idx)
+                return
+            # One instance, one rank: the run's end is the next event, whatever a heap says.
+            t = t_fold
+
+    def _step_end(self, idx: int, t: float, next_arrival: float) -> float | None:
+        """Apply the step that ends at t and start the next; the end of a run applied with
+        it (``Folded``) if that is what the instance runs now, else None."""
         inst = self.instances[idx]
         if isinstance(inst.executing, Folded):  # the last step of a run, applied with it
             for rank, out in inst.executing.outs:
@@ -282,9 +299,10 @@ class Simulator(PDFlow):
             got = self._try_advance(idx, plans, t, until)
             if got is not None:
                 plans, t, t_end = got
-                if plans is None:  # the run's last step is applied: its end is an event already
-                    return
+                if plans is None:  # the run's last step is applied: its end is the next event
+                    return t
         self._dispatch(idx, t, plans, t_end)
+        return None
 
     def _apply(self, idx: int, rank: int, core: SchedulerCore, plan: StepPlan, t: float,
                done: np.ndarray) -> None:
@@ -321,30 +339,37 @@ class Simulator(PDFlow):
         """Apply the run of identical decode steps that starts with ``plans`` in flight;
         None if there is none of at least two steps (as stepping would find it). Returns
         (plans left in flight, time, the end of the next step if already priced, else
-        None), or (None, time, None) where the run's last step is the one in which requests
-        finish: applied with the run (the instance runs ``Folded``), its end is an event as
-        a single step's is, and the step after it is planned then."""
+        None), or (None, time, None) where the run's last step is applied with it: the one
+        in which requests finish, or the one in which ``until`` falls (the instance runs
+        ``Folded``). Its end is then the caller's event, as a single step's is, and the
+        step after it is planned there."""
         inst = self.instances[idx]
         k, finishes = self._identical_steps(inst, plans)
         if finishes and inst.role == "decode" and self._joins_in(idx, plans):
             # A pulled request's first step pays host time when a step is dispatched with it
             # (``_start_pulls``), which the run's steps are not: its last step stays single.
             k, finishes = k - 1, False
-        if k - finishes < 2:
+        if k < 2:
             return None
         # Every boundary inside the run, and the one at its end (where the next plan is
-        # made), must come before the next arrival, or that plan would miss it. A finishing
-        # round is priced as the single step it stands for, which may end later.
-        ends = self._decode_ends(inst, k, t, until, last_free=finishes)
+        # made), must come before the next arrival, or that plan would miss it. The step in
+        # which ``until`` falls may end the run: its plan was made before, and its end is an
+        # event after it (the instance runs ``Folded``). A finishing round is priced as the
+        # single step it stands for, which may end later.
+        through = inst.role == "colocated" and (self._one_rank or until < self._next_window)
+        ends = self._decode_ends(inst, k, t, until, last_free=finishes, through=through)
         fold, priced = False, None
-        if finishes and len(ends) == k:
-            # The last step may end after ``until`` only where nothing there reads this
-            # instance's state: with one rank, no routing does. Else it is a single step.
-            if ends[-1] < until or self._one_rank:
+        if ends and ends[-1] >= until:
+            # Applied early, that step's update must not change what routing reads there.
+            if self._one_rank or self._unseen_round(inst, len(ends), k, finishes):
                 fold = True
-            else:
+            elif finishes and len(ends) == k:
                 priced = ends.pop()
-        if len(ends) - fold < 2:
+            else:
+                ends.pop()
+        elif finishes and len(ends) == k:
+            fold = True
+        if len(ends) < 2:
             return None
         k = len(ends)
         used = self._decode_kv_use(inst, k - fold)
@@ -378,8 +403,23 @@ class Simulator(PDFlow):
         inst.executing = Folded(outs)
         inst.planned = None if all(p.is_empty() for p in new_plans) else new_plans
         inst.t_end = ends[-1]
-        self._push(ends[-1], STEP, idx)
         return None, ends[-1], None
+
+    def _unseen_round(self, inst: Instance, r: int, k: int, finishes: bool) -> bool:
+        """Whether round r of a run applied before an arrival changes nothing the arrival's
+        routing reads (each rank's load and indexed prefix blocks): nobody finishes in it,
+        and the tokens it confirms close no block that others may look up."""
+        if finishes and r == k:
+            return False
+        for c in inst.cores:
+            if not c.config.enable_prefix_caching:
+                continue
+            maxtotal, maxout, nout = c.s_maxtotal, c.s_maxout, c.s_nout
+            for s in c._active:  # round r confirms position maxtotal - maxout + nout + r - 1
+                if (maxtotal.item(s) - maxout.item(s) + nout.item(s) + r) % c.bs == 0 \
+                        and not c.s_req[s].private_prefix:
+                    return False
+        return True
 
     def _identical_steps(self, inst: Instance, plans: list[StepPlan]) -> tuple[int, bool]:
         """(rounds of the run, whether its last round finishes requests) over the ranks."""
@@ -390,8 +430,11 @@ class Simulator(PDFlow):
                 if core.num_waiting:
                     return 0, False
                 continue
-            decode_only = plan.num_reqs == n and all(plan.samples.tolist()) and set(plan.num_new.tolist()) == {1}
-            if not decode_only or len(plan.kv_load_req_ids):
+            if plan.num_reqs != n or len(plan.kv_load_req_ids):
+                return 0, False
+            shared = decode_constants(n)  # what a decode-only plan is made of, mostly
+            if not (plan.num_new is shared.ones and plan.samples is shared.trues) and not (
+                    all(plan.samples.tolist()) and set(plan.num_new.tolist()) == {1}):
                 return 0, False
             kc, fc = core.decode_run()
             k = min(k, kc)
@@ -419,13 +462,14 @@ class Simulator(PDFlow):
                 pairs.append(0.0)
         return inst.cost.rank_step_time(tokens, ctx, pairs, loaded, host, mix=mix)
 
-    def _decode_ends(self, inst: Instance, k: int, t: float, until: float, last_free: bool = False) -> list[float]:
+    def _decode_ends(self, inst: Instance, k: int, t: float, until: float, last_free: bool = False,
+                     through: bool = False) -> list[float]:
         ns, bases = [], []
         for core in inst.cores:
             act, ncomp = core._active, core.s_ncomp
             ns.append(float(len(act)))
             bases.append(float(sum(ncomp.item(s) for s in act)))  # plan j feeds positions ncomp-1+j
-        return inst.cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free)
+        return inst.cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free, through=through)
 
     def _decode_kv_use(self, inst: Instance, k: int) -> list[int]:
         """Blocks in use at each step end of the run: plan j takes the blocks its fed

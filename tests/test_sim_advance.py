@@ -2,13 +2,14 @@
 
 - ``SchedulerCore.decode_run`` / ``advance(k)`` through the round in which requests finish
   equal k single steps (same finish steps, outputs, pool state);
-- the simulator folds that last step into its run and still gives what stepping one by
-  one gives, to the bit;
+- the simulator folds that last step, or the one in which the next arrival falls, into its
+  run and still gives what stepping one by one gives, to the bit;
 - the block pool's host tier takes a run of new blocks at once as it takes them one by one.
 """
 
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -181,6 +182,26 @@ def test_a_lone_request_costs_two_step_events():
     assert len(calls) == 1  # only the prefill's result is applied as a single step
 
 
+@pytest.mark.parametrize("arrival", [0.05, 0.2])
+def test_a_run_takes_the_step_in_which_an_arrival_falls(arrival):
+    """A arrives alone and decodes; B arrives during A's run. Single steps: A's prefill, the
+    step planned before B arrived but dispatched after, and the one that prefills B. The
+    step in which B arrives ends A's run, and is applied with it; results equal stepping."""
+    a, b = read_trace(DATA / "azure_code_300.csv").requests[:2]
+    workload = [attrs.evolve(a, arrival_s=0.0, output_len=200), attrs.evolve(b, arrival_s=arrival, output_len=50)]
+    deployment = load_deployment(ROOT / "examples" / "h200-v2lite.toml")
+    sim = Simulator(deployment, workload)
+    calls = []
+    update = SchedulerCore.update
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SchedulerCore, "update", lambda self, *a: calls.append(1) or update(self, *a))
+        sim.run()
+    assert len(calls) == 3
+    (_, fast), (_, slow) = both(deployment, workload)
+    for key in ("first", "second", "last", "finish", "ntok"):
+        assert np.array_equal(getattr(fast, key), getattr(slow, key), equal_nan=True), key
+
+
 @pytest.mark.parametrize("example", ["h200-v2lite.toml", "h200-dep8.toml", "gb300-nvl72.toml"])
 def test_long_runs_are_priced_to_the_bit_as_step_by_step(example, monkeypatch):
     """decode_run_ends prices a long run with numpy: the same floats as its Python loop."""
@@ -194,11 +215,13 @@ def test_long_runs_are_priced_to_the_bit_as_step_by_step(example, monkeypatch):
         bases = [float(rng.integers(0, 10**7)) if n else 0.0 for n in ns]
         k, t = int(rng.integers(cost_module.VECTOR_RUN, 400)), float(rng.random() * 1000)
         until = t + float(rng.random() * 0.5) if rng.random() < 0.7 else np.inf
-        last_free = bool(rng.random() < 0.5)
-        fast = cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free)
+        last_free, through = bool(rng.random() < 0.5), bool(rng.random() < 0.5)
+        fast = cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free, through=through)
         with monkeypatch.context() as mp:
             mp.setattr(cost_module, "VECTOR_RUN", 1 << 30)
-            assert cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free) == fast
+            assert cost.decode_run_ends(t, ns, bases, k, until, last_free=last_free, through=through) == fast
+        if through and fast and fast[-1] >= until:  # the step that reaches until ends it
+            assert all(e < until for e in fast[:-1])
 
 
 def test_a2a_latency_adds_two_exchanges_a_moe_layer_to_dep_steps_only():

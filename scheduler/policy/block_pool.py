@@ -247,8 +247,7 @@ class BlockPool:
             left = ref.take(idx)
             left -= 1
             ref[idx] = left
-            z = left == 0
-            zero = idx if np.count_nonzero(z) == len(z) else idx[z]
+            zero = idx[left == 0] if left.any() else idx
         else:
             np.subtract.at(ref, idx, 1)  # counts every occurrence, unlike ref[idx] -= 1
             zero = idx[ref[idx] == 0]

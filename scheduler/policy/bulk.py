@@ -41,12 +41,18 @@ class BulkDecode:
         if not slots:
             return 0, False
         dec, nknown_a, ncomp_a, stop = self.s_decodable, self.s_nknown, self.s_ncomp, self.s_stop
-        if len(slots) <= SMALL_BATCH:
-            if not all(dec.item(s) for s in slots) or any(stop.item(s) != -2 for s in slots):
-                return 0, False
-            nknown, ncomp = [nknown_a.item(s) for s in slots], [ncomp_a.item(s) for s in slots]
-            pend, maxtotal = [self.s_prefill_end.item(s) for s in slots], [self.s_maxtotal.item(s) for s in slots]
-            nblk = [self.s_nblocks.item(s) for s in slots]
+        if len(slots) <= SMALL_BATCH:  # one pass, the same checks
+            pend_a, maxtotal_a, nblk_a = self.s_prefill_end, self.s_maxtotal, self.s_nblocks
+            ncomp, nblk, rem = [], [], []
+            for s in slots:
+                a, c = nknown_a.item(s), ncomp_a.item(s)
+                # decoding, no stop token, one token known past the computed ones, and no
+                # one-token prefill chunk left
+                if not dec.item(s) or stop.item(s) != -2 or a - c != 1 or c < pend_a.item(s):
+                    return 0, False
+                ncomp.append(c)
+                nblk.append(nblk_a.item(s))
+                rem.append(maxtotal_a.item(s) - a)
         else:
             idx = np.array(slots, dtype=np.int64)
             if not dec[idx].all() or (stop[idx] != -2).any():
@@ -54,13 +60,13 @@ class BulkDecode:
             nknown, ncomp = nknown_a[idx].tolist(), ncomp_a[idx].tolist()
             pend, maxtotal = self.s_prefill_end[idx].tolist(), self.s_maxtotal[idx].tolist()
             nblk = self.s_nblocks[idx].tolist()
-        if any(a - c != 1 for a, c in zip(nknown, ncomp)):
-            return 0, False
-        if any(c < e for c, e in zip(ncomp, pend)):
-            return 0, False  # a one-token prefill chunk left
+            if any(a - c != 1 for a, c in zip(nknown, ncomp)):
+                return 0, False
+            if any(c < e for c, e in zip(ncomp, pend)):
+                return 0, False  # a one-token prefill chunk left
+            rem = [t - a for t, a in zip(maxtotal, nknown)]
         if self._waiting and self._free_slots and self._could_admit_head():
             return 0, False
-        rem = [t - a for t, a in zip(maxtotal, nknown)]
         k = min(rem)
         if k <= 0:
             return 0, False
@@ -155,16 +161,21 @@ class BulkDecode:
             self.s_nknown[slot_idx] += sched
             self.s_nout[slot_idx] += k
         self._step += k - 1
-        self._refill_tails(slots, reqs, [p + k for p in pos0])
         done = [o + k >= m for o, m in zip(nout0, maxout)]
         # The plan of round k is made before that round's update finishes anyone.
         if any(done):
-            live = np.array([s for s, d in zip(slots, done) if not d], dtype=np.int64)
-            plan = self._build_plan(live, self._still_owned(last_new, live) if len(live) else (EMPTY_I64, EMPTY_I64),
+            keep = [i for i, d in enumerate(done) if not d]
+            # A finishing request's output is complete in req.output: its tail is not refilled
+            # (nor flushed back when its slot is released).
+            self._refill_tails([slots[i] for i in keep], [reqs[i] for i in keep], [pos0[i] + k for i in keep])
+            live = np.array([slots[i] for i in keep], dtype=np.int64)
+            plan = self._build_plan(live, self._still_owned(last_new, live) if keep else (EMPTY_I64, EMPTY_I64),
                                     [], [])
             idx = [i for i, d in enumerate(done) if d]
-            finished = self._finish_slots(np.array([slots[i] for i in idx], dtype=np.int64), tokens[idx, -1])
+            finished = self._finish_slots(np.array([slots[i] for i in idx], dtype=np.int64), tokens[idx, -1],
+                                          flushed=True)
         else:
+            self._refill_tails(slots, reqs, [p + k for p in pos0])
             plan = self._build_plan(np.array(slots, dtype=np.int64), last_new, [], [])
             finished = ()
         rid_arr = np.array(rids, dtype=np.int64)

@@ -378,11 +378,13 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         lo = known - known % self.bs
         self.s_tail[slot, : known - lo] = self._known_tokens(req, lo, known)
 
-    def _release(self, req: Request) -> None:
-        """Give back the slot and blocks; keep confirmed output in the request."""
+    def _release(self, req: Request, *, flushed: bool = False) -> None:
+        """Give back the slot and blocks; keep confirmed output in the request (``flushed``:
+        it is there already, the open block's tokens included)."""
         slot = req.slot
-        req.num_output = int(self.s_nout[slot])
-        self._flush_tails([slot], [req], [req.prompt_len + req.num_output])
+        req.num_output = self.s_nout.item(slot)
+        if not flushed:
+            self._flush_tails([slot], [req], [req.prompt_len + req.num_output])
         self.pool.free(req.blocks[::-1], distinct=True)
         req.blocks = []
         self._prefilling.discard(slot)
@@ -442,6 +444,8 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         p = req.prompt_len
         if hi <= p:
             return req.prompt[lo:hi]
+        if lo >= p:  # a view, as the prompt's: no concatenate for an output-only range
+            return req.output[lo - p : hi - p]
         head = req.prompt[lo:p] if lo < p else req.prompt[:0]
         return np.concatenate([head, req.output[max(lo - p, 0) : hi - p]])
 

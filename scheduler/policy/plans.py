@@ -91,7 +91,7 @@ class PlanAssembly:
         slots_arr = np.array(slots, dtype=np.int32)
         tok_offsets = np.array(list(itertools.accumulate(num_new, initial=0)), dtype=np.int64)
         blk_offsets = np.array(list(itertools.accumulate(counts, initial=0)), dtype=np.int64)
-        flat_blocks = [b for part in blk_parts for b in part]
+        flat_blocks = blk_parts[0] if len(blk_parts) == 1 else list(itertools.chain.from_iterable(blk_parts))
         dropped = self._take_drops(n)
         total = tok_offsets.item(n)
         if n:  # every plan with requests must be applied; empty ones need not be
@@ -130,6 +130,8 @@ class PlanAssembly:
     def _decode_plan(self, slots: np.ndarray, grown) -> StepPlan:
         """The common plan, decodes only, from a few gathers and read-only constants."""
         n, c = len(slots), self._const
+        if n == 0:  # the same plan, from the constants alone (no drops ride on it)
+            return self._idle_plan()
         k = decode_constants(n)
         self._step += 1
         counts_off = k.zeros

@@ -121,7 +121,9 @@ class UpdatePath:
         if self.config.enable_prefix_caching:
             self._publish_generated(reqs, ends // self.bs - 1, self.s_tail[slots])
 
-    def _finish_slots(self, slots: np.ndarray, tokens: np.ndarray) -> tuple:
+    def _finish_slots(self, slots: np.ndarray, tokens: np.ndarray, *, flushed: bool = False) -> tuple:
+        """Finish the requests in ``slots``; ``flushed``: their outputs are all in req.output
+        already (see ``_release``)."""
         out = []
         for slot, tok in zip(slots.tolist(), tokens.tolist()):
             req = self.s_req[slot]
@@ -131,7 +133,7 @@ class UpdatePath:
             if req.hold_kv and reason is FinishReason.LENGTH:  # P/D: the decode side pulls them
                 self.held[req.id] = list(req.blocks)
                 self.pool.touch(req.blocks)
-            self._release(req)
+            self._release(req, flushed=flushed)
             self._finish(req, reason)
             out.append((req.id, reason))
         return tuple(out)
