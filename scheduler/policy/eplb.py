@@ -17,14 +17,21 @@ replicas for fillers (``eplb_nodes``); each node's replicas go to its GPUs by ba
 largest differencing, replicated experts' spread one per GPU (``eplb_pack``); with few slots
 per GPU, paired GPUs re-split their replicas (``eplb_pairs``); then a local search levels the
 GPUs and makes every GPU hold a replicated expert, so the per-batch split can relieve it
-(``eplb_search``, ``eplb_moves``). Everything works on all layers at once (numpy arrays
+(``eplb_search``, ``eplb_moves``). With several nodes and k <= RESPLIT_K slots per GPU
+(EP64 at 256, EP72 at 288 slots) a node's packing is what limits the heaviest GPU, so the
+nodes are dealt by their packing bound (``eplb_nodes.level_nodes``) and every pair of a
+node's GPUs re-splits (``eplb_pack.resplit``), before and after a short search, in place of
+the heaviest-lightest pairs. Everything works on all layers at once (numpy arrays
 with a leading layer axis), which is what keeps 61 layers within the planner's 100 ms
 budget on one core. With a current placement, GPUs and
 slots are renumbered to keep what stays (``eplb_align``). Incremental plan: the fresh plan
 is the reference; the current placement is repaired until each layer is within ``eps`` of
 it, with as few moves as it can (``eplb_incr``); where a node's own experts outgrew its GPUs
 and the repair gets stuck, the repair starts instead from the current layout given the fresh
-plan's replicas node by node (``eplb_adopt``).
+plan's replicas node by node (``eplb_adopt``), or from its own result with each node's pairs
+re-split counting moves (``eplb_level``); every candidate then puts back what it can of the
+current layout while it stays within ``eps`` (``eplb_level.settle``), and the one with the
+fewest moves wins, layer by layer.
 
 Balancedness = mean / max of tokens per GPU in a forward pass, averaged over layers (also
 given as the sum of means over the sum of maxima).
@@ -37,16 +44,20 @@ import numpy as np
 
 from .eplb_adopt import adopt, adopt_fresh_nodes, fewest_moves, heavy_nodes
 from .eplb_align import align, moves
-from .eplb_count import greedy_counts, home_nodes, partition_bound, relaxed_bound, relaxed_value
+from .eplb_count import greedy_counts, home_nodes, node_sums, partition_bound, relaxed_bound, relaxed_value
 from .eplb_incr import repair
+from .eplb_level import resplit_frugal, settle
 from .eplb_nodes import plan_nodes
-from .eplb_pairs import MAX_K, repartition
-from .eplb_pack import Shape, balanced_pack, sorted_items
+from .eplb_pairs import MAX_K, _splits, repartition
+from .eplb_pack import RESPLIT_K, Shape, balanced_pack, sorted_items
 from .eplb_split import SPLITS, replica_counts, replica_slots, split_loads
-from .eplb_search import SearchState, cover, search
+from .eplb_search import SearchState, cover, resplit_nodes, search
 
 SEARCH_ROUNDS = 16  # a fresh plan's search rounds: the last gains are tiny, the rounds are not
 SEARCH_ROUNDS_PAIRED = 6  # the same after pairs were re-split (few slots per GPU)
+GOAL_SHARE = 0.5  # the repair aims this far into the eps window (settling then uses the rest)
+EXTRA_SHARES = (0.0, 0.25, 0.75, 0.95)  # where the first repair fails, others aim here: each stalls elsewhere
+SEARCH_ROUNDS_RESPLIT = 1  # the same after every pair of each node's GPUs was (several nodes, k <= RESPLIT_K)
 
 __all__ = ["SPLITS", "Balancedness", "Placement", "Plan", "Topology", "bound", "evaluate", "naive", "plan"]
 
@@ -180,25 +191,44 @@ def plan(load: np.ndarray, topo: Topology, current: Placement | None = None, *,
 
 def _incremental(w, old: np.ndarray, shape: Shape, fresh_top: np.ndarray, eps: float, fresh: np.ndarray):
     """Per layer, the fewest moves among: the repair of ``old``; where that ends beyond
-    ``eps`` of the fresh plan's heaviest GPU and there are several nodes, the repair of
-    ``old`` given the fresh plan's replicas on its heavy nodes, and on all nodes
-    (``eplb_adopt``); each only if it ends within ``eps`` (all aim halfway into it). Else
-    the per-node mix of levelled and fresh nodes, which always is (or, with one node, the
-    fresh plan). The state returned (for the plan's change counts) is the first repair's."""
-    goal, cap = fresh_top * (1 + eps / 2), fresh_top * (1 + eps)
+    ``eps`` of the fresh plan's heaviest GPU and there are several nodes, the repairs of
+    ``old`` aiming at other points of the window (``EXTRA_SHARES``), from ``old`` given the
+    fresh plan's replicas on its heavy nodes and on all nodes (``eplb_adopt``), and from the
+    first repair with each node's pairs re-split (``eplb_level``); each only if it ends
+    within ``eps``. Else the per-node mix of levelled and fresh nodes, which always is (or,
+    with one node, the fresh plan). Each then has replicas put back where they were while
+    it stays within ``eps`` (``settle``). The state returned (for the plan's change counts)
+    is the first repair's."""
+    goal, cap = fresh_top * (1 + eps * GOAL_SHARE), fresh_top * (1 + eps)
     state = repair(w, old, shape, goal)
     tries, ok = [state.p2l], [state.load.max(1) <= cap]
     rows = np.flatnonzero(~ok[0])
-    if shape.nodes == 1 or rows.size == 0:
-        return state, fewest_moves(old, tries, ok, fresh)
-    w_, old_, fresh_ = w[rows], old[rows], fresh[rows]
-    for where in (heavy_nodes(w_, old_, shape, goal[rows]), None):
-        st = repair(w_, adopt(w_, old_, fresh_, shape, where), shape, goal[rows], start=old_)
-        p2l, within = state.p2l.copy(), np.zeros(w.shape[0], dtype=bool)
-        p2l[rows], within[rows] = st.p2l, st.load.max(1) <= cap[rows]
-        tries.append(p2l)
-        ok.append(within)
-    return state, fewest_moves(old, tries, ok, adopt_fresh_nodes(w, old, fresh, shape, goal, cap))
+    fallback = fresh.copy()
+    if shape.nodes > 1 and rows.size:
+        w_, old_, fresh_, goal_, cap_ = w[rows], old[rows], fresh[rows], goal[rows], cap[rows]
+        starts = [(old_, fresh_top[rows] * (1 + eps * share)) for share in EXTRA_SHARES]
+        starts += [(adopt(w_, old_, fresh_, shape, where), goal_) for where in (heavy_nodes(w_, old_, shape, goal_), None)]
+        if 2 <= shape.k <= RESPLIT_K and shape.gpus > shape.nodes:
+            starts.append((resplit_frugal(w_, state.p2l[rows], old_, shape, goal_), goal_))
+        for begin, aim in starts:
+            st = repair(w_, begin, shape, aim, start=old_)
+            p2l, within = state.p2l.copy(), np.zeros(w.shape[0], dtype=bool)
+            p2l[rows], within[rows] = st.p2l, st.load.max(1) <= cap_
+            tries.append(p2l)
+            ok.append(within)
+        fallback[rows] = adopt_fresh_nodes(w_, old_, fresh_, shape, goal_, cap_, bases=tuple(t[rows] for t in tries))
+    settled = [_settle_where(w, p, old, shape, cap, within) for p, within in zip(tries, ok)]
+    fallback = _settle_where(w, fallback, old, shape, cap, np.isin(np.arange(w.shape[0]), rows))
+    return state, fewest_moves(old, settled, ok, fallback)
+
+
+def _settle_where(w, p2l: np.ndarray, old: np.ndarray, shape: Shape, cap: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``p2l`` with the layers ``rows`` (bool) settled (``eplb_level.settle``): the others are
+    not in the running."""
+    out = p2l.copy()
+    if rows.any():
+        out[rows] = settle(w[rows], p2l[rows], old[rows], shape, cap[rows])
+    return out
 
 
 def _greedy(w: np.ndarray, topo: Topology) -> np.ndarray:
@@ -210,18 +240,24 @@ def _greedy(w: np.ndarray, topo: Topology) -> np.ndarray:
 
 def _fresh(w: np.ndarray, topo: Topology, shape: Shape, tol: float) -> SearchState:
     r = _greedy(w, topo)
+    per_node = shape.gpus // shape.nodes
+    splits = _splits(shape.k) if topo.nodes > 1 and 2 <= shape.k <= RESPLIT_K and per_node >= 2 else None
     if topo.nodes > 1:
-        r, deal = plan_nodes(w, r, shape)
+        r, deal = plan_nodes(w, r, shape, level=splits is not None)
         items, load, node_of = deal.items, deal.load, deal.node_of
     else:
         items, load, _ = sorted_items(w / r, r)
         node_of = np.zeros_like(items)
     lead = np.take_along_axis(r, items, 1) >= 2  # replicas of replicated experts: one per GPU
-    state = SearchState.build(balanced_pack(items, load, node_of, shape, lead), w, shape)
-    repartition(state, shape)
-    rounds = SEARCH_ROUNDS_PAIRED if shape.k <= MAX_K else SEARCH_ROUNDS
+    state = SearchState.build(balanced_pack(items, load, node_of, shape, lead, splits), w, shape)
+    if splits is None:
+        repartition(state, shape)
+        rounds = SEARCH_ROUNDS_PAIRED if shape.k <= MAX_K else SEARCH_ROUNDS
+    else:
+        rounds = SEARCH_ROUNDS_RESPLIT
     state = search(state, shape, _floor(w, state.r, topo) * (1 + tol), max_rounds=rounds)
-    return cover(state, shape)
+    state = cover(state, shape)
+    return state if splits is None else resplit_nodes(state, shape, splits)
 
 
 def _floor(w: np.ndarray, r: np.ndarray, topo: Topology) -> np.ndarray:
@@ -249,12 +285,38 @@ def bound(load: np.ndarray, topo: Topology) -> Balancedness:
     an even split: mean over a lower bound on the heaviest GPU that holds for every choice of
     replica counts (see ``eplb_count``: mean GPU load, largest load per replica, each node's
     own experts' share, at most one replica per GPU; with no redundant slots also the
-    k-per-GPU partition bound of each node)."""
+    k-per-GPU partition bound of each node); with several nodes also what the nodes can
+    take in (``absorb_bound``)."""
     w = _check_load(load, topo)
     low = relaxed_bound(w, topo.slots, topo.home(), topo.nodes, topo.ranks)
     if topo.slots == topo.experts:
         low = np.maximum(low, partition_bound(w, topo.slots, topo.nodes, topo.ranks))
-    return Balancedness.from_max(w.sum(1) / topo.ranks, low)
+    return Balancedness.from_max(w.sum(1) / topo.ranks, np.maximum(low, absorb_bound(w, topo)))
+
+
+def absorb_bound(w: np.ndarray, topo: Topology, iters: int = 50) -> np.ndarray:
+    """Per layer, a lower bound on the heaviest GPU T from what each node can take in. Node
+    n's g GPUs carry at most g T. Its replicas of its own experts carry at most own_n, their
+    tokens; every other slot (``spare``: each own expert keeps one there) holds at most one
+    replica of another node's expert f, which has a replica at home too, so carries at most
+    min(T, w_f / 2). So W <= sum over n of min(g T, own_n + spare_n min(T, half_n)), half_n
+    the largest w_f / 2 of the other nodes' experts; the right side grows with T, and the
+    least T that fits is found from below by bisection. It binds where the light nodes have
+    too few spare slots for the load the heavy ones must shed (EP72 on 9 nodes, 288 slots)."""
+    per = topo.ranks // topo.nodes
+    home = topo.home()
+    own = node_sums(w, home, topo.nodes)
+    spare = topo.shape().spare()
+    total = w.sum(1)
+    others = home[None, :] != np.arange(topo.nodes)[:, None]  # (nodes, experts)
+    half = np.where(others[None], w[:, None, :], 0.0).max(2) / 2  # (layers, nodes)
+    lo = total / topo.ranks  # the mean: the right side is at most W there
+    hi = np.maximum(own.max(1) / per, lo)  # every node holding its own: the right side is W
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        fits = np.minimum(per * mid[:, None], own + spare * np.minimum(mid[:, None], half)).sum(1) >= total
+        hi, lo = np.where(fits, mid, hi), np.where(fits, lo, mid)
+    return lo
 
 
 def naive(topo: Topology, layers: int) -> Placement:

@@ -11,11 +11,12 @@ take those slots, heaviest onto the lightest GPU. The repair then levels from th
 moves counted against the current placement; it is tried with the fresh nodes adopted
 where a node's mean GPU is near the goal (``heavy_nodes``) and everywhere.
 
-Last resort, always within the cap (``adopt_fresh_nodes``): with every node adopted, swaps
-inside each node, the most relief of its excess over the goal per newly rewritten slot
-first (``_level``); then per node that layout or the fresh plan's, whichever rewrites fewer
-slots and is within the cap. Every node then holds the fresh plan's multiset, so replica
-counts are the fresh plan's and each node's GPU loads depend on that node's layout alone:
+Last resort, always within the cap (``adopt_fresh_nodes``): with every node adopted (into
+the current layout, and into each repair's result), swaps inside each node, the most relief
+of its excess over the goal (or the cap) per newly rewritten slot first (``_level``), and
+with few slots per GPU pair re-splits after them (``eplb_level``); then per node the layout,
+or the fresh plan's node, that rewrites the fewest slots within the cap. Every node then
+holds the fresh plan's multiset, so replica counts are the fresh plan's and each node's GPU loads depend on that node's layout alone:
 any per-node mix keeps the rules (home copies stay home, no expert twice on a GPU) and
 every GPU within the cap, because the fresh plan's nodes are within it.
 """
@@ -24,7 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .eplb_pack import Shape
+from .eplb_level import resplit_frugal
+from .eplb_pack import RESPLIT_K, Shape
 from .eplb_split import replica_counts
 
 HEAVY_NODE = 0.99  # a node whose mean GPU is this near the goal rarely levels its few big replicas under it
@@ -34,17 +36,27 @@ FREE_COST = 0.25  # what a swap of already rewritten slots costs (not zero: it s
 
 
 def adopt_fresh_nodes(w: np.ndarray, old: np.ndarray, fresh: np.ndarray, shape: Shape, goal: np.ndarray,
-                      cap: np.ndarray) -> np.ndarray:
-    """(layers, slots): per node, the old layout given the fresh plan's replicas and
-    levelled to ``goal``, or the fresh plan's node where that rewrites fewer slots or the
-    levelled node stays above ``cap`` (both per layer)."""
-    start = adopt(w, old, fresh, shape)
-    per_item = np.take_along_axis(w / np.maximum(replica_counts(fresh, w.shape[1]), 1), start, 1)
-    levelled, top = _level(start, per_item, old, shape, goal)
-    rows = (old.shape[0], shape.nodes, -1)
-    fewer = (levelled != old).reshape(rows).sum(2) <= (fresh != old).reshape(rows).sum(2)
-    keep = np.repeat((top <= cap[:, None]) & fewer, shape.slots // shape.nodes, axis=1)
-    return np.where(keep, levelled, fresh)
+                      cap: np.ndarray, bases: tuple[np.ndarray, ...] = ()) -> np.ndarray:
+    """(layers, slots): per node, the old layout (or one of ``bases``) given the fresh plan's
+    replicas and levelled to ``goal``, to ``cap`` or halfway, or the fresh plan's node,
+    whichever rewrites the fewest slots of ``old`` within ``cap`` (per layer). Levelling less
+    far moves less, but more often leaves a node above the cap."""
+    per_item = w / np.maximum(replica_counts(fresh, w.shape[1]), 1)
+    starts = [adopt(w, base, fresh, shape) for base in (old, *bases)]
+    cands = [_level(start, np.take_along_axis(per_item, start, 1), old, shape, aim)[0]
+             for start in starts for aim in (goal, (goal + cap) / 2, cap)]
+    if 2 <= shape.k <= RESPLIT_K and shape.gpus > shape.nodes:  # the pair re-splits finish what swaps leave
+        cands += [resplit_frugal(w, p, old, shape, goal) for p in cands]
+    out, rows = fresh, (old.shape[0], shape.nodes, -1)
+    moved = (fresh != old).reshape(rows).sum(2)
+    for p in cands:
+        top = np.take_along_axis(w / np.maximum(replica_counts(p, w.shape[1]), 1), p, 1)
+        top = top.reshape(old.shape[0], shape.gpus, -1).sum(2).reshape(rows).max(2)
+        m = (p != old).reshape(rows).sum(2)
+        better = (top <= cap[:, None]) & (m < moved)
+        out = np.where(np.repeat(better, shape.slots // shape.nodes, axis=1), p, out)
+        moved = np.where(better, m, moved)
+    return out
 
 
 def fewest_moves(old: np.ndarray, tries: list[np.ndarray], ok: list[np.ndarray],

@@ -8,6 +8,13 @@ replicas of hot experts only, so it can end up overloaded however the pool is de
 is in the counts: such a node gives up some pool slots to *fillers*, second replicas of its
 own coldest experts kept at home (they split load the node carries anyway, so they add
 none), and the pool shrinks by as many of its least useful replicas.
+
+With few slots per GPU (``level``: EP64/EP72, k <= 4) equal node loads are not enough: each
+large replica needs k - 1 small ones beside it on its GPU, so a node with a few large
+replicas and no small ones packs badly whatever its load. There the swaps may move fillers
+too (a small replica is what such a node lacks), any node may be the partner, and then the
+node with the highest packing bound (``eplb_pack.pack_bound``) swaps with the others while
+that bound falls (``level_nodes``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import attrs
 import numpy as np
 
 from .eplb_count import node_sums
-from .eplb_pack import Shape, sorted_items
+from .eplb_pack import Shape, bound_positions, bound_terms, sorted_items
 
 LIGHT = 3  # nodes whose pool replicas the heaviest node may swap with
 
@@ -30,6 +37,7 @@ class Deal:
     load: np.ndarray  # tokens of each item
     node_of: np.ndarray  # node of each item
     pool: np.ndarray  # bool: free to go to any node (not a primary, not a filler)
+    mobile: np.ndarray  # bool: not a primary (pool replicas and fillers: the rules let them move)
     node_load: np.ndarray  # (layers, nodes)
     copies: np.ndarray  # (layers, experts, nodes) replicas of each expert on each node
     r: np.ndarray  # (layers, experts) replica counts (the deal may have to change one)
@@ -51,7 +59,7 @@ def assign_nodes(w: np.ndarray, r: np.ndarray, stay: np.ndarray, shape: Shape) -
     copies = copies.astype(np.int64).reshape(layers, w.shape[1], shape.nodes)
     per_node = shape.gpus // shape.nodes
     _deal_rounds(items, load, forced, node_of, node_load, left, copies)
-    deal = Deal(items, load, node_of, ~forced, node_load, copies, r.copy())
+    deal = Deal(items, load, node_of, ~forced, ~first, node_load, copies, r.copy())
     _repair_copies(deal, w, per_node)
     return deal
 
@@ -113,64 +121,74 @@ def _sum_by_node(x: np.ndarray, node_of: np.ndarray, nodes: int) -> np.ndarray:
     return np.bincount(flat, weights=x.ravel().astype(np.float64), minlength=layers * nodes).reshape(layers, nodes).astype(x.dtype)
 
 
-def plan_nodes(w: np.ndarray, r: np.ndarray, shape: Shape, slack: float = 1e-3):
+def plan_nodes(w: np.ndarray, r: np.ndarray, shape: Shape, slack: float = 1e-3, level: bool = False):
     """Counts with fillers, and the node of every replica, so each node's load fits its GPUs at
     the mean (within ``slack``) where it can. Returns (r, deal).
 
     Fillers are taken in one round, or two where every node has two spare slots per GPU or
     more: a heavy node then has many pool slots to give up, and one round leaves it over.
     With few spare slots (EP72 on 9 nodes with 288 slots: 3 or 4 for 8 GPUs) the redundant
-    replicas that more fillers cost are better spent splitting hot experts."""
+    replicas that more fillers cost are better spent splitting hot experts.
+
+    ``level`` (few slots per GPU): the swaps that level the nodes may move fillers too and
+    pair the heaviest node with any other, and the nodes are then levelled by their packing
+    bound (``level_nodes``)."""
     r, stay = r.copy(), np.zeros(r.shape, dtype=bool)
     cap = w.sum(1) / shape.nodes * (1 + slack)  # a node's share of the layer
     passes = 2 if shape.spare().min() >= 2 * (shape.gpus // shape.nodes) else 1
-    for i in range(passes + 1):
-        last = i == passes
-        deal = balance_nodes(assign_nodes(w, r, stay, shape), shape, rounds=12 if last else 0)
+    for _ in range(passes):
+        deal = assign_nodes(w, r, stay, shape)
         r = deal.r
-        if last:
-            return r, deal
         need = _fillers_needed(deal.load, deal.node_of, deal.pool, deal.node_load, cap, shape.nodes)
         need = np.minimum(need, _filler_room(w, r, stay, shape))
         if not need.any():
-            return r, balance_nodes(deal, shape)
+            break
         _drop_increments(w, r, stay, need.sum(1), shape)
         _add_fillers(w, r, stay, need, shape)
+    else:
+        deal = assign_nodes(w, r, stay, shape)
+    if not level:
+        return deal.r, balance_nodes(deal, shape)
+    balance_nodes(deal, shape, movable=deal.mobile, light=shape.nodes)
+    return deal.r, level_nodes(deal, shape)
 
 
-def balance_nodes(d: Deal, shape: Shape, rounds: int = 12, width: int = 8) -> Deal:
-    """Swap pool replicas between each layer's heaviest node and the others while that
-    lowers it; the heaviest node offers its ``width`` largest pool replicas."""
+def balance_nodes(d: Deal, shape: Shape, rounds: int = 12, width: int = 8, movable: np.ndarray | None = None,
+                  light: int = LIGHT) -> Deal:
+    """Swap ``movable`` replicas (default: the pool) between each layer's heaviest node and
+    its ``light`` lightest others while that lowers it; the heaviest node offers its
+    ``width`` largest."""
     per_node = shape.gpus // shape.nodes
-    size = int(d.pool.sum(1).max())
+    movable = d.pool if movable is None else movable
+    size = int(movable.sum(1).max())
     if size == 0 or rounds == 0:
         return d
-    pos = np.argsort(~d.pool, axis=1, kind="stable")[:, :size]  # pool items, heaviest first
-    valid = np.take_along_axis(d.pool, pos, 1)
+    pos = np.argsort(~movable, axis=1, kind="stable")[:, :size]  # movable items, heaviest first
+    valid = np.take_along_axis(movable, pos, 1)
     active = np.arange(d.items.shape[0])
     for _ in range(rounds):
         if active.size == 0:
             break
-        active = active[_balance_round(d, active, pos[active], valid[active], per_node, width)]
+        active = active[_balance_round(d, active, pos[active], valid[active], per_node, width, light)]
     return d
 
 
-def _balance_round(d: Deal, layers, pos, valid, per_node: int, width: int) -> np.ndarray:
-    """One swap per layer between the heaviest node's ``width`` largest pool replicas and
-    the pool replicas of the ``LIGHT`` lightest nodes; returns which layers moved."""
+def _balance_round(d: Deal, layers, pos, valid, per_node: int, width: int, light: int) -> np.ndarray:
+    """One swap per layer between the heaviest node's ``width`` largest movable replicas
+    (``pos``, ``valid``) and those of the ``light`` lightest nodes; returns which layers moved."""
     n, col = layers.size, layers[:, None]
     lr = np.arange(n)
-    node_of = d.node_of[col, pos]  # (n, pool)
+    node_of = d.node_of[col, pos]  # (n, movable)
     node_load = d.node_load[layers]
     hn = node_load.argmax(1)
     mine = valid & (node_of == hn[:, None])
-    a = pos[lr[:, None], np.argsort(~mine, axis=1, kind="stable")[:, :width]]
-    a_ok = d.pool[col, a] & (d.node_of[col, a] == hn[:, None])
+    a = np.argsort(~mine, axis=1, kind="stable")[:, :width]
+    a, a_ok = pos[lr[:, None], a], np.take_along_axis(mine, a, 1)
     rank = np.argsort(np.argsort(node_load, axis=1), axis=1)  # 0 = lightest
-    light = valid & (rank[lr[:, None], node_of] < LIGHT) & (node_of != hn[:, None])
-    m = max(int(light.sum(1).max()), 1)
-    pick = np.argsort(~light, axis=1, kind="stable")[:, :m]
-    b, b_ok = pos[lr[:, None], pick], np.take_along_axis(light, pick, 1)
+    partner = valid & (rank[lr[:, None], node_of] < light) & (node_of != hn[:, None])
+    m = max(int(partner.sum(1).max()), 1)
+    pick = np.argsort(~partner, axis=1, kind="stable")[:, :m]
+    b, b_ok = pos[lr[:, None], pick], np.take_along_axis(partner, pick, 1)
     ea, la, eb, lb, nb = d.items[col, a], d.load[col, a], d.items[col, b], d.load[col, b], d.node_of[col, b]
     delta = la[:, :, None] - lb[:, None, :]
     top = node_load[lr, hn]
@@ -258,3 +276,89 @@ def _add_fillers(w, r, stay, need, shape: Shape) -> None:
     pick = (rank < np.take_along_axis(need, np.broadcast_to(shape.home, w.shape), 1)) & np.isfinite(cand)
     stay |= pick
     r += pick
+
+
+# --- levelling by the per-node packing bound (few slots per GPU) ------------------------------
+
+
+def level_nodes(d: Deal, shape: Shape, rounds: int = 4) -> Deal:
+    """Swap mobile replicas (all but primaries) between the node of each layer with the
+    highest packing bound and any other node, the best swap per layer and round, while that
+    lowers the bound. The bound, not the node's load: with few slots per GPU a node's large
+    replicas each need k - 1 small ones beside them, so equal node loads can still pack badly."""
+    per, k = shape.gpus // shape.nodes, shape.k
+    n = per * k
+    pos = bound_positions(n, k, per)
+    wa = int(shape.spare().max())  # each node holds exactly its spare slots' worth of mobile replicas
+    active = np.arange(d.items.shape[0])
+    for _ in range(rounds):
+        if active.size == 0:
+            break
+        active = active[_level_round(d, active, shape, pos, wa)]
+    return d
+
+
+def _level_round(d: Deal, layers: np.ndarray, shape: Shape, pos: np.ndarray, wa: int) -> np.ndarray:
+    """One swap per layer (see ``level_nodes``); returns which layers moved. The heaviest
+    node's bound after a swap is exact; the partner's is bounded above term by term (its
+    terms now plus the load it gains over j), which only ever turns a swap down."""
+    per, k, nodes = shape.gpus // shape.nodes, shape.k, shape.nodes
+    n, a_n = per * k, layers.size
+    col, lr = layers[:, None], np.arange(a_n)
+    load, node_of, mobile = d.load[layers], d.node_of[layers], d.mobile[layers]
+    order = np.lexsort((-load, node_of), axis=1)  # by node, heaviest first
+    top = np.zeros((a_n, nodes, n + 1))
+    np.cumsum(np.take_along_axis(load, order, 1).reshape(a_n, nodes, n), axis=2, out=top[..., 1:])
+    terms = bound_terms(top[..., pos], k, per)  # (A, nodes, per + 1)
+    bound = terms.max(2)
+    h = bound.argmax(1)
+    limit = bound[lr, h] * (1 - 1e-9)
+    on_h = node_of == h[:, None]
+    a = np.argsort(~(mobile & on_h), axis=1, kind="stable")[:, :wa]
+    b_ok = mobile & ~on_h
+    m = max(int(b_ok.sum(1).max()), 1)
+    b = np.argsort(~b_ok, axis=1, kind="stable")[:, :m]
+    a_ok, b_ok = np.take_along_axis(mobile & on_h, a, 1), np.take_along_axis(b_ok, b, 1)
+    va, vb = np.take_along_axis(load, a, 1), np.take_along_axis(load, b, 1)
+    ea, eb, nb = d.items[col, a], d.items[col, b], np.take_along_axis(node_of, b, 1)
+    gain = va[:, :, None] - vb[:, None, :]  # (A, wa, m): what the heaviest node sheds
+    # the partner's terms can only grow, by at most gain / j: a cheap test first, then compact
+    partner = (terms[lr[:, None], nb][:, None] + gain[..., None] / _growth(per)).max(3)
+    ok = a_ok[:, :, None] & b_ok[:, None, :] & (gain > 0) & (partner < limit[:, None, None])
+    ok &= ea[:, :, None] != eb[:, None, :]
+    ok &= d.copies[layers[:, None, None], ea[:, :, None], nb[:, None, :]] < per
+    ok &= (d.copies[col, eb, h[:, None]] < per)[:, None, :]
+    li, ai, bi = np.nonzero(ok)
+    if li.size == 0:
+        return np.zeros(a_n, dtype=bool)
+    rank = np.empty_like(order)  # place of each item in its node's order
+    np.put_along_axis(rank, order, np.broadcast_to(np.tile(np.arange(n), nodes), order.shape), 1)
+    t_h = top[lr, h][li]  # (c, n + 1)
+    v_in, v_out = vb[li, bi], va[li, ai]
+    above = (np.diff(t_h, axis=1) > v_in[:, None]).sum(1) - (v_out > v_in)  # its other items heavier than b
+    new_h = bound_terms(_swapped(t_h, rank[li, a[li, ai]], v_out, v_in, above, pos), k, per).max(1)
+    score = np.full((a_n, wa * m), np.inf)
+    score[li, ai * m + bi] = np.maximum(new_h, partner[li, ai, bi])
+    best = score.argmin(1)
+    moved = score[lr, best] < limit
+    i, j = np.divmod(best[moved], m)
+    _swap_nodes(d, layers[moved], a[moved, i], b[moved, j])
+    return moved
+
+
+def _growth(per: int) -> np.ndarray:
+    """Per term of ``bound_terms``: how many GPUs share a load that one item gains."""
+    return np.append(np.arange(1.0, per + 1), 1.0)
+
+
+def _swapped(t: np.ndarray, out_at: np.ndarray, out_v: np.ndarray, in_v: np.ndarray, in_rank: np.ndarray,
+             pos: np.ndarray) -> np.ndarray:
+    """(c, len(pos)): prefix sums at ``pos`` of each candidate's node (prefix ``t``, (c, n + 1))
+    after the item at place ``out_at`` (load ``out_v``) leaves and one of load ``in_v`` comes
+    in, ranking ``in_rank`` among the rest (all (c,))."""
+    n = t.shape[-1] - 1
+    here, up, down = t[:, pos], t[:, np.minimum(pos + 1, n)], t[:, np.maximum(pos - 1, 0)]
+    out_at, out_v, in_v, in_rank = out_at[:, None], out_v[:, None], in_v[:, None], in_rank[:, None]
+    without = np.where(pos <= out_at, here, up - out_v)  # the item out gone: prefix sums at pos
+    shifted = np.where(pos - 1 <= out_at, down, here - out_v)  # the same at pos - 1
+    return np.where(pos <= in_rank, without, shifted + in_v)

@@ -5,12 +5,18 @@ Rules every function here keeps: no GPU holds two replicas of one expert, and ev
 keeps at least one replica on its home node (``home``); redundant replicas may sit anywhere.
 The differencing loops k - 1 times; each step works on every (layer, node) at once, which is
 what keeps a 61-layer plan inside the planner's time budget.
+
+With few slots per GPU (k <= RESPLIT_K) and several nodes, differencing alone leaves a node
+well above what its replicas allow (``pack_bound``): then every pair of a node's GPUs
+re-splits its 2k replicas as evenly as the rules allow, in round-robin order (``resplit``).
 """
 
 from __future__ import annotations
 
 import attrs
 import numpy as np
+
+RESPLIT_K = 4  # slots per GPU up to which a node's pairs of GPUs all re-split: C(7, 3) = 35 splits a pair (k = 5: 126)
 
 
 @attrs.frozen
@@ -55,9 +61,11 @@ def sorted_items(per: np.ndarray, r: np.ndarray):
 
 
 def balanced_pack(items: np.ndarray, load_of: np.ndarray, item_node: np.ndarray, shape: Shape,
-                  lead: np.ndarray | None = None) -> np.ndarray:
+                  lead: np.ndarray | None = None, splits: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Each node's replicas onto its GPUs, k to a GPU, by balanced largest differencing;
-    then undo the few pairings that gave a GPU a second replica of one expert.
+    then undo the few pairings that gave a GPU a second replica of one expert; with
+    ``splits`` (``eplb_pairs``' pair splits for k) re-split each node's pairs of GPUs after
+    (``resplit``).
 
     ``lead`` (bool, like ``items``) marks replicas to spread one per GPU where there are
     enough: each node's largest such replicas form the first group of the differencing, and
@@ -77,8 +85,22 @@ def balanced_pack(items: np.ndarray, load_of: np.ndarray, item_node: np.ndarray,
     gpu = differencing(ld, per_node)
     by_gpu = np.argsort(gpu, axis=1, kind="stable")
     out = np.take_along_axis(it, by_gpu, 1).reshape(layers, nodes, per_node, k)
-    _fix_duplicates(out, np.take_along_axis(ld, by_gpu, 1).reshape(out.shape))
+    out_load = np.take_along_axis(ld, by_gpu, 1).reshape(out.shape)
+    _fix_duplicates(out, out_load)
+    if splits is not None:
+        _resplit_nodes(out, out_load, splits)
     return out.reshape(layers, shape.slots)
+
+
+def _resplit_nodes(out: np.ndarray, load: np.ndarray, splits) -> None:
+    """Re-split the pairs of GPUs of every node (``out``, ``load``: (layers, nodes, gpus per
+    node, k), in place), those above the layer's floor only: no packing of these nodes'
+    replicas gets the layer's heaviest GPU lower (``pack_bound``)."""
+    layers, nodes, per_node, k = out.shape
+    desc = -np.sort(-load.reshape(layers, nodes, -1), axis=2)
+    top = np.concatenate([np.zeros((layers, nodes, 1)), np.cumsum(desc, axis=2)], axis=2)
+    floor = pack_bound(top, k, per_node).max(1)
+    resplit(out.reshape(-1, per_node, k), load.reshape(-1, per_node, k), *splits, target=np.repeat(floor, nodes))
 
 
 def differencing(load: np.ndarray, m: int) -> np.ndarray:
@@ -118,12 +140,15 @@ def _fix_duplicates(out: np.ndarray, load: np.ndarray | None = None) -> None:
     """Where a GPU got two replicas of one expert (an expert whose replicas straddle two
     groups), trade one of them with the replica of another GPU of the node, closest in
     load, that neither GPU holds. ``out`` is (layers, nodes, gpus per node, k), changed in
-    place; ``load`` (same shape, optional) the replicas' loads, traded along."""
+    place; ``load`` (same shape, optional) the replicas' loads, traded along (in place)."""
     shape = out.shape
     flat = out.reshape(-1, *shape[2:])
-    _trade_duplicates(flat, None if load is None else load.reshape(flat.shape).copy())
+    flat_load = None if load is None else load.reshape(flat.shape)
+    _trade_duplicates(flat, flat_load)
     if not np.shares_memory(flat, out):
         out[...] = flat.reshape(shape)
+    if load is not None and not np.shares_memory(flat_load, load):
+        load[...] = flat_load.reshape(shape)
 
 
 def _trade_duplicates(out: np.ndarray, load: np.ndarray | None) -> None:
@@ -151,7 +176,7 @@ def _trade_duplicates(out: np.ndarray, load: np.ndarray | None) -> None:
         best = flat.argmin(1)
         found = np.isfinite(flat[np.arange(rows.size), best])
         for r in rows[~found]:  # no trade in the node: lay it out anew (rare)
-            _column_major(out[r])
+            _column_major(out[r], None if load is None else load[r])
         rows, g, i, e, best = rows[found], g[found], i[found], e[found], best[found]
         h, j = np.divmod(best, k)
         out[rows, g, i], out[rows, h, j] = out[rows, h, j], e
@@ -160,9 +185,130 @@ def _trade_duplicates(out: np.ndarray, load: np.ndarray | None) -> None:
     raise AssertionError("a repeated replica survived every trade")
 
 
-def _column_major(gpus: np.ndarray) -> None:
+def _column_major(gpus: np.ndarray, load: np.ndarray | None = None) -> None:
     """Re-lay one node's replicas so that each expert's are on consecutive GPUs: valid as
-    long as no expert has more replicas than the node has GPUs (the node deal sees to it)."""
-    items = np.sort(gpus.ravel())
+    long as no expert has more replicas than the node has GPUs (the node deal sees to it).
+    ``load`` (same shape, optional) moves along."""
+    order = np.argsort(gpus.ravel(), kind="stable")
     n = gpus.shape[0]
-    gpus[np.arange(items.size) % n, np.arange(items.size) // n] = items
+    where = (np.arange(order.size) % n, np.arange(order.size) // n)
+    gpus[where] = gpus.ravel()[order]
+    if load is not None:
+        load[where] = load.ravel()[order]
+
+
+# --- the packing bound of a node, and all-pairs re-splits (few slots per GPU) -------------------
+
+
+def pack_bound(top: np.ndarray, k: int, per: int) -> np.ndarray:
+    """A lower bound on a node's heaviest GPU (``per`` GPUs of ``k`` slots) from ``top`` (...,
+    n + 1): prefix sums of its n = per k items heaviest first. The j GPUs holding its j
+    heaviest items (padded to j GPUs) hold (k - 1) j more, at least its lightest; and two of
+    its per + 1 heaviest share a GPU with k - 2 more. j = per is the mean."""
+    n = top.shape[-1] - 1
+    return bound_terms(top[..., bound_positions(n, k, per)], k, per).max(-1)
+
+
+def bound_positions(n: int, k: int, per: int) -> np.ndarray:
+    """Prefix positions ``bound_terms`` reads: top j, all but the (k - 1) j lightest, the
+    pair term's three, all but the k - 2 lightest, and all."""
+    j = np.arange(1, per + 1)
+    return np.concatenate([j, n - (k - 1) * j, [per - 1, per + 1, n - max(k - 2, 0), n]])
+
+
+def bound_terms(t: np.ndarray, k: int, per: int) -> np.ndarray:
+    """The bound's terms (last axis: j = 1 .. per, then the pair term) from the prefix sums
+    at ``bound_positions``. An item growing by x raises no order statistic's sum by more than
+    x: term j by at most x / j, the pair term by at most x."""
+    total = t[..., -1:]
+    terms = (t[..., :per] + total - t[..., per : 2 * per]) / np.arange(1, per + 1)
+    pair = t[..., 2 * per + 1 : 2 * per + 2] - t[..., 2 * per : 2 * per + 1] + total - t[..., 2 * per + 2 : 2 * per + 3]
+    return np.concatenate([terms, pair if k >= 2 else np.full_like(total, -np.inf)], axis=-1)
+
+
+def round_robin(m: int) -> np.ndarray:
+    """(rounds, pairs, 2): every pair of m GPUs once, each round's pairs disjoint (circle
+    method; with m odd one GPU sits each round out)."""
+    ids = list(range(m + m % 2))
+    out = []
+    for _ in range(len(ids) - 1):
+        out.append([(ids[i], ids[-1 - i]) for i in range(len(ids) // 2) if max(ids[i], ids[-1 - i]) < m])
+        ids = [ids[0], ids[-1], *ids[1:-1]]
+    return np.array(out, dtype=np.int64).reshape(len(out), -1, 2)
+
+
+def resplit(items: np.ndarray, load: np.ndarray, side: np.ndarray, together: np.ndarray, passes: int = 2,
+            target: np.ndarray | None = None) -> np.ndarray:
+    """Re-split pairs of GPUs of each row (a node) as evenly as the rules allow, every pair
+    in round-robin order, for ``passes`` passes or until no pair of a row improves. ``items``,
+    ``load``: (rows, m, k), changed in place; ``side``, ``together``: the pair splits
+    (``eplb_pairs``); ``target`` (rows,): a pair whose heavier GPU is within it is left alone
+    (it cannot lower the row's heaviest GPU below it). Returns how many pairs of each row
+    were re-split.
+
+    Why all pairs: with few slots per GPU the heaviest-lightest pairing stalls where a
+    middle pair could make room, and a node's packing then ends well above its mean."""
+    n, m, k = items.shape
+    splits = _SplitTable.of(side, together)
+    count = np.zeros(n, dtype=np.int64)
+    goal = np.zeros(n) if target is None else target
+    live = np.arange(n)
+    for _ in range(passes):
+        before = count.copy()
+        for pairs in round_robin(m):
+            _resplit_round(items, load, live, pairs, goal, splits, count)
+        live = np.flatnonzero(count > before)
+        if live.size == 0:
+            break
+    return count
+
+
+@attrs.frozen
+class _SplitTable:
+    """A pair's splits laid out for gathers: a float64 matrix product of this size can go to
+    threaded BLAS, which costs far more CPU time than it saves."""
+
+    pair: np.ndarray  # (q, 2): pairs of replicas some split puts on the first GPU
+    via: np.ndarray  # (splits,): each split's pair
+    rest: np.ndarray  # (splits, k - 2): its other replicas on the first GPU
+    order: np.ndarray  # (splits, 2k): the first GPU's replicas, then the other's
+    joins: np.ndarray  # (splits, k * k) bool: replica i of one GPU and j of the other end together
+
+    @classmethod
+    def of(cls, side: np.ndarray, together: np.ndarray) -> _SplitTable:
+        picks = [tuple(np.flatnonzero(row)) for row in side]
+        pair = sorted({p[:2] for p in picks})
+        via = np.array([pair.index(p[:2]) for p in picks])
+        order = np.argsort(side == 0, axis=1, kind="stable")
+        return cls(np.array(pair), via, np.array([p[2:] for p in picks]).reshape(len(picks), -1), order, together > 0)
+
+
+def _resplit_round(items, load, live, pairs, goal, splits: _SplitTable, count) -> None:
+    """One round of disjoint ``pairs`` (p, 2) on rows ``live``, those pairs only whose heavier
+    GPU is above the row's ``goal``; adds to ``count`` the pairs re-split."""
+    k = items.shape[2]
+    gpu = load[live].sum(2)  # (rows, m)
+    heavy = np.maximum(gpu[:, pairs[:, 0]], gpu[:, pairs[:, 1]])
+    ri, pi = np.nonzero(heavy > goal[live, None])
+    if ri.size == 0:
+        return
+    rows, gpus = live[ri], pairs[pi]  # (c,), (c, 2)
+    it = items[rows[:, None], gpus].reshape(ri.size, 2 * k)
+    ld = load[rows[:, None], gpus].reshape(it.shape)
+    total = ld.sum(1)
+    first = (ld[:, splits.pair[:, 0]] + ld[:, splits.pair[:, 1]])[:, splits.via]  # (c, splits): the first GPU's load
+    for j in range(splits.rest.shape[1]):
+        first += ld[:, splits.rest[:, j]]
+    score = np.abs(2 * first - total[:, None])  # the heavier side is (total + this) / 2
+    same = (it[:, :k, None] == it[:, None, k:]).reshape(ri.size, k * k)
+    dup = np.flatnonzero(same.any(1))  # a pair sharing an expert: rule out the splits that join them
+    if dup.size:
+        score[dup] = np.where((same[dup, None, :] & splits.joins).any(2), np.inf, score[dup])
+    best = score.argmin(1)
+    better = (total + score[np.arange(ri.size), best]) / 2 < heavy[ri, pi] * (1 - 1e-12)
+    c = np.flatnonzero(better)
+    if c.size:
+        order = splits.order[best[c]]
+        items[rows[c, None], gpus[c]] = np.take_along_axis(it[c], order, 1).reshape(-1, 2, k)
+        load[rows[c, None], gpus[c]] = np.take_along_axis(ld[c], order, 1).reshape(-1, 2, k)
+        np.add.at(count, rows[c], 1)

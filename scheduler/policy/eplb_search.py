@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from .eplb_moves import best_cover_swap, best_fill, best_split, best_swap, best_transfer
-from .eplb_pack import Shape, gpu_loads
+from .eplb_pack import Shape, gpu_loads, resplit
 from .eplb_split import replica_counts, replica_slots
 
 
@@ -156,6 +156,27 @@ def cover(st: SearchState, shape: Shape, slack: float = 2e-3, heavy: int = 4, ro
         keep = _disjoint(ok.reshape(-1, t), h, (sb // k).reshape(-1, t), st.p2l[rows, sa].reshape(-1, t),
                          st.p2l[rows, sb].reshape(-1, t)).ravel()
         apply_swap(st, shape, rows[keep], sa[keep], sb[keep])
+    return st
+
+
+def resplit_nodes(st: SearchState, shape: Shape, splits: tuple[np.ndarray, np.ndarray], passes: int = 1,
+                  near: float = 3e-3) -> SearchState:
+    """Re-split the pairs of GPUs within each node whose heavier GPU is within ``near``
+    (relative) of its layer's heaviest (``eplb_pack.resplit``; ``splits`` are ``eplb_pairs``'
+    pair splits for k), keeping the state's loads and holdings; the replicas stay on their
+    node. After the search: its swaps across nodes leave a node's GPUs less level than its
+    packing was."""
+    per, k = shape.gpus // shape.nodes, shape.k
+    p2l, slot_load = st.p2l.reshape(-1, per, k), st.slot_load.reshape(-1, per, k)
+    target = np.repeat(st.load.max(1) * (1 - near), shape.nodes)
+    count = resplit(p2l, slot_load, *splits, passes=passes, target=target)
+    st.p2l[...], st.slot_load[...] = p2l.reshape(st.p2l.shape), slot_load.reshape(st.slot_load.shape)  # no-op for views
+    layers = np.flatnonzero(count.reshape(-1, shape.nodes).any(1))
+    if layers.size:
+        st.load[layers] = gpu_loads(st.slot_load[layers], shape.gpus)
+        st.has[layers] = False
+        st.has[layers[:, None], np.arange(shape.slots) // k, st.p2l[layers]] = True
+        st.swaps += int(count.sum())
     return st
 
 
