@@ -233,7 +233,7 @@ def main() -> None:
     if args.settings:  # a subset: the table, no targets (some need settings left out)
         for r in rows:
             print(f"EP{r['ep']}/{r['slots']} nodes {r['nodes']} skew {r['skew']}: ours/bound {r['ours/bound']:.4f} "
-                  f"(ours {r['ours']:.4f}, bound {r['bound']:.4f}), {r['ms']:.0f} ms, incremental x{r['x_fewer']:.1f} fewer moves")
+                  f"(ours {r['ours']:.4f}, bound {r['bound']:.4f}), {r['ms']:.0f} ms, incremental x{r['x_fewer']:.2f} fewer moves")
         return
     for name, ok, detail in check_targets(rows):
         print(f"target: {name}: {'met' if ok else 'NOT met'} ({detail})")

@@ -130,6 +130,23 @@ def test_mla_decode_matches_reference(fp8, splits, path):
     assert not out[1].any()  # seq_len 0 gives zeros
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_halves_with_a_latent_not_a_power_of_two(fp8, splits):
+    """HALVES = 2 where the second half is partly masked (latent 48: halves of 32 columns)."""
+    g = gen(4)
+    b, h, dl, dr, bs = 2, 4, 48, 16, 4
+    lens = torch.tensor([11, 6], dtype=torch.int32, device=DEV)
+    tables = torch.randperm(8, generator=torch.Generator().manual_seed(5)).view(b, 4).to(torch.int32).to(DEV)
+    cache, scale = randn(8, bs, dl + dr, g=g), None
+    if fp8:
+        cache, scale = quantize_per_token(cache)
+    q_lat, q_pe = randn(b, h, dl, g=g, scale=0.2), randn(b, h, dr, g=g, scale=0.2)
+    out = mla_decode(q_lat, q_pe, cache, tables, lens, 0.1, scale, num_splits=splits,
+                     config={"BLOCK_N": 4, "HALVES": 2})
+    close(out, mla_decode_reference(q_lat, q_pe, cache, tables, lens, 0.1, scale))
+
+
 def test_mla_decode_rejects_bad_arguments():
     q_lat, q_pe, cache, tables, lens, _ = _decode_case(gen(3), False)
     with pytest.raises(ValueError, match="q_pe"):

@@ -256,8 +256,9 @@ def _fresh(w: np.ndarray, topo: Topology, shape: Shape, tol: float) -> SearchSta
     else:
         rounds = SEARCH_ROUNDS_RESPLIT
     state = search(state, shape, _floor(w, state.r, topo) * (1 + tol), max_rounds=rounds)
-    state = cover(state, shape)
-    return state if splits is None else resplit_nodes(state, shape, splits)
+    if splits is not None:  # the re-split evens pairs without regard to cover: cover last
+        state = resplit_nodes(state, shape, splits)
+    return cover(state, shape)
 
 
 def _floor(w: np.ndarray, r: np.ndarray, topo: Topology) -> np.ndarray:
