@@ -17,6 +17,7 @@ process_vm_readv requires too).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -24,6 +25,8 @@ import msgspec
 import numpy as np
 
 from lockstep.transports.kv.base import KVTransferError, PeerInfo
+
+log = logging.getLogger(__name__)
 
 KINDS = ("nixl", "shm")
 
@@ -78,21 +81,27 @@ class KVEndpoint:
         return msgspec.msgpack.encode(KVPeer(self.name, self.kind, info.metadata, os.getpid(), list(info.fds)))
 
     def connect(self, peer_bytes: bytes) -> None:
+        """Connect to a peer the engine announced. A peer that is gone by now (killed between
+        the announcement and this call: its fds or its listening socket refuse) stays
+        unknown, and pulls from it report failed (the decode side then prefills those
+        requests itself); this runtime carries on."""
         peer = msgspec.msgpack.decode(peer_bytes, type=KVPeer)
         if peer.name in self._peers:
             return  # announced twice (a peer that started while this runtime did)
         if peer.kind != self.kind:
             raise KVTransferError(f"peer {peer.name!r} uses KV transport {peer.kind!r}, this runtime {self.kind!r}")
-        fds = tuple(os.open(f"/proc/{peer.pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC) for fd in peer.fds)
+        fds: list[int] = []
         try:
-            self._peers[peer.name] = self.transport.connect(PeerInfo(peer.metadata, fds))
-        except BaseException:
+            for fd in peer.fds:
+                fds.append(os.open(f"/proc/{peer.pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC))
+            self._peers[peer.name] = self.transport.connect(PeerInfo(peer.metadata, tuple(fds)))
+        except Exception as e:  # noqa: BLE001 - the transport's own errors (NIXL's backend errors) too
             for fd in fds:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            raise
+            log.warning("KV peer %r (pid %d) unreachable, its pulls will fail: %r", peer.name, peer.pid, e)
 
     def pull(self, req_id: int, peer: str, remote: list[int], local: list[int]) -> None:
         """Start a pull; anything wrong with it reports it failed (the decode side then

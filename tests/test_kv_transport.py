@@ -271,3 +271,37 @@ def test_nixl_registers_a_torch_tensor_pool():
     finally:
         dec.close()
         pre.stop()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_endpoint_connect_to_a_peer_gone_since_its_announcement_fails_only_its_pulls(kind, monkeypatch):
+    """A peer killed between its announcement and the connect: the runtime carries on, the
+    peer stays unknown and pulls from it report failed (the decode side then prefills
+    itself). Gone two ways: its process (its fds cannot be opened), and its transport
+    refusing the connection (as NIXL's UCX did in CI: NIXL_ERR_BACKEND, 'Connection
+    refused'; raised here by the transport's connect, as the race is not reproducible)."""
+    import msgspec
+    from lockstep.runtime.kv import KVEndpoint, KVPeer
+
+    gone = mp.get_context("fork").Process(target=int)
+    gone.start()
+    gone.join()  # its pid now names no process
+    dead_pid = gone.pid
+    gone.close()
+    src, dec = KVEndpoint(kind, "src", 4, 64), KVEndpoint(kind, "dec", 4, 64)
+    try:
+        info = msgspec.msgpack.decode(src.export(), type=KVPeer)
+        if info.fds:  # the peer's fds (shm): none can be opened, none stays open
+            fds = open_fds()
+            dec.connect(msgspec.msgpack.encode(KVPeer("src", kind, info.metadata, dead_pid, info.fds)))
+            assert open_fds() == fds
+        else:  # NIXL needs no fds: its connect is what fails
+            def refuse(peer):
+                raise RuntimeError("NIXL_ERR_BACKEND: Connection refused")
+            monkeypatch.setattr(dec.transport, "connect", refuse)
+            dec.connect(src.export())
+        dec.pull(7, "src", [0], [1])
+        assert dec.poll() == ([], [7])
+    finally:
+        dec.close()
+        src.close()
