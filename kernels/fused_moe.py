@@ -65,8 +65,15 @@ def default_moe_config(tokens: int, top_k: int, experts: int) -> dict:
 
 
 def moe_config(e: int, h: int, i: int, fp8: bool, tokens: int, top_k: int) -> dict:
+    """The tuned config of this shape and token bucket; failing that, one tuned for the same
+    expert shape with another expert count (the shared experts fused as extra slots add a
+    few: the tiles that suit an expert's weights stay the same); else the default."""
     bucket = max([b for b in TOKEN_BUCKETS if b <= tokens], default=1)
-    found = MOE_CONFIGS.get((e, h, i, "fp8" if fp8 else "bf16", bucket))
+    kind = "fp8" if fp8 else "bf16"
+    found = MOE_CONFIGS.get((e, h, i, kind, bucket))
+    if found is None:
+        near = sorted((abs(k[0] - e), k) for k in MOE_CONFIGS if k[1:] == (h, i, kind, bucket))
+        found = MOE_CONFIGS[near[0][1]] if near else None
     return found or default_moe_config(tokens, top_k, e)
 
 

@@ -5,8 +5,13 @@ with padded expert dispatch any step but a one-token-per-sequence decode) runs e
 
 State that lives on the device between steps: the block tables (one row per batch slot,
 updated with each plan's new block ids, never re-sent whole), and the graphs' input buffers
-(token ids, positions, KV slots, table rows), written by one host-to-device copy per step from
-a pinned staging array. A graph is captured per (padded token count, context bound): the decode
+(token ids, positions, KV slots, table rows, and the slots of the sampled tokens), written by
+one host-to-device copy per step from a pinned staging array (two of them, used in turn: with
+steps launched ahead, the next step is staged while the last one's copy may still be queued).
+``last`` holds each slot's last sampled token on the device: a token id of PLACEHOLDER (-1,
+"what this sequence sampled last step") is read from it inside the forward (and the graph),
+and ``keep_sampled`` writes a step's samples into it. So a step needs nothing back from the
+step before it: the host can launch step N+1 before step N's tokens reach it. A graph is captured per (padded token count, context bound): the decode
 kernel's split count depends on the bound, and each graph bakes in its launches. A batch pads
 to the next captured size with tokens whose KV slot is -1: they store nothing, attend to
 nothing, choose no expert and are not counted. Every token of a graph attends as a query of
@@ -34,7 +39,7 @@ from .models.fast import DECODE_MAX_NEW, AttnPlan, FastDeepseek, FastInputs, len
 log = logging.getLogger(__name__)
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens; a runner keeps those up to its capacity
-_PAD = (0, 0, -1, 0)  # token id, position, KV slot, table row of a padding token
+_PAD = (0, 0, -1, 0, 0)  # token id, position, KV slot, table row, sample slot of a padding token
 
 
 class FastRunner:
@@ -61,9 +66,12 @@ class FastRunner:
         self.sizes = [s for s in want if s < cap] + [min([s for s in want if s >= cap], default=cap)]
         n = self.sizes[-1]
         pin = device.type == "cuda"
-        self._staging = torch.zeros(4, n, dtype=torch.int64, pin_memory=pin)
-        self._staged = self._staging.numpy()
-        self._static = torch.zeros(4, n, dtype=torch.int64, device=device)
+        self._stagings = [torch.zeros(5, n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._copied: list = [None, None]  # per staging array: an event after its last copy (CUDA)
+        self._turn = 0
+        self._static = torch.zeros(5, n, dtype=torch.int64, device=device)
+        self.last = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # per slot
+        self._sample_slots = self._static[4, :0]
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self._pool = None
         self.graph_errors: dict[tuple[int, int], str] = {}
@@ -116,8 +124,9 @@ class FastRunner:
         the collectives must run): a captured graph's replay on padding only, or eagerly."""
         keys = sorted(k for k in self._graphs if k[0] == size)
         if keys:
-            self._staged[:, :size] = np.array(_PAD, dtype=np.int64)[:, None]
-            self._static.copy_(self._staging, non_blocking=True)
+            st = self._stage()
+            st[:, :size] = np.array(_PAD, dtype=np.int64)[:, None]
+            self._copy_staged()
             self._graphs[keys[0]][0].replay()
             self.replays += 1
             return
@@ -129,11 +138,38 @@ class FastRunner:
         tok_rows = np.repeat(hb.rows, hb.num_new)
         t, s = len(hb.input_ids), len(hb.sample_index)
         flat = torch.from_numpy(np.concatenate([hb.input_ids, hb.positions, hb.slot_mapping, tok_rows,
-                                                hb.sample_index])).to(self.device)
+                                                hb.sample_index, tok_rows[hb.sample_index]])).to(self.device)
         plan = AttnPlan.build(hb.num_new, hb.seq_lens, hb.rows, self.len_cap, self.device)
-        inp = FastInputs(flat[:t], flat[t:2 * t], flat[2 * t:3 * t], self.tables, flat[3 * t:4 * t], plan,
+        rows = flat[3 * t:4 * t]
+        inp = FastInputs(self._resolve(flat[:t], rows), flat[t:2 * t], flat[2 * t:3 * t], self.tables, rows, plan,
                          sample_index=flat[4 * t:4 * t + s])
+        self._sample_slots = flat[4 * t + s:]
         return self.fast.forward(inp, self.kv)
+
+    def _resolve(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Token ids with each PLACEHOLDER (-1) replaced by its row's last sampled token."""
+        return torch.where(ids < 0, self.last[rows], ids)
+
+    def keep_sampled(self, tokens: torch.Tensor) -> None:
+        """Record the last forward's sampled tokens (one per sample_index entry) as their
+        slots' last tokens, on the device, in stream order."""
+        if len(tokens):
+            self.last.index_copy_(0, self._sample_slots, tokens.to(torch.int64))
+
+    def _stage(self) -> np.ndarray:
+        """The staging array to fill next (its previous copy to the device waited for)."""
+        self._turn ^= 1
+        done = self._copied[self._turn]
+        if done is not None:
+            done.synchronize()
+        return self._stagings[self._turn].numpy()
+
+    def _copy_staged(self) -> None:
+        self._static.copy_(self._stagings[self._turn], non_blocking=True)  # whole rows: one contiguous copy
+        if self.device.type == "cuda":
+            ev = self._copied[self._turn] or torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._copied[self._turn] = ev
 
     def _replay(self, hb: HostBatch, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         size, b = key[0], len(hb.input_ids)
@@ -145,11 +181,14 @@ class FastRunner:
             if got is None:
                 self.eager_steps += 1
                 return self._eager(hb)
-        st = self._staged
+        st = self._stage()
         rows = hb.rows if b == len(hb.rows) else np.repeat(hb.rows, hb.num_new)
         st[0, :b], st[1, :b], st[2, :b], st[3, :b] = hb.input_ids, hb.positions, hb.slot_mapping, rows
         st[:, b:size] = np.array(_PAD, dtype=np.int64)[:, None]
-        self._static.copy_(self._staging, non_blocking=True)  # whole rows: one contiguous copy
+        s = len(hb.sample_index)
+        st[4, :s] = rows[hb.sample_index]
+        self._copy_staged()
+        self._sample_slots = self._static[4, :s]
         if got is None:
             if self.collective is not None:  # as a captured graph would: its dispatch is baked in
                 self.collective(size)
@@ -168,7 +207,7 @@ class FastRunner:
         s = self._static[:, :size]
         # Batches pad only between captured sizes: one right after the last never pads.
         prev = max([p for p in self.sizes if p < size], default=0)
-        return FastInputs(s[0], s[1], s[2], self.tables, s[3], AttnPlan.decode_only(size, bound),
+        return FastInputs(self._resolve(s[0], s[3]), s[1], s[2], self.tables, s[3], AttnPlan.decode_only(size, bound),
                           padded=size > prev + 1)
 
     def capture(self, max_len: int) -> None:

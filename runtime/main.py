@@ -8,10 +8,12 @@ A runtime that raises sends a ``Failure`` with the traceback and exits.
 
 from __future__ import annotations
 
+import os
 import select
 import signal
 import socket
 import traceback
+from collections import deque
 
 import msgspec
 
@@ -56,28 +58,62 @@ def run(sock: socket.socket, spec_bytes: bytes) -> None:
 
 def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
     """Messages are taken without a copy (``recv_frame``): a plan's arrays view the ring and
-    stay valid until the next message is taken, and ``execute`` is done with them by then."""
+    stay valid until the next message is taken, and ``execute`` is done with them by then.
+
+    A runtime with ``launch``/``finish`` (the torch runtime's fast path) runs one step ahead:
+    a launched step's result is sent once the next plan is launched behind it (the engine
+    plans step N+1 before step N's result: async scheduling), or once the device is done
+    with it and no plan came. Results go out in plan order; a plan that cannot be launched
+    (None) first waits for those in flight."""
     idle = getattr(runtime, "idle", None)
+    launch = getattr(runtime, "launch", None)
+    in_flight: deque = deque()
+
+    def send(result) -> None:
+        k, parts = encode(result)
+        outbox.send(k, *parts)
+
+    def drain(keep: int = 0) -> None:
+        while len(in_flight) > keep:
+            send(runtime.finish(in_flight.popleft()))
+
     while True:
-        msg = _next(inbox, sock, idle)
-        if msg is None:
-            return
+        if in_flight:
+            msg = inbox.poll_frame()
+            if msg is None:
+                if in_flight[0].ready():
+                    drain()
+                else:
+                    os.sched_yield()
+                continue
+        else:
+            msg = _next(inbox, sock, idle)
+            if msg is None:
+                return
         kind, _, start, end = msg
         match kind:
             case 1:  # PLAN
-                k, parts = encode(runtime.execute(decode_frame(inbox, msg)))
-                outbox.send(k, *parts)
+                plan = decode_frame(inbox, msg)
+                started = None if launch is None else launch(plan)
+                if started is None:
+                    drain()
+                    send(runtime.execute(plan))
+                else:
+                    in_flight.append(started)
+                    drain(keep=1)
             case 4:  # NEW_REQUESTS
                 runtime.add_requests(_NEW.decode(inbox.buffer[start:end]))
             case 5:  # FORGET
                 runtime.forget(_FORGET.decode(inbox.buffer[start:end]).req_ids)
             case 7:  # NEW_PLACEMENT
+                drain()
                 runtime.new_placement(_PLACEMENT.decode(inbox.buffer[start:end]))
             case 8:  # KV_CONNECT
                 runtime.kv_connect(_CONNECT.decode(inbox.buffer[start:end]))
             case 9:  # KV_PULL
                 runtime.kv_pull(_PULL.decode(inbox.buffer[start:end]))
             case 0:  # SHUTDOWN
+                drain()
                 return
             case _:
                 raise ValueError(f"runtime got message kind {kind}; expected one of "

@@ -11,11 +11,14 @@ what the CPU tests compare against float64 references. The fast one (default on 
 bfloat16/float16 models; runtime option ``fast``) runs ``models.fast`` through the Triton
 kernels via a ``FastRunner`` (device block tables, CUDA graphs for decode steps and
 speculative verifies) and
-samples on the device; only the sampled ids and expert counts cross to the host. Options:
+samples on the device; only the sampled ids and expert counts cross to the host. Its steps
+can be launched ahead (``launch``/``finish``): the runtime process starts step N+1 before it
+waits for step N's tokens, which the device already holds. Options:
 ``fast`` (bool), ``cuda_graphs`` (on/off/padded), ``cuda_graph_sizes`` (list),
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
-block-scaled expert weights for fused MoE), ``ep_dispatch`` (expert parallelism: ``padded``,
+block-scaled expert weights for fused MoE), ``fuse_shared`` (the shared experts inside the
+fused MoE launch; default on), ``ep_dispatch`` (expert parallelism: ``padded``,
 the default on the fast path without a draft model, or ``exact``; see
 ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
@@ -52,6 +55,28 @@ def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
     return (chosen.cpu().numpy(),
             None if top is None else top.indices.to(torch.int32).cpu().numpy(),
             None if top is None else top.values.cpu().numpy())
+
+
+@attrs.define(slots=True)
+class _Launched:
+    """A step started on the device (``TorchRuntime.launch``): what its result needs, copied
+    from the plan (whose arrays view a ring frame the runtime gives back before finishing)."""
+
+    step_id: int
+    num_sampled: np.ndarray
+    slots: np.ndarray  # of the sampled tokens
+    kv_done: np.ndarray
+    host: torch.Tensor  # the sampled ids, then the expert counts (arriving, on CUDA)
+    num_tokens: int
+    counts_shape: tuple
+    event: object  # torch.cuda.Event, or None on the CPU
+    want: np.ndarray  # logprobs per sample (-1: none)
+    logits: torch.Tensor | None  # kept only when logprobs are wanted (not launched ahead then)
+    t0: float
+    t1: float
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -96,6 +121,7 @@ class TorchRuntime:
                                                         storage=storage)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
+        self._pinned: list[torch.Tensor] = []  # host buffers for results coming back (CUDA)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         # The fast path's sampling settings by slot, refreshed when a slot's request changes.
@@ -134,7 +160,8 @@ class TorchRuntime:
 
         cuda = self.device.type == "cuda"
         fast = FastDeepseek(self.model, fused_moe=bool(opts.get("fused_moe", self.placements is None)),
-                            compile=bool(opts.get("compile", cuda)), moe_fp8=bool(opts.get("moe_fp8", False)))
+                            compile=bool(opts.get("compile", cuda)), moe_fp8=bool(opts.get("moe_fp8", False)),
+                            fuse_shared=bool(opts.get("fuse_shared", True)))
         if self.world > 1 and "ep_dispatch" not in opts and not opts.get("draft_model"):
             self.ep_padded = True  # the fast path's default
         # Exact expert dispatch syncs the host inside every MoE layer: no graphs there.
@@ -310,6 +337,15 @@ class TorchRuntime:
             lp = msg.logprobs[i] if msg.logprobs else -1
             self.params[rid] = (msg.temperature[i], msg.top_p[i], msg.top_k[i], msg.seed[i], lp)
 
+    def feed(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Make ``tokens`` these slots' last samples (what the next step's PLACEHOLDERs read),
+        on the host and on the fast path's device: for a test or benchmark that feeds one
+        runtime another's tokens, to compare them step by step."""
+        self.last[slots] = tokens
+        if self.runner is not None:
+            self.runner.last[torch.as_tensor(np.asarray(slots, np.int64), device=self.device)] = torch.as_tensor(
+                np.asarray(tokens, np.int64), device=self.device)
+
     def forget(self, req_ids: list[int]) -> None:
         for rid in req_ids:
             self.params.pop(rid, None)
@@ -380,23 +416,75 @@ class TorchRuntime:
                           logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1)
 
     def _execute_fast(self, plan: StepPlan, t0: float) -> StepResult:
-        hb = self._host_batch(plan)
+        return self._finish(self._launch_fast(plan, t0), plan)
+
+    def launch(self, plan: StepPlan) -> _Launched | None:
+        """Start ``plan`` on the device and return before its tokens are back (``finish``
+        gives its result), or None: this plan runs through ``execute``. Launched steps are
+        those of the fast path on a lone rank (no draft, no expert slots, no KV transport)
+        that ask for no logprobs: such a step reads last step's tokens on the device
+        (``FastRunner.last``), so the runtime process launches step N+1 while step N still
+        runs, and the GPU does not idle while the host prepares a step."""
+        if (self.runner is None or self.spec is not None or self.placements is not None or self.world > 1
+                or self.endpoint is not None or not len(plan.token_ids)):
+            return None
+        t0 = time.perf_counter()
+        params = self._slot_params(plan)
+        if len(params[4]) and params[4].max() >= 0:  # logprobs read the logits after the tokens
+            return None
+        self._update_tables(plan)
+        return self._launch_fast(plan, t0, params)
+
+    def finish(self, launched: _Launched) -> StepResult:
+        """The result of a ``launch``ed step (waits for the device)."""
+        return self._finish(launched, None)
+
+    def _launch_fast(self, plan: StepPlan, t0: float, params=None) -> _Launched:
+        hb = self._host_batch(plan, fill=False)  # placeholders are read on the device
         t1 = time.perf_counter()
         pad = plan.num_padded_tokens if self.ep_padded and plan.uniform_decode else 0
         logits, counts = self.runner.forward(hb, pad_to=pad)
-        temp, top_p, top_k, seed, want = self._slot_params(plan)
+        temp, top_p, top_k, seed, want = params if params is not None else self._slot_params(plan)
         tokens = sample_on_device(logits, temp, top_p, top_k, seed, hb.positions[hb.sample_index], self.gen)
-        # One transfer (and the step's one sync) for the sampled ids and the expert counts.
-        host = torch.cat([tokens.to(torch.int32), counts.flatten()]).cpu().numpy()
-        s = len(tokens)
-        tokens, counts = host[:s], host[s:].reshape(counts.shape)
-        self.last[plan.slots[plan.samples]] = tokens
-        lp = _logprobs(logits, tokens, int(want.max())) if len(want) and want.max() >= 0 else (None, None, None)
+        self.runner.keep_sampled(tokens)
+        # One transfer (and, at finish, the step's one wait) for the sampled ids and the expert counts.
+        host, event = self._to_host(torch.cat([tokens.to(torch.int32), counts.flatten()]))
+        keep_logits = len(want) and want.max() >= 0
+        return _Launched(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
+                         slots=plan.slots[plan.samples], kv_done=np.array(plan.kv_load_req_ids, np.int64),
+                         host=host, num_tokens=len(tokens), counts_shape=tuple(counts.shape), event=event,
+                         want=want, logits=logits if keep_logits else None, t0=t0, t1=t1)
+
+    def _to_host(self, dev: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Start copying ``dev`` (int32) to the host: (its host tensor, a CUDA event to wait
+        on, or None on the CPU). Pinned buffers are reused once their step is finished."""
+        if dev.device.type != "cuda":
+            return dev, None
+        n = dev.numel()
+        i = next((i for i, b in enumerate(self._pinned) if b.numel() >= n), None)
+        buf = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=True) if i is None else self._pinned.pop(i)
+        buf[:n].copy_(dev, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev.device))
+        return buf, event
+
+    def _finish(self, p: _Launched, plan: StepPlan | None) -> StepResult:
+        if p.event is not None:
+            p.event.synchronize()
+        s = p.num_tokens
+        host = p.host[:s + int(np.prod(p.counts_shape))].numpy().copy()
+        if p.event is not None:
+            self._pinned.append(p.host)
+        tokens, counts = host[:s], host[s:].reshape(p.counts_shape)
+        self.last[p.slots] = tokens
+        want = p.want
+        lp = (_logprobs(p.logits, tokens, int(want.max())) if p.logits is not None
+              else (None, None, None))
         t2 = time.perf_counter()
-        done, failed = self._kv_loads(plan)
-        return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32), token_ids=tokens,
+        done, failed = self._kv_loads(plan) if plan is not None else (p.kv_done, np.zeros(0, np.int64))
+        return StepResult(step_id=p.step_id, num_sampled=p.num_sampled, token_ids=tokens,
                           kv_loads_done=done, kv_loads_failed=failed, expert_counts=counts,
-                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1)
+                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=p.t1 - p.t0, gpu_s=t2 - p.t1)
 
     def _update_tables(self, plan: StepPlan) -> None:
         """New block ids go into each slot's table at block_start onwards."""
@@ -412,15 +500,18 @@ class TorchRuntime:
         hb = self._host_batch(plan)
         return hb.forward_batch(self.tables, self.device), hb.positions[hb.sample_index]
 
-    def _host_batch(self, plan: StepPlan) -> HostBatch:
+    def _host_batch(self, plan: StepPlan, fill: bool = True) -> HostBatch:
+        """The plan's forward batch on the host; ``fill``: PLACEHOLDER tokens from ``last``
+        (else left for the fast runner to read on the device)."""
         n, bs = plan.num_reqs, self.bs
         slots = plan.slots.astype(np.int64)
         num_new = plan.num_new.astype(np.int64)
         entry = np.repeat(np.arange(n), num_new)
         ids = plan.token_ids.astype(np.int64)
-        ph = ids == PLACEHOLDER
-        if ph.any():
-            ids[ph] = self.last[slots[entry[ph]]]
+        if fill:
+            ph = ids == PLACEHOLDER
+            if ph.any():
+                ids[ph] = self.last[slots[entry[ph]]]
         pos = plan.start_pos.astype(np.int64)[entry] + np.arange(len(ids)) - plan.token_offsets[entry]
         seq_lens = plan.start_pos.astype(np.int64) + num_new
         width = int(-(-seq_lens.max() // bs))

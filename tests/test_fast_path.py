@@ -16,17 +16,20 @@ import os
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     # Must precede the kernels' import: triton.jit decides compiled vs interpreted there.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="triton is installed on x86_64 only (see pyproject's test extra)")
 
+from lockstep.kernels.fused_moe import fused_moe_reference  # noqa: E402
 from lockstep.kernels.mla_decode import mla_decode_reference  # noqa: E402
 from lockstep.policy.config import SchedulerConfig  # noqa: E402
 from lockstep.policy.core import SchedulerCore  # noqa: E402
 from lockstep.policy.hashing import BlockHasher  # noqa: E402
 from lockstep.policy.request import Request, SamplingParams  # noqa: E402
+from lockstep.policy.step import StepPlan, StepResult, decode_constants  # noqa: E402
 from lockstep.runtime.base import NewRequests, RuntimeSpec  # noqa: E402
 from lockstep.runtime.models import load_model  # noqa: E402
 from lockstep.runtime.models.batch import ForwardBatch  # noqa: E402
@@ -119,6 +122,36 @@ def test_fast_forward_matches_reference_for_prefill_mixed_and_decode(kv_dtype):
         assert torch.equal(cf.sum(-1), ct.sum(-1))  # every real token counted k times per MoE layer
 
 
+def test_shared_experts_fused_as_expert_slots_are_the_shared_mlp():
+    """fuse_shared: a shared MLP of 2 experts' width becomes expert slots e and e + 1 after
+    the routed ones, whose sum is the shared MLP; the routed experts' parameters now view the
+    fused tensor; and the forward with it equals the forward without it, up to bf16 sums."""
+    model = load_model("tiny", dtype=torch.bfloat16, device=DEV, seed=0,
+                       overrides={**SMALL, "n_shared_experts": 2})
+    cfg, e = model.cfg, model.cfg.n_routed_experts
+    unfused = FastDeepseek(model, fuse_shared=False)
+    b = ForwardBatch.build([[5, 9, 11], [7, 8]], [0, 0], [[0, 1], [2, 3]], BS, device=DEV)
+    b = dataclasses.replace(b, sample_index=torch.arange(len(b.input_ids), device=DEV))
+    before, counts_before = unfused(b, model.make_kv_cache(4, BS))
+    fast = FastDeepseek(model)
+    lw = next(lw for lw in fast.layers if lw.moe is not None)
+    w13, w2 = lw.with_shared
+    assert w13.shape[0] == w2.shape[0] == e + 2
+    assert lw.moe.experts.gate_up_proj.data_ptr() == w13.data_ptr()
+    assert lw.moe.experts.down_proj.data_ptr() == w2.data_ptr()
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
+    width = lw.gate_up.shape[0] // 2
+    g, u = lw.gate_up[:width].float(), lw.gate_up[width:].float()
+    want = (F.silu(x.float() @ g.T) * (x.float() @ u.T)) @ lw.down.float().T
+    ids = torch.tensor([[e, e + 1]] * 6, device=DEV)
+    got = fused_moe_reference(x, w13, w2, torch.ones(6, 2, device=DEV), ids)
+    torch.testing.assert_close(got.float(), want, rtol=0.03, atol=0.03 * want.abs().max().item())
+    after, counts_after = fast(b, model.make_kv_cache(4, BS))
+    rows = (after - before).abs().amax(-1) / before.abs().amax(-1)
+    assert rows.median() < 0.02 and torch.equal(after.argmax(-1), before.argmax(-1))
+    assert torch.equal(counts_after, counts_before)  # the shared slots are not routed experts
+
+
 def test_fp8_experts_stay_close_to_bf16():
     """moe_fp8: the routed experts read as e4m3 with 128x128 block scales (W8A16)."""
     model = tiny(torch.bfloat16)
@@ -158,7 +191,7 @@ def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0, dp_s
         if plan.num_reqs:
             got = [rt.execute(plan) for rt in runtimes]
             for rt in runtimes[1:]:
-                rt.last[plan.slots[plan.samples]] = got[0].token_ids
+                rt.feed(plan.slots[plan.samples], got[0].token_ids)
             for out, r in zip(results, got):
                 out.append(r)
             core.update(plan, got[0], float(step))
@@ -356,3 +389,118 @@ def test_sampled_speculation_on_the_fast_path_draws_what_the_eager_path_draws():
     assert got == _serve(eager, prompts, spec_tokens=2, temperature=0.8)
     assert graph.runner.replays and graph.spec.runner.replays and not eager.runner.replays
 
+
+
+def _serve_ahead(rt, prompts, *, ahead: bool, max_tokens=6) -> tuple[list, list]:
+    """Greedy tokens served with async scheduling (step N+1 planned before step N's result),
+    each step through ``launch``/``finish`` (``ahead``: step N+1 launched before step N is
+    finished, as the runtime process does) or ``execute``. Returns (each step's sampled ids,
+    each request's tokens)."""
+    cfg = SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                          max_model_len=256, async_scheduling=True)
+    core = SchedulerCore(cfg, BlockHasher(b"k", BS))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(Request(id=i, prompt=np.asarray(p, np.int32), params=params))
+        rt.add_requests(NewRequests([i], [0.0], [1.0], [-1], [-1], [-1]))
+    steps, out, in_flight, t = [], {i: [] for i in range(len(prompts))}, [], 0
+    while core.has_work() or in_flight:
+        plan = core.schedule(float(t))
+        if plan.num_reqs:
+            started = rt.launch(plan) if ahead else None
+            in_flight.append((plan, started if started is not None else rt.execute(plan)))
+        if len(in_flight) > 1 or (in_flight and not plan.num_reqs):
+            done, got = in_flight.pop(0)
+            res = got if isinstance(got, StepResult) else rt.finish(got)
+            steps.append(res.token_ids.tolist())
+            offs = np.concatenate([[0], np.cumsum(res.num_sampled)])
+            for j, rid in enumerate(done.req_ids.tolist()):
+                out[rid] += res.token_ids[offs[j]:offs[j + 1]].tolist()
+            core.update(done, res, float(t))
+        t += 1
+    return steps, out
+
+
+def test_steps_launched_ahead_read_last_tokens_on_the_device():
+    """The fast path launches step N+1 before step N's tokens reach the host: its
+    placeholders are read from the device's last tokens (the host's are not updated until
+    step N is finished). Every step samples what executing one by one samples."""
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    want = _serve_ahead(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, ahead=False)
+    rt = _runtime(fast=True, cuda_graphs="padded", compile=False)
+    got = _serve_ahead(rt, prompts, ahead=True)
+    assert got == want and all(len(t) >= 6 for t in got[1].values())
+    assert rt.runner.replays and rt.runner.eager_steps  # decode steps and prefill chunks both ran ahead
+    assert _runtime(fast=False).launch(_plan_of(rt)) is None  # the reference path: execute only
+
+
+def _plan_of(rt) -> StepPlan:
+    """A one-token decode of slot 0 (for asking a runtime whether it launches it)."""
+    k = decode_constants(1)
+    return StepPlan(step_id=0, req_ids=np.zeros(1, np.int64), slots=np.zeros(1, np.int32), num_new=k.ones,
+                    start_pos=np.ones(1, np.int32), samples=k.trues, token_ids=k.placeholders,
+                    token_offsets=k.arange, block_start=np.zeros(1, np.int32), block_ids=np.zeros(0, np.int32),
+                    block_offsets=k.zeros, num_tokens=1, num_padded_tokens=1)
+
+
+def test_runtime_process_loop_sends_results_in_order_with_steps_launched_ahead():
+    """The runtime process's loop over real rings, the engine's side played here with async
+    scheduling (plan N+1 sent before result N is read): results come back in plan order with
+    the tokens that executing one by one gives, and a plan that cannot be launched (one asking
+    for logprobs) waits for the steps in flight."""
+    import socket
+    import threading
+
+    from lockstep.runtime.main import _serve as serve_loop
+    from lockstep.transports.shm_ring import Ring
+    from lockstep.transports.step_codec import decode, encode
+
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    want_steps, want = _serve_ahead(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, ahead=False)
+    rt = _runtime(fast=True, cuda_graphs="padded", compile=False)
+    to_rt, from_rt = Ring.create(1 << 20), Ring.create(1 << 20)
+    a, b = socket.socketpair()
+    launched, real_launch = [], rt.launch
+
+    def launch(plan):
+        started = real_launch(plan)
+        launched.append(started is not None)
+        return started
+
+    rt.launch = launch
+    thread = threading.Thread(target=serve_loop, args=(rt, to_rt, from_rt, b), daemon=True)
+    thread.start()
+    try:
+        cfg = SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                              max_model_len=256, async_scheduling=True)
+        core = SchedulerCore(cfg, BlockHasher(b"k", BS))
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            core.add_request(Request(id=i, prompt=np.asarray(p, np.int32), params=params))
+            rt.add_requests(NewRequests([i], [0.0], [1.0], [-1], [-1], [2 if i == 2 else -1]))
+        got, in_flight, t, steps = {i: [] for i in range(len(prompts))}, [], 0, []
+        while core.has_work() or in_flight:
+            plan = core.schedule(float(t))
+            if plan.num_reqs:
+                kind, parts = encode(plan)
+                to_rt.send(kind, *parts)
+                in_flight.append(plan)
+            if len(in_flight) > 1 or (in_flight and not plan.num_reqs):
+                done = in_flight.pop(0)
+                kind, _, payload = from_rt.recv(timeout=60)
+                res = decode(kind, payload)
+                assert res.step_id == done.step_id
+                steps.append(res.token_ids.tolist())
+                offs = np.concatenate([[0], np.cumsum(res.num_sampled)])
+                for j, rid in enumerate(done.req_ids.tolist()):
+                    got[rid] += res.token_ids[offs[j]:offs[j + 1]].tolist()
+                core.update(done, res, float(t))
+            t += 1
+        assert (steps, got) == (want_steps, want)
+        assert True in launched and False in launched  # those sampling request 2 (logprobs): execute
+    finally:
+        to_rt.send(0)
+        thread.join(60)
+        for x in (to_rt, from_rt, a, b):
+            x.close()
+    assert not thread.is_alive()

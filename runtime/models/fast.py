@@ -21,6 +21,13 @@ forward, so a decode forward can be captured as a CUDA graph.
   ``kernels.fused_moe`` too (one row per received pair).
   ``moe_fp8``: the experts also as e4m3 with 128x128 block scales (DeepSeek's layout), which
   the kernel reads instead (half the bytes; the bf16 copy stays for the reference path).
+  ``fuse_shared`` (bf16, all experts on this rank): the shared experts run inside the same
+  fused MoE launch, as extra experts every token picks with weight 1. A shared MLP of
+  intermediate s*I is the sum of s MLPs of intermediate I (SiLU·mul is per unit), so its
+  gate/up/down rows are split into s expert slots after the routed ones. That saves the
+  shared MLP's three launches per layer and streams its weights at the fused kernel's rate
+  (the routed experts' storage moves into the larger tensor, the model's parameters
+  re-pointed at it; only the shared weights, ~35 MB a layer in v2-lite, exist twice).
 - The small elementwise steps between GEMMs (norms, rope, SiLU·mul) are pure functions
   shared with the reference model, optionally ``torch.compile``d (once for every layer:
   weights are arguments) so a step launches a few hundred kernels, not thousands. The router
@@ -168,8 +175,33 @@ class LayerWeights:
         shared = mlp.shared_experts if self.moe is not None else mlp
         self.gate_up = self.down = None
         self.fp8 = None  # (gate_up, its scales, down, its scales) with moe_fp8
+        self.with_shared = None  # (gate_up, down) of the routed experts then the shared ones
         if shared is not None:
             self.gate_up, self.down = _fuse_rows([shared.gate_proj, shared.up_proj]), shared.down_proj.weight
+
+
+def _fuse_shared_experts(lw: LayerWeights) -> None:
+    """Give ``lw`` its routed experts followed by its shared experts as expert slots (see the
+    module's docstring); the routed experts' parameters become views of the result. Nothing
+    when the layer has no shared experts or their width is not a multiple of an expert's."""
+    if lw.moe is None or lw.gate_up is None or lw.with_shared is not None:
+        return
+    ex = lw.moe.experts
+    e, two_i, hidden = ex.gate_up_proj.shape
+    i, width = two_i // 2, lw.gate_up.shape[0] // 2
+    if width % i or lw.down.shape != (hidden, width) or ex.down_proj.shape != (e, hidden, i):
+        return
+    s = width // i
+    w13 = ex.gate_up_proj.new_empty(e + s, two_i, hidden)
+    w2 = ex.down_proj.new_empty(e + s, hidden, i)
+    w13[:e].copy_(ex.gate_up_proj)
+    w2[:e].copy_(ex.down_proj)
+    gate, up = lw.gate_up[:width].view(s, i, hidden), lw.gate_up[width:].view(s, i, hidden)
+    w13[e:, :i].copy_(gate)
+    w13[e:, i:].copy_(up)
+    w2[e:].copy_(lw.down.view(hidden, s, i).transpose(0, 1))
+    ex.gate_up_proj.data, ex.down_proj.data = w13[:e], w2[:e]
+    lw.with_shared = (w13, w2)
 
 
 def layer_weights(layer: nn.Module, cfg) -> LayerWeights:
@@ -256,6 +288,17 @@ class _Step:
             self.dec_lens = lens
         if plan.n_pf:
             self.pf_tables = inp.tables.index_select(0, plan.pf_rows)
+        self._shared: dict = {}
+
+    def shared_choice(self, t: int, e: int, s: int, ids_dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids [t, s] = e..e+s-1, weights [t, s] = 1): every token's pick of the shared
+        experts fused as slots e.. (made once a step, for every layer)."""
+        key = (t, e, s, ids_dtype)
+        got = self._shared.get(key)
+        if got is None:
+            ids = torch.arange(e, e + s, dtype=ids_dtype, device=device).expand(t, s)
+            got = self._shared[key] = (ids, torch.ones(t, s, dtype=torch.float32, device=device))
+        return got
 
 
 def _cache_views(layer_cache) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -279,7 +322,8 @@ def _stored_entries(cache, slots: torch.Tensor, dl: int, dtype) -> tuple[torch.T
 # -- the model ------------------------------------------------------------------------------------
 
 class FastDeepseek:
-    def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False):
+    def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False,
+                 fuse_shared: bool = True):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
         from lockstep.kernels.dense import linear
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
@@ -304,6 +348,10 @@ class FastDeepseek:
                     if lw.moe is not None and lw.fp8 is None:
                         ex = lw.moe.experts
                         lw.fp8 = (*quantize_fp8_blockwise(ex.gate_up_proj), *quantize_fp8_blockwise(ex.down_proj))
+            self.fuse_shared = bool(fuse_shared and self.use_fused_moe and not self.moe_fp8)
+            if self.fuse_shared:
+                for lw in self.layers:
+                    _fuse_shared_experts(lw)
         self.first_moe = self.cfg.first_k_dense_replace
         self.len_cap = 1 << 30
 
@@ -336,7 +384,7 @@ class FastDeepseek:
                 x, h = ops.add_norm(x, down, nxt, eps)
                 continue
             routed = self._routed(h, lw, step, chosen)
-            if lw.gate_up is None:
+            if lw.gate_up is None or (self.fuse_shared and lw.with_shared is not None):
                 x, h = ops.add_norm(x, routed, nxt, eps)
             else:
                 shared = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
@@ -415,6 +463,14 @@ class FastDeepseek:
             if getattr(moe.experts, "dispatch", None) == "padded":
                 return moe.experts(h, weights, ids, local=self._fused_moe)
             return moe.experts(h, weights, ids)
+        if self.fuse_shared and lw.with_shared is not None:
+            w13, w2 = lw.with_shared
+            e, n = cfg.n_routed_experts, w13.shape[0]
+            s_ids, s_w = step.shared_choice(h.shape[0], e, n - e, ids.dtype, h.device)
+            ids, weights = torch.cat([ids, s_ids], 1), torch.cat([weights.float(), s_w], 1)
+            if step.valid is not None:  # padding: no expert at all, shared ones included
+                ids = torch.where(step.valid[:, None], ids, n)
+            return self._fused_moe(h, w13, w2, weights, ids)
         if self.moe_fp8:
             w13, s13, w2, s2 = lw.fp8
             return self._fused_moe(h, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)
