@@ -141,14 +141,10 @@ class FastRunner:
                                                 hb.sample_index, tok_rows[hb.sample_index]])).to(self.device)
         plan = AttnPlan.build(hb.num_new, hb.seq_lens, hb.rows, self.len_cap, self.device)
         rows = flat[3 * t:4 * t]
-        inp = FastInputs(self._resolve(flat[:t], rows), flat[t:2 * t], flat[2 * t:3 * t], self.tables, rows, plan,
-                         sample_index=flat[4 * t:4 * t + s])
+        inp = FastInputs(flat[:t], flat[t:2 * t], flat[2 * t:3 * t], self.tables, rows, plan,
+                         sample_index=flat[4 * t:4 * t + s], last=self.last)
         self._sample_slots = flat[4 * t + s:]
         return self.fast.forward(inp, self.kv)
-
-    def _resolve(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Token ids with each PLACEHOLDER (-1) replaced by its row's last sampled token."""
-        return torch.where(ids < 0, self.last[rows], ids)
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """Record the last forward's sampled tokens (one per sample_index entry) as their
@@ -207,8 +203,8 @@ class FastRunner:
         s = self._static[:, :size]
         # Batches pad only between captured sizes: one right after the last never pads.
         prev = max([p for p in self.sizes if p < size], default=0)
-        return FastInputs(self._resolve(s[0], s[3]), s[1], s[2], self.tables, s[3], AttnPlan.decode_only(size, bound),
-                          padded=size > prev + 1)
+        return FastInputs(s[0], s[1], s[2], self.tables, s[3], AttnPlan.decode_only(size, bound),
+                          padded=size > prev + 1, last=self.last)
 
     def capture(self, max_len: int) -> None:
         """Capture every size for contexts up to ``max_len`` (largest first, so the shared

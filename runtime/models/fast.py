@@ -266,6 +266,9 @@ class FastInputs:
     plan: AttnPlan
     sample_index: torch.Tensor | None = None  # rows whose logits are returned; None: all
     padded: bool = False  # some tokens are padding (a CUDA-graph batch)
+    # Each row's last sampled token (int64 by table row): an input id of -1 (PLACEHOLDER)
+    # is read from it inside the forward, so a captured graph reads it at replay.
+    last: torch.Tensor | None = None
 
 
 class _Step:
@@ -373,7 +376,10 @@ class FastDeepseek:
         caches as ``DeepseekV3.make_kv_pool`` makes them (tensors, or ``FP8Cache``s)."""
         ops, eps = self.ops, self.cfg.rms_norm_eps
         step = _Step(inp, self, kv)
-        x = self.model.embed_tokens(inp.input_ids)
+        ids = inp.input_ids
+        if inp.last is not None:
+            ids = torch.where(ids < 0, inp.last[inp.tok_rows], ids)
+        x = self.model.embed_tokens(ids)
         h = ops.norm(x, self.layers[0].in_norm, eps)
         chosen: list[torch.Tensor] = []
         for i, lw in enumerate(self.layers):
