@@ -317,11 +317,11 @@ def time_decode(run: Run, rt: TorchRuntime, batch: int, ctx: int, first_req: int
                 host.append(res.host_s)
                 moe = res.expert_counts[cfg.first_k_dense_replace:]
                 touched.append(float((moe > 0).sum(-1).mean()))
-        replay_ms = ""
+        ahead_ms = "" if graphs_off or temperature > 0 else launched_ahead_ms(rt, req_ids, ctx, warmup + steps, steps)
+        replay_ms = ""  # last: a step launched ahead is not timed right after a run of bare replays
         graph = None if graphs_off else rt.runner.graph_for(batch, ctx + warmup + steps)
         if graph is not None:
             replay_ms = events_ms(graph.replay, 20)
-        ahead_ms = "" if graphs_off or temperature > 0 else launched_ahead_ms(rt, req_ids, ctx, warmup + steps, steps)
     finally:
         rt.runner.mode = mode
         rt.forget([int(r) for r in req_ids])
