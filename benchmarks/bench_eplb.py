@@ -27,9 +27,13 @@ the largest load per replica, each node's own experts' share of its GPUs (home n
 at most one replica per GPU; with no redundant slots also the k-per-GPU partition bound per
 node; with several nodes also what the nodes can take in: a node's GPUs carry at most its
 own experts' tokens plus one replica of another node's expert per spare slot, each no
-heavier than the heaviest GPU nor than half its expert (``lockstep.policy.eplb.bound``,
-``absorb_bound``). It does not count how few slots per GPU (EP72/288: 4) constrain a node's
-packing, so there it can stay above what any placement reaches.
+heavier than the heaviest GPU nor than half its expert, and, k slots to a GPU, at most
+the heaviest GPU on each GPU holding another node's replica or one of the node's x hottest
+experts (at most spare + x GPUs), while its other GPUs hold only its remaining experts less
+the coldest that share those GPUs (``lockstep.policy.eplb.bound``, ``absorb_bound``,
+``eplb_count.hold_terms``; tests/test_eplb_bound.py checks it against an exhaustive search on
+tiny machines). It does not count how evenly a node's replicas can be packed k to a GPU,
+so where slots per GPU are few (EP72/288: 4) it can stay above what any placement reaches.
 
 ``--settings 72x288`` (or ``72x288x9`` for one node count) runs only those and prints
 their rows without the targets.

@@ -44,7 +44,7 @@ import numpy as np
 
 from .eplb_adopt import adopt, adopt_fresh_nodes, fewest_moves, heavy_nodes
 from .eplb_align import align, moves
-from .eplb_count import greedy_counts, home_nodes, node_sums, partition_bound, relaxed_bound, relaxed_value
+from .eplb_count import greedy_counts, hold_terms, home_nodes, node_sums, partition_bound, relaxed_bound, relaxed_value
 from .eplb_incr import repair
 from .eplb_level import resplit_frugal, settle
 from .eplb_nodes import plan_nodes
@@ -287,7 +287,7 @@ def bound(load: np.ndarray, topo: Topology) -> Balancedness:
     replica counts (see ``eplb_count``: mean GPU load, largest load per replica, each node's
     own experts' share, at most one replica per GPU; with no redundant slots also the
     k-per-GPU partition bound of each node); with several nodes also what the nodes can
-    take in (``absorb_bound``)."""
+    take in, k slots to a GPU (``absorb_bound``)."""
     w = _check_load(load, topo)
     low = relaxed_bound(w, topo.slots, topo.home(), topo.nodes, topo.ranks)
     if topo.slots == topo.experts:
@@ -300,10 +300,14 @@ def absorb_bound(w: np.ndarray, topo: Topology, iters: int = 50) -> np.ndarray:
     n's g GPUs carry at most g T. Its replicas of its own experts carry at most own_n, their
     tokens; every other slot (``spare``: each own expert keeps one there) holds at most one
     replica of another node's expert f, which has a replica at home too, so carries at most
-    min(T, w_f / 2). So W <= sum over n of min(g T, own_n + spare_n min(T, half_n)), half_n
-    the largest w_f / 2 of the other nodes' experts; the right side grows with T, and the
-    least T that fits is found from below by bisection. It binds where the light nodes have
-    too few spare slots for the load the heavy ones must shed (EP72 on 9 nodes, 288 slots)."""
+    min(T, w_f / 2). With few slots per GPU a node carries less still: the GPUs holding a
+    replica of another node's expert, or of one of its own hottest x, are at most spare + x
+    and each at most T, and the others hold only the node's remaining experts, less the
+    coldest that share the first GPUs (``eplb_count.hold_terms``). So W <= sum over n of the
+    least of these, half_n the largest w_f / 2 of the other nodes' experts; the right side
+    grows with T, and the least T that fits is found from below by bisection. It binds where
+    the light nodes have too few spare slots for the load the heavy ones must shed, or a
+    node too few to keep its hot experts' small replicas home (EP72 on 9 nodes, 288 slots)."""
     per = topo.ranks // topo.nodes
     home = topo.home()
     own = node_sums(w, home, topo.nodes)
@@ -311,11 +315,16 @@ def absorb_bound(w: np.ndarray, topo: Topology, iters: int = 50) -> np.ndarray:
     total = w.sum(1)
     others = home[None, :] != np.arange(topo.nodes)[:, None]  # (nodes, experts)
     half = np.where(others[None], w[:, None, :], 0.0).max(2) / 2  # (layers, nodes)
+    held = hold_terms(w, home, topo.nodes, per, topo.slots_per_rank, spare)
+    b = np.arange(per + 1, dtype=np.float64)
     lo = total / topo.ranks  # the mean: the right side is at most W there
     hi = np.maximum(own.max(1) / per, lo)  # every node holding its own: the right side is W
     for _ in range(iters):
         mid = (lo + hi) / 2
-        fits = np.minimum(per * mid[:, None], own + spare * np.minimum(mid[:, None], half)).sum(1) >= total
+        t = mid[:, None]
+        cap = np.minimum(per * t, own + spare * np.minimum(t, half))
+        cap = np.minimum(cap, (b * t[..., None, None] + held).max(3).min(2))
+        fits = cap.sum(1) >= total
         hi, lo = np.where(fits, mid, hi), np.where(fits, lo, mid)
     return lo
 

@@ -12,6 +12,9 @@ with r_e >= 1 replicas of expert e, at most one per GPU (r_e <= G), sum r_e = S.
 picks r greedily (``greedy_counts``); ``relaxed_bound`` solves min over r of T(r) exactly, so
 it is a valid lower bound on the best plan under the same constraints, slots and home nodes
 included. Everything is vectorized over layers: arrays are (layers, experts).
+
+``hold_terms`` is a bound of another kind, for ``eplb.absorb_bound``: what a node's GPUs can
+carry when they hold k replicas each and its coldest experts must share GPUs with the rest.
 """
 
 from __future__ import annotations
@@ -161,3 +164,38 @@ def partition_bound(w: np.ndarray, slots: int, nodes: int, gpus: int) -> np.ndar
         tail = items[:, :, size - (k - j - 1) :].sum(2) if k - j - 1 > 0 else 0.0
         best = np.maximum(best, items[:, :, top - j - 1 : top].sum(2) + tail)
     return best.max(1)
+
+
+def hold_terms(w: np.ndarray, home: np.ndarray, nodes: int, per: int, k: int, spare: np.ndarray) -> np.ndarray:
+    """Constants A (layers, nodes, x, b): node n's GPUs carry at most
+    min over x of max over b of b T + A[n, x, b], T the layer's heaviest GPU (-inf where b
+    is out of range; +inf where x is not tried).
+
+    Why, for any x. Let X be the node's x hottest experts and R the rest of its c own
+    experts. Call a replica on the node big if its expert is in X or has another home, and
+    let B be the node's GPUs that hold a big one, b = |B|.
+    - The node's per k slots hold one replica of each own expert, q replicas of other
+      nodes' experts and D more of its own (D_X of X, D_R of R): q + D = spare. The big ones
+      number q + x + D_X <= spare + x, so b <= min(per, spare + x); B carries at most b T.
+    - Outside B sit only replicas of R. B holds b k - q - x - D_X of them. Expert e of R with
+      a_e of its r_e replicas on the node, m_e of them on B, leaves outside B at most
+      w_e (a_e - m_e) / r_e <= w_e - w_e m_e / a_e: nothing when m_e = a_e. Summing
+      m_e - a_e + 1 (at most 1, and 1 only when m_e = a_e) over R's experts on B gives at
+      least b k - q - x - D_X - D_R = b k - spare - x, so as many of R's experts have all
+      their node's replicas on B: outside B sits at most own(R) less R's (the node's) that
+      many coldest experts.
+    x = 0: the GPUs holding another node's replica also hold the node's coldest experts; x > 0:
+    a node that must split hot experts into replicas it has too few slots to keep at home.
+    With spare + x >= per, b = per gives per T, no better than the plain cap: not tried."""
+    layers = w.shape[0]
+    size = int(np.bincount(home, minlength=nodes).max())
+    out = np.full((layers, nodes, size + 1, per + 1), np.inf)
+    b = np.arange(per + 1)
+    for n in range(nodes):
+        c, s = int((home == n).sum()), int(spare[n])
+        cold = np.zeros((layers, c + 1))
+        np.cumsum(np.sort(w[:, home == n], axis=1), axis=1, out=cold[:, 1:])  # the j coldest
+        for x in range(max(min(per - s, c + 1), 0)):  # spare + x >= per: b = per, only per T
+            take = np.clip(b * k - s - x, 0, c - x)
+            out[:, n, x] = np.where(b <= s + x, cold[:, c - x, None] - cold[:, take], -np.inf)
+    return out
