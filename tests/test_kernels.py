@@ -353,7 +353,7 @@ def test_mla_prefill_matches_reference(fp8):
 
 # -- MoE router ----------------------------------------------------------------------------------
 
-from lockstep.kernels.router import moe_route, moe_route_reference  # noqa: E402
+from lockstep.kernels.router import moe_route, moe_route_reference, router_logits  # noqa: E402
 from lockstep.runtime.models.deepseek_v3 import route  # noqa: E402
 
 # (experts, top_k, n_group, topk_group, norm_topk_prob, scaling): v2-lite's router, tiny's
@@ -380,6 +380,23 @@ def test_moe_route_matches_model_route(case):
     ref_weights, ref_ids = moe_route_reference(logits, bias, *args)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("t, e, h", [(1, 64, 2048), (5, 30, 100), (37, 64, 256)] if CUDA else
+                         [(1, 64, 64), (5, 30, 40), (13, 20, 48)])
+def test_router_logits_are_the_float32_gemm(t, e, h):
+    """bf16 activations times the float32 gate, in float32: cuBLAS's result up to rounding."""
+    g = gen(21)
+    x, w = randn(t, h, g=g), randn(e, h, g=g, dtype=torch.float32)
+    got = router_logits(x, w)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (t, e)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="w must be"):
+        router_logits(x, w.to(BF16))
+    with pytest.raises(ValueError, match="w must have shape"):
+        router_logits(x, w[:, 1:])
+    assert router_logits(x[:0], w).shape == (0, e)
 
 
 def test_moe_route_ties_and_nan():

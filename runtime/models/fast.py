@@ -32,7 +32,8 @@ forward, so a decode forward can be captured as a CUDA graph.
 - The small elementwise steps between GEMMs (norms, rope, SiLU·mul) are pure functions
   shared with the reference model, optionally ``torch.compile``d (once for every layer:
   weights are arguments) so a step launches a few hundred kernels, not thousands. The router
-  after its GEMM is one kernel (``kernels.router``: sigmoid, bias, group limit, top-k).
+  is two kernels (``kernels.router``: the float32 logits GEMM from bf16 activations; then
+  sigmoid, bias, group limit, top-k).
 
 Weights are not copied: projections that read the same input (q and kv_a; gate and up) are
 concatenated once and the model's own parameters re-pointed at views of the result, so the
@@ -136,9 +137,10 @@ class FastOps:
         self.silu_mul = _Op(_silu_mul, compile)
         # The router after its GEMM runs as one kernel (compiled, `route`'s torch.topk alone
         # still launches two); `route` stays for settings the kernel does not take.
-        from lockstep.kernels.router import moe_route, moe_route_unsupported
+        from lockstep.kernels.router import moe_route, moe_route_unsupported, router_logits
 
         self.moe_route, self.moe_route_unsupported = moe_route, moe_route_unsupported
+        self.router_logits = router_logits  # the gate's float32 GEMM in one launch
         self.route = _Op(route, compile)
 
     def errors(self) -> dict[str, str]:
@@ -466,7 +468,10 @@ class FastDeepseek:
         gate, k = moe.gate, cfg.num_experts_per_tok
         args = (k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         if ops.moe_route_unsupported(gate.weight.shape[0], k, cfg.n_group, cfg.topk_group) is None:
-            logits = F.linear(h.float(), gate.weight)  # cuBLAS; the kernel does the rest
+            if gate.weight.dtype == torch.float32 and h.stride(-1) == 1 and gate.weight.stride(-1) == 1:
+                logits = ops.router_logits(h, gate.weight)
+            else:
+                logits = F.linear(h.float(), gate.weight)
             weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args)
         else:
             weights, ids = ops.route(h, gate.weight, gate.e_score_correction_bias, *args)
