@@ -18,7 +18,7 @@ waits for step N's tokens, which the device already holds. Options:
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
 block-scaled expert weights for fused MoE), ``fuse_shared`` (the shared experts inside the
-fused MoE launch; default on), ``ep_dispatch`` (expert parallelism: ``padded``,
+fused MoE launch; default on), ``launch_ahead`` (default on: see ``launch``), ``ep_dispatch`` (expert parallelism: ``padded``,
 the default on the fast path without a draft model, or ``exact``; see
 ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
@@ -122,6 +122,7 @@ class TorchRuntime:
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self._pinned: list[torch.Tensor] = []  # host buffers for results coming back (CUDA)
+        self.launch_ahead = bool(spec.options.get("launch_ahead", True))
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         # The fast path's sampling settings by slot, refreshed when a slot's request changes.
@@ -425,8 +426,8 @@ class TorchRuntime:
         that ask for no logprobs: such a step reads last step's tokens on the device
         (``FastRunner.last``), so the runtime process launches step N+1 while step N still
         runs, and the GPU does not idle while the host prepares a step."""
-        if (self.runner is None or self.spec is not None or self.placements is not None or self.world > 1
-                or self.endpoint is not None or not len(plan.token_ids)):
+        if (not self.launch_ahead or self.runner is None or self.spec is not None or self.placements is not None
+                or self.world > 1 or self.endpoint is not None or not len(plan.token_ids)):
             return None
         t0 = time.perf_counter()
         params = self._slot_params(plan)
