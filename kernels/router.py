@@ -102,11 +102,11 @@ def _moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, s_logit, s_w, s_i
 @triton.jit
 def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, T, H, s_x, s_w, s_o, E,
                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """out[t, e] = sum_k float(x[t, k]) * w[e, k]. A program: BLOCK_T tokens by BLOCK_E
-    experts; DOT: through tl.dot (tiles of 16 and up) at PRECISION ("ieee": float32 FMAs;
-    "tf32": tensor cores, operands rounded to tf32), else float32 FMAs of a broadcast product
-    summed over k (a token or a few: small tiles, so that many programs share the gate's read)."""
+                        DOT: tl.constexpr):
+    """out[t, e] = sum_k float(x[t, k]) * w[e, k], float32 FMAs (no tensor cores: tf32 would
+    round the operands). A program: BLOCK_T tokens by BLOCK_E experts; DOT: through tl.dot's
+    IEEE path (tiles of 16 and up), else a broadcast product summed over k (a token or a few:
+    small tiles, so that many programs share the gate's read)."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     rm, cm = rows < T, cols < E
@@ -119,18 +119,16 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, T, H, s_x, s_w, s_o, E,
         x = tl.load(x_row + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_row + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
         if DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
             acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_o + cols[None, :], acc, mask=rm[:, None] & cm[None, :])
 
 
-def router_logits(x: torch.Tensor, w: torch.Tensor, *, tensor_cores: bool = False) -> torch.Tensor:
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Router logits (T, E) float32 of activations x (T, H) bf16/fp16/fp32 and the gate's
     weight w (E, H) float32: ``x.float() @ w.T``, summed in float32 in another order than
-    cuBLAS (the two differ by rounding). ``tensor_cores``: beyond 8 tokens, tf32 tensor cores
-    (bf16 activations are exact in tf32; the gate is rounded to 10 mantissa bits, ~1e-3 of a
-    logit: less than the bf16 rounding the activations carry already)."""
+    cuBLAS (the two differ by rounding)."""
     check(x, "x", dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     check(w, "w", dims=2, dtypes=(torch.float32,), device=x.device)
     t, h = x.shape
@@ -142,16 +140,15 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, *, tensor_cores: bool = Fals
     if t == 0 or e == 0:
         return out
     # Few tokens: the gate's read is the cost, spread over many programs (4 experts each,
-    # 2.4 us a layer for v2-lite at batch 1 on an H200). More: 16 x 16 tiles through tl.dot,
-    # the gate re-read from L2 (in float32 FMAs, 44 us a layer at batch 256 on the H200, and
-    # the broadcast form 65 us, against cuBLAS's ~10: hence tensor_cores).
+    # 2.4 us a layer for v2-lite at batch 1 on an H200). More: 16 x 16 tiles through tl.dot
+    # (the broadcast form took 65 us at batch 256, this 44 us: cuBLAS does better there, and
+    # the fast path calls this only for a few tokens).
     dot = t > 8
     block_t, block_e = (16, 16) if dot else (next_pow2(t), 4)
-    block_k = (128 if tensor_cores else 64) if dot else min(2048 // (block_t * block_e) * 4, next_pow2(h))
+    block_k = 64 if dot else min(2048 // (block_t * block_e) * 4, next_pow2(h))
     _router_gemm_kernel[(triton.cdiv(t, block_t), triton.cdiv(e, block_e))](
         x, w, out, t, h, x.stride(0), w.stride(0), out.stride(0), e,
-        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=max(16, block_k), DOT=dot,
-        PRECISION="tf32" if tensor_cores else "ieee", num_warps=4)
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=max(16, block_k), DOT=dot, num_warps=4)
     return out
 
 

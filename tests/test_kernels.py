@@ -392,10 +392,6 @@ def test_router_logits_are_the_float32_gemm(t, e, h):
     want = x.double() @ w.double().T
     assert got.dtype == torch.float32 and got.shape == (t, e)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    # tf32 tensor cores (beyond 8 tokens): the gate rounded to 10 mantissa bits
-    scale = x.double().abs() @ w.double().abs().T  # each logit's sum of |products|
-    err = (router_logits(x, w, tensor_cores=True).double() - want).abs()
-    assert bool((err <= 2e-3 * scale + 1e-6).all())
     with pytest.raises(ValueError, match="w must be"):
         router_logits(x, w.to(BF16))
     with pytest.raises(ValueError, match="w must have shape"):

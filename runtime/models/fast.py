@@ -32,9 +32,8 @@ forward, so a decode forward can be captured as a CUDA graph.
 - The small elementwise steps between GEMMs (norms, rope, SiLU·mul) are pure functions
   shared with the reference model, optionally ``torch.compile``d (once for every layer:
   weights are arguments) so a step launches a few hundred kernels, not thousands. The router
-  is two kernels (``kernels.router``: the logits GEMM from bf16 activations and the float32
-  gate, in float32 up to 8 tokens and on tf32 tensor cores beyond; then sigmoid, bias, group
-  limit, top-k).
+  is two kernels (``kernels.router``: up to ROUTER_GEMM_MAX_TOKENS tokens the float32 logits
+  GEMM from bf16 activations, else cuBLAS's; then sigmoid, bias, group limit, top-k).
 
 Weights are not copied: projections that read the same input (q and kv_a; gate and up) are
 concatenated once and the model's own parameters re-pointed at views of the result, so the
@@ -64,10 +63,11 @@ MIN_LEN_BUCKET = 1024  # shortest context bound decode launches are shaped for
 # H200 the fused form took v2-lite's step at batch 1 from 3.04 to 2.83 ms, was even at 8 and
 # 64, and cost 0.34 ms at 256.
 FUSE_SHARED_MAX_TOKENS = 64
-# The router's GEMM is one Triton launch (``kernels.router.router_logits``): float32 FMAs up
-# to 8 tokens (on the H200, 2.4 us a layer at batch 1 against ~6 us for the conversion,
-# cuBLAS's gemv and its reduction), tf32 tensor cores beyond (float32 FMAs took 44 us a
-# layer at batch 256, cuBLAS's float32 GEMM with the conversion ~10).
+# The router's float32 GEMM runs as one Triton launch up to this many tokens (on the H200,
+# 2.4 us a layer at batch 1 against ~6 us for the conversion, cuBLAS's gemv and its
+# reduction); beyond, float32 tiles without tensor cores lose to cuBLAS (44 us a layer at
+# batch 256 through tl.dot's IEEE path, against ~10).
+ROUTER_GEMM_MAX_TOKENS = 8
 
 
 def len_bucket(max_len: int, cap: int) -> int:
@@ -473,8 +473,9 @@ class FastDeepseek:
         gate, k = moe.gate, cfg.num_experts_per_tok
         args = (k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         if ops.moe_route_unsupported(gate.weight.shape[0], k, cfg.n_group, cfg.topk_group) is None:
-            if gate.weight.dtype == torch.float32 and h.stride(-1) == 1 and gate.weight.stride(-1) == 1:
-                logits = ops.router_logits(h, gate.weight, tensor_cores=True)
+            if (h.shape[0] <= ROUTER_GEMM_MAX_TOKENS and gate.weight.dtype == torch.float32
+                    and h.stride(-1) == 1 and gate.weight.stride(-1) == 1):
+                logits = ops.router_logits(h, gate.weight)
             else:
                 logits = F.linear(h.float(), gate.weight)
             weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args)
