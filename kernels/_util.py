@@ -114,6 +114,19 @@ def check_shape(t: torch.Tensor, name: str, shape: tuple) -> None:
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
 
 
+
+def host_tensor(values, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A list or array of host numbers on ``device`` without a host-device sync: through
+    pinned memory (torch's caching host allocator keeps the block until the copy is done)
+    and a non-blocking copy. A plain ``torch.tensor(values, device=...)`` copies from pageable
+    memory, which waits for everything queued on the stream: inside a step that the host
+    launched ahead of the GPU, that wait undoes the overlap."""
+    t = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

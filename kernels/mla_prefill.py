@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import DOT, FP8, check, check_shape, next_pow2
+from ._util import DOT, FP8, check, check_shape, host_tensor, next_pow2
 from .mla_decode import LOG2E, gather_entries
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py (2026-11-29: 4K new tokens on a 32K
@@ -152,10 +152,9 @@ def _prefix_chunk(cache, block_tables, scale, starts: list[int], lens: list[int]
     """Latents of positions [start_b, start_b + len_b) of every sequence, packed: [sum, D]."""
     dev, bs = cache.device, cache.shape[1]
     total = sum(lens)
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=dev),
-                                  torch.tensor(lens, device=dev), output_size=total)
-    first = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)
-    pos = torch.arange(total, device=dev) - first[seq] + torch.tensor(starts, device=dev)[seq]
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=dev), host_tensor(lens, dev), output_size=total)
+    first = host_tensor([0] + lens[:-1], dev).cumsum(0)
+    pos = torch.arange(total, device=dev) - first[seq] + host_tensor(starts, dev)[seq]
     # (block, offset) indexing, not a flat slot: a layer's view of the block-major pool is
     # strided between blocks (its stride(0) spans every layer's block), so it has no flat view.
     blk, off = block_tables[seq, pos // bs].long(), pos % bs
@@ -199,7 +198,7 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
         lens = [min(max(p - start, 0), step) for p in prefix_lens]
         ent = _prefix_chunk(cache, block_tables, scale, [start] * batch, lens, q.dtype)
         kv = (ent[:, :dl] @ w_kv_b.T).view(-1, h, dn + dv)
-        cu_k = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+        cu_k = host_tensor([0] + lens, dev).cumsum(0).to(torch.int32)
         mla_attention(q, kv[..., :dn], ent[:, dl:], kv[..., dn:], cu_seqlens, cu_k, max_new,
                       sm_scale, causal=False, out=out, lse=lse, merge=True, config=config)
     return out.to(q.dtype)

@@ -133,6 +133,10 @@ class Runtime(Protocol):
     # Optional, for P/D (a runtime without them reports every KV load done at once):
     #   kv_connect(msg: KVConnect), kv_pull(msg: KVPull), and idle(), called about every
     #   millisecond while no plan is waiting, so a transport can make progress.
+    # Optional, to run a step ahead (``main._serve``): launch(plan) starts it and returns a
+    #   handle with ready() (the device is done), or None when the plan must go through
+    #   execute; finish(handle) returns its StepResult. Handles are finished in launch order,
+    #   and execute is called only when none is outstanding.
 
 
 def available() -> dict[str, object]:

@@ -33,7 +33,7 @@ import logging
 import numpy as np
 import torch
 
-from .models.batch import HostBatch
+from .models.batch import HostBatch, to_device
 from .models.fast import DECODE_MAX_NEW, AttnPlan, FastDeepseek, FastInputs, len_bucket
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class FastRunner:
         """Apply one plan's new block ids (the same deltas as the host table's)."""
         if not len(rows):
             return
-        packed = torch.from_numpy(np.stack([rows, cols, block_ids.astype(np.int64)])).to(self.device)
+        packed = to_device(np.stack([rows, cols, block_ids.astype(np.int64)]), self.device)
         self.tables[packed[0], packed[1]] = packed[2].to(torch.int32)
 
     # -- a step -----------------------------------------------------------------------------------
@@ -137,8 +137,8 @@ class FastRunner:
     def _eager(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         tok_rows = np.repeat(hb.rows, hb.num_new)
         t, s = len(hb.input_ids), len(hb.sample_index)
-        flat = torch.from_numpy(np.concatenate([hb.input_ids, hb.positions, hb.slot_mapping, tok_rows,
-                                                hb.sample_index, tok_rows[hb.sample_index]])).to(self.device)
+        flat = to_device(np.concatenate([hb.input_ids, hb.positions, hb.slot_mapping, tok_rows, hb.sample_index,
+                                         tok_rows[hb.sample_index]]), self.device)
         plan = AttnPlan.build(hb.num_new, hb.seq_lens, hb.rows, self.len_cap, self.device)
         rows = flat[3 * t:4 * t]
         inp = FastInputs(flat[:t], flat[t:2 * t], flat[2 * t:3 * t], self.tables, rows, plan,
@@ -156,7 +156,7 @@ class FastRunner:
         """The staging array to fill next (its previous copy to the device waited for)."""
         self._turn ^= 1
         done = self._copied[self._turn]
-        if done is not None:
+        if done is not None and not done.query():  # (it almost always is done)
             done.synchronize()
         return self._stagings[self._turn].numpy()
 
@@ -195,7 +195,7 @@ class FastRunner:
         self.replays += 1
         logits = logits[:b]
         if len(hb.sample_index) != b or (hb.sample_index != np.arange(b)).any():
-            logits = logits[torch.from_numpy(hb.sample_index).to(self.device)]
+            logits = logits[to_device(hb.sample_index, self.device)]
         return logits, counts
 
     # -- graphs -----------------------------------------------------------------------------------

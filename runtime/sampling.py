@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .models.batch import to_device
+
 _MIX = 0x9E3779B97F4A7C15
 
 
@@ -58,23 +60,23 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
         g = torch.Generator(device=logits.device).manual_seed(_row_seed(int(seeds[rand[j]]), int(positions[rand[j]])))
         noise[j].exponential_(generator=g)
     picks = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-    out[torch.from_numpy(rand).to(logits.device)] = picks
+    out[to_device(rand, logits.device)] = picks
     return out
 
 
 def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> torch.Tensor:
     dev = logits.device
-    x = logits.float() / torch.as_tensor(temperature, dtype=torch.float32, device=dev)[:, None]
+    x = logits.float() / to_device(np.asarray(temperature, np.float32), dev)[:, None]
     if (top_k > 0).any():
         vocab = x.shape[-1]
-        k = torch.as_tensor(np.where(top_k > 0, np.minimum(top_k, vocab), vocab), device=dev)
+        k = to_device(np.where(top_k > 0, np.minimum(top_k, vocab), vocab).astype(np.int64), dev)
         kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         x = x.masked_fill(x < kth, float("-inf"))
     if (top_p < 1).any():
         srt, idx = x.sort(dim=-1, descending=True)
         p = srt.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always the first token).
-        drop = (p.cumsum(dim=-1) - p) >= torch.as_tensor(top_p, dtype=torch.float32, device=dev)[:, None]
+        drop = (p.cumsum(dim=-1) - p) >= to_device(np.asarray(top_p, np.float32), dev)[:, None]
         srt = srt.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(1, idx, srt)
     return x.softmax(dim=-1)

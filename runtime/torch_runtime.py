@@ -123,6 +123,8 @@ class TorchRuntime:
         self.last = np.zeros(spec.max_num_seqs, np.int32)
         self._pinned: list[torch.Tensor] = []  # host buffers for results coming back (CUDA)
         self.launch_ahead = bool(spec.options.get("launch_ahead", True))
+        self._outstanding = 0  # steps launched and not yet finished
+        self._finished_at = 0.0  # when the last launched step was finished (perf_counter)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         # The fast path's sampling settings by slot, refreshed when a slot's request changes.
@@ -207,9 +209,12 @@ class TorchRuntime:
         opts = spec.options
 
         def make(draft, kv):
+            # A draft of the target's own layers must not re-point their experts: the target's
+            # graphs, captured already, read them where they are (fuse_shared as the target).
             fast = FastDeepseek(draft, fused_moe=target.use_fused_moe if own_layers else True,
                                 compile=bool(opts.get("compile", self.device.type == "cuda")),
-                                moe_fp8=target.moe_fp8 if own_layers else False)
+                                moe_fp8=target.moe_fp8 if own_layers else False,
+                                fuse_shared=target.fuse_shared if own_layers else bool(opts.get("fuse_shared", True)))
             # A draft pass feeds one or two tokens a request (two after a fully accepted step).
             return self._make_runner(fast, kv, spec, self.runner.mode, max_tokens=2 * spec.max_num_seqs,
                                      tables=self.runner.tables)
@@ -354,6 +359,9 @@ class TorchRuntime:
             self.endpoint.cancel(req_ids)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if self._outstanding:
+            raise RuntimeError(f"execute called with {self._outstanding} launched step(s) not finished: "
+                               "finish them first (results go out in plan order)")
         drafts = None if self.spec is None else self.spec.placements
         if drafts is not None:  # the draft's own placement: switched, staged and reported alike
             drafts.use(plan.draft_placement_gen)
@@ -434,11 +442,20 @@ class TorchRuntime:
         if len(params[4]) and params[4].max() >= 0:  # logprobs read the logits after the tokens
             return None
         self._update_tables(plan)
-        return self._launch_fast(plan, t0, params)
+        launched = self._launch_fast(plan, t0, params)
+        self._outstanding += 1
+        return launched
 
     def finish(self, launched: _Launched) -> StepResult:
-        """The result of a ``launch``ed step (waits for the device)."""
-        return self._finish(launched, None)
+        """The result of a ``launch``ed step (waits for the device). Steps are finished in
+        the order they were launched."""
+        self._outstanding -= 1
+        result = self._finish(launched, None)
+        # Launched steps overlap: each one's GPU time runs from when the one before it was
+        # finished (or from its own launch), so that their sum is the wall time they took.
+        gpu_s = result.gpu_s - max(0.0, self._finished_at - launched.t1)
+        self._finished_at = launched.t1 + result.gpu_s
+        return attrs.evolve(result, gpu_s=gpu_s)
 
     def _launch_fast(self, plan: StepPlan, t0: float, params=None) -> _Launched:
         hb = self._host_batch(plan, fill=False)  # placeholders are read on the device

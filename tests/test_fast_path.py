@@ -135,8 +135,8 @@ def test_shared_experts_fused_as_expert_slots_are_the_shared_mlp():
     before, counts_before = unfused(b, model.make_kv_cache(4, BS))
     fast = FastDeepseek(model)
     lw = next(lw for lw in fast.layers if lw.moe is not None)
-    w13, w2 = lw.with_shared
-    assert w13.shape[0] == w2.shape[0] == e + 2
+    w13, w2, routed = lw.with_shared
+    assert w13.shape[0] == w2.shape[0] == e + 2 and routed == e
     assert lw.moe.experts.gate_up_proj.data_ptr() == w13.data_ptr()
     assert lw.moe.experts.down_proj.data_ptr() == w2.data_ptr()
     x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
@@ -408,7 +408,10 @@ def _serve_ahead(rt, prompts, *, ahead: bool, max_tokens=6) -> tuple[list, list]
         plan = core.schedule(float(t))
         if plan.num_reqs:
             started = rt.launch(plan) if ahead else None
-            in_flight.append((plan, started if started is not None else rt.execute(plan)))
+            if started is None:  # execute only with nothing launched outstanding
+                in_flight = [(p, x if isinstance(x, StepResult) else rt.finish(x)) for p, x in in_flight]
+                started = rt.execute(plan)
+            in_flight.append((plan, started))
         if len(in_flight) > 1 or (in_flight and not plan.num_reqs):
             done, got = in_flight.pop(0)
             res = got if isinstance(got, StepResult) else rt.finish(got)
@@ -460,14 +463,26 @@ def test_runtime_process_loop_sends_results_in_order_with_steps_launched_ahead()
     rt = _runtime(fast=True, cuda_graphs="padded", compile=False)
     to_rt, from_rt = Ring.create(1 << 20), Ring.create(1 << 20)
     a, b = socket.socketpair()
-    launched, real_launch = [], rt.launch
+    launched, most, real_launch, real_finish = [], [0], rt.launch, rt.finish
+
+    class NotYet:
+        """On the CPU a launched step is done at once; this one says it is not for a while,
+        so the loop takes the next plan (and launches it) before finishing this one."""
+
+        def __init__(self, handle):
+            self.handle, self.polls = handle, 0
+
+        def ready(self) -> bool:
+            self.polls += 1
+            return self.polls > 200
 
     def launch(plan):
         started = real_launch(plan)
         launched.append(started is not None)
-        return started
+        most[0] = max(most[0], rt._outstanding)
+        return None if started is None else NotYet(started)
 
-    rt.launch = launch
+    rt.launch, rt.finish = launch, lambda h: real_finish(h.handle)
     thread = threading.Thread(target=serve_loop, args=(rt, to_rt, from_rt, b), daemon=True)
     thread.start()
     try:
@@ -498,9 +513,42 @@ def test_runtime_process_loop_sends_results_in_order_with_steps_launched_ahead()
             t += 1
         assert (steps, got) == (want_steps, want)
         assert True in launched and False in launched  # those sampling request 2 (logprobs): execute
+        assert most[0] == 2  # a step was launched while the one before it was in flight
     finally:
         to_rt.send(0)
         thread.join(60)
         for x in (to_rt, from_rt, a, b):
             x.close()
     assert not thread.is_alive()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device syncs exist on CUDA only")
+def test_launching_a_step_makes_the_host_wait_for_nothing_on_the_device():
+    """``launch`` queues the step and returns: no copy from pageable memory, no sync. Sampled
+    requests (temperature, top-p) at staggered lengths, so decode steps bring new blocks,
+    and prefill chunks: every launch runs under torch's sync debug mode set to error."""
+    rt = _runtime(fast=True, compile=False)
+    cfg = SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                          max_model_len=256, async_scheduling=True)
+    core = SchedulerCore(cfg, BlockHasher(b"k", BS))
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, ignore_eos=True)
+    for i, n in enumerate((5, 19, 40)):
+        core.add_request(Request(id=i, prompt=np.arange(3, 3 + n, dtype=np.int32), params=params))
+        rt.add_requests(NewRequests([i], [0.8], [0.9], [-1], [i], [-1]))
+    in_flight, t, with_blocks = [], 0, 0
+    while core.has_work() or in_flight:
+        plan = core.schedule(float(t))
+        if plan.num_reqs:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                started = rt.launch(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            assert started is not None
+            with_blocks += len(plan.block_ids) > 0
+            in_flight.append((plan, started))
+        if len(in_flight) > 1 or (in_flight and not plan.num_reqs):
+            done, handle = in_flight.pop(0)
+            core.update(done, rt.finish(handle), float(t))
+        t += 1
+    assert with_blocks > 3

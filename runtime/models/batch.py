@@ -16,6 +16,21 @@ import numpy as np
 import torch
 
 
+
+def to_device(a, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (a numpy array or sequence) on ``device`` without making the host wait for
+    the GPU. A copy from pageable memory ends in a stream synchronize: the host would wait for
+    every step already launched (and a step launched ahead would gain nothing). On CUDA the
+    data goes through pinned memory from torch's caching host allocator, which keeps the
+    block until the copy is done, and a non-blocking copy."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # (T,) int64

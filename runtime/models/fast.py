@@ -21,7 +21,7 @@ forward, so a decode forward can be captured as a CUDA graph.
   ``kernels.fused_moe`` too (one row per received pair).
   ``moe_fp8``: the experts also as e4m3 with 128x128 block scales (DeepSeek's layout), which
   the kernel reads instead (half the bytes; the bf16 copy stays for the reference path).
-  ``fuse_shared`` (bf16, all experts on this rank, steps of at most FUSE_SHARED_MAX_TOKENS
+  ``fuse_shared`` (bf16/fp16 experts, not with ``moe_fp8``; all experts on this rank; steps of at most FUSE_SHARED_MAX_TOKENS
   tokens): the shared experts run inside the same fused MoE launch, as extra experts every
   token picks with weight 1. A shared MLP of
   intermediate s*I is the sum of s MLPs of intermediate I (SiLU·mul is per unit), so its
@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import ForwardBatch
+from .batch import ForwardBatch, to_device
 from .deepseek_v3 import FP8Cache, MoE, DeepseekV3, rms_norm, route
 from .rope import apply_rope
 
@@ -145,7 +145,7 @@ class FastOps:
         from lockstep.kernels.router import moe_route, moe_route_unsupported, router_logits
 
         self.moe_route, self.moe_route_unsupported = moe_route, moe_route_unsupported
-        self.router_logits = router_logits  # the gate's float32 GEMM in one launch
+        self.router_logits = router_logits  # the gate's GEMM in one launch, for a few tokens
         self.route = _Op(route, compile)
 
     def errors(self) -> dict[str, str]:
@@ -188,7 +188,7 @@ class LayerWeights:
         shared = mlp.shared_experts if self.moe is not None else mlp
         self.gate_up = self.down = None
         self.fp8 = None  # (gate_up, its scales, down, its scales) with moe_fp8
-        self.with_shared = None  # (gate_up, down) of the routed experts then the shared ones
+        self.with_shared = None  # (gate_up, down, routed count): the routed experts, then the shared
         if shared is not None:
             self.gate_up, self.down = _fuse_rows([shared.gate_proj, shared.up_proj]), shared.down_proj.weight
 
@@ -214,7 +214,7 @@ def _fuse_shared_experts(lw: LayerWeights) -> None:
     w13[e:, i:].copy_(up)
     w2[e:].copy_(lw.down.view(hidden, s, i).transpose(0, 1))
     ex.gate_up_proj.data, ex.down_proj.data = w13[:e], w2[:e]
-    lw.with_shared = (w13, w2)
+    lw.with_shared = (w13, w2, e)
 
 
 def layer_weights(layer: nn.Module, cfg) -> LayerWeights:
@@ -258,14 +258,14 @@ class AttnPlan:
         mixed = bool(dec_seq.any())
 
         def idx(mask: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.flatnonzero(mask)).to(device)
+            return to_device(np.flatnonzero(mask), device)
 
         new = num_new[pf_seq]
         cu = np.zeros(len(new) + 1, np.int32)
         np.cumsum(new, out=cu[1:])
         return cls(int(tok_dec.sum()), idx(tok_dec) if mixed else None, bound,
                    int((~tok_dec).sum()), idx(~tok_dec) if mixed else None,
-                   torch.from_numpy(rows[pf_seq].astype(np.int64)).to(device), torch.from_numpy(cu).to(device),
+                   to_device(rows[pf_seq].astype(np.int64), device), to_device(cu, device),
                    int(new.max()), (seq_lens[pf_seq] - new).tolist())
 
 
@@ -489,8 +489,8 @@ class FastDeepseek:
                 return moe.experts(h, weights, ids, local=self._fused_moe)
             return moe.experts(h, weights, ids)
         if fuse:
-            w13, w2 = lw.with_shared
-            e, n = cfg.n_routed_experts, w13.shape[0]
+            w13, w2, e = lw.with_shared
+            n = w13.shape[0]
             s_ids, s_w = step.shared_choice(h.shape[0], e, n - e, ids.dtype, h.device)
             ids, weights = torch.cat([ids, s_ids], 1), torch.cat([weights.float(), s_w], 1)
             if step.valid is not None:  # padding: no expert at all, shared ones included
