@@ -50,7 +50,9 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     rand = np.flatnonzero(temperature > 0)
     if not len(rand):
         return out
-    probs = _probs(logits[rand], temperature[rand], top_p[rand], top_k[rand])
+    every = len(rand) == len(logits)
+    rows = None if every else to_device(rand, logits.device)  # (a numpy index would copy synchronously)
+    probs = _probs(logits if every else logits[rows], temperature[rand], top_p[rand], top_k[rand])
     noise = torch.empty_like(probs)
     seeded = np.flatnonzero(seeds[rand] >= 0)
     if len(seeded) < len(rand):
@@ -60,7 +62,9 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
         g = torch.Generator(device=logits.device).manual_seed(_row_seed(int(seeds[rand[j]]), int(positions[rand[j]])))
         noise[j].exponential_(generator=g)
     picks = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-    out[to_device(rand, logits.device)] = picks
+    if every:
+        return picks
+    out[rows] = picks
     return out
 
 
