@@ -40,6 +40,7 @@ import torch
 from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
 from .base import KVConnect, KVPull, NewPlacement, NewRequests, Ready, RuntimeSpec
+from .launched import HostReturn, Launched
 from .models import load_model
 from . import synthetic
 from .models.batch import ForwardBatch, HostBatch
@@ -55,28 +56,6 @@ def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
     return (chosen.cpu().numpy(),
             None if top is None else top.indices.to(torch.int32).cpu().numpy(),
             None if top is None else top.values.cpu().numpy())
-
-
-@attrs.define(slots=True)
-class _Launched:
-    """A step started on the device (``TorchRuntime.launch``): what its result needs, copied
-    from the plan (whose arrays view a ring frame the runtime gives back before finishing)."""
-
-    step_id: int
-    num_sampled: np.ndarray
-    slots: np.ndarray  # of the sampled tokens
-    kv_done: np.ndarray
-    host: torch.Tensor  # the sampled ids, then the expert counts (arriving, on CUDA)
-    num_tokens: int
-    counts_shape: tuple
-    event: object  # torch.cuda.Event, or None on the CPU
-    want: np.ndarray  # logprobs per sample (-1: none)
-    logits: torch.Tensor | None  # kept only when logprobs are wanted (not launched ahead then)
-    t0: float
-    t1: float
-
-    def ready(self) -> bool:
-        return self.event is None or self.event.query()
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -121,7 +100,7 @@ class TorchRuntime:
                                                         storage=storage)
         self.tables = np.zeros((spec.max_num_seqs, -(-spec.max_model_len // spec.block_size)), np.int32)
         self.last = np.zeros(spec.max_num_seqs, np.int32)
-        self._pinned: list[torch.Tensor] = []  # host buffers for results coming back (CUDA)
+        self._returns = HostReturn()  # the sampled ids and expert counts, on their way back
         self.launch_ahead = bool(spec.options.get("launch_ahead", True))
         self._outstanding = 0  # steps launched and not yet finished
         self._finished_at = 0.0  # when the last launched step was finished (perf_counter)
@@ -427,7 +406,7 @@ class TorchRuntime:
     def _execute_fast(self, plan: StepPlan, t0: float) -> StepResult:
         return self._finish(self._launch_fast(plan, t0), plan)
 
-    def launch(self, plan: StepPlan) -> _Launched | None:
+    def launch(self, plan: StepPlan) -> Launched | None:
         """Start ``plan`` on the device and return before its tokens are back (``finish``
         gives its result), or None: this plan runs through ``execute``. Launched steps are
         those of the fast path on a lone rank (no draft, no expert slots, no KV transport)
@@ -446,7 +425,7 @@ class TorchRuntime:
         self._outstanding += 1
         return launched
 
-    def finish(self, launched: _Launched) -> StepResult:
+    def finish(self, launched: Launched) -> StepResult:
         """The result of a ``launch``ed step (waits for the device). Steps are finished in
         the order they were launched."""
         self._outstanding -= 1
@@ -457,7 +436,7 @@ class TorchRuntime:
         self._finished_at = launched.t1 + result.gpu_s
         return attrs.evolve(result, gpu_s=gpu_s)
 
-    def _launch_fast(self, plan: StepPlan, t0: float, params=None) -> _Launched:
+    def _launch_fast(self, plan: StepPlan, t0: float, params=None) -> Launched:
         hb = self._host_batch(plan, fill=False)  # placeholders are read on the device
         t1 = time.perf_counter()
         pad = plan.num_padded_tokens if self.ep_padded and plan.uniform_decode else 0
@@ -466,34 +445,15 @@ class TorchRuntime:
         tokens = sample_on_device(logits, temp, top_p, top_k, seed, hb.positions[hb.sample_index], self.gen)
         self.runner.keep_sampled(tokens)
         # One transfer (and, at finish, the step's one wait) for the sampled ids and the expert counts.
-        host, event = self._to_host(torch.cat([tokens.to(torch.int32), counts.flatten()]))
+        host, event = self._returns.start(torch.cat([tokens.to(torch.int32), counts.flatten()]))
         keep_logits = len(want) and want.max() >= 0
-        return _Launched(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
+        return Launched(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
                          slots=plan.slots[plan.samples], kv_done=np.array(plan.kv_load_req_ids, np.int64),
                          host=host, num_tokens=len(tokens), counts_shape=tuple(counts.shape), event=event,
                          want=want, logits=logits if keep_logits else None, t0=t0, t1=t1)
 
-    def _to_host(self, dev: torch.Tensor) -> tuple[torch.Tensor, object]:
-        """Start copying ``dev`` (int32) to the host: (its host tensor, a CUDA event to wait
-        on, or None on the CPU). Pinned buffers are reused once their step is finished."""
-        if dev.device.type != "cuda":
-            return dev, None
-        n = dev.numel()
-        i = next((i for i, b in enumerate(self._pinned) if b.numel() >= n), None)
-        buf = torch.empty(max(n, 4096), dtype=torch.int32, pin_memory=True) if i is None else self._pinned.pop(i)
-        buf[:n].copy_(dev, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(dev.device))
-        return buf, event
-
-    def _finish(self, p: _Launched, plan: StepPlan | None) -> StepResult:
-        if p.event is not None:
-            p.event.synchronize()
-        s = p.num_tokens
-        host = p.host[:s + int(np.prod(p.counts_shape))].numpy().copy()
-        if p.event is not None:
-            self._pinned.append(p.host)
-        tokens, counts = host[:s], host[s:].reshape(p.counts_shape)
+    def _finish(self, p: Launched, plan: StepPlan | None) -> StepResult:
+        tokens, counts = self._returns.take(p)
         self.last[p.slots] = tokens
         want = p.want
         lp = (_logprobs(p.logits, tokens, int(want.max())) if p.logits is not None

@@ -415,13 +415,18 @@ def _serve_ahead(rt, prompts, *, ahead: bool, max_tokens=6) -> tuple[list, list]
         if len(in_flight) > 1 or (in_flight and not plan.num_reqs):
             done, got = in_flight.pop(0)
             res = got if isinstance(got, StepResult) else rt.finish(got)
-            steps.append(res.token_ids.tolist())
-            offs = np.concatenate([[0], np.cumsum(res.num_sampled)])
-            for j, rid in enumerate(done.req_ids.tolist()):
-                out[rid] += res.token_ids[offs[j]:offs[j + 1]].tolist()
+            _record(done, res, steps, out)
             core.update(done, res, float(t))
         t += 1
     return steps, out
+
+
+def _record(plan, res, steps: list, out: dict) -> None:
+    """Note a step's sampled ids, and each request's tokens."""
+    steps.append(res.token_ids.tolist())
+    offs = np.concatenate([[0], np.cumsum(res.num_sampled)])
+    for j, rid in enumerate(plan.req_ids.tolist()):
+        out[rid] += res.token_ids[offs[j]:offs[j + 1]].tolist()
 
 
 def test_steps_launched_ahead_read_last_tokens_on_the_device():
@@ -505,10 +510,7 @@ def test_runtime_process_loop_sends_results_in_order_with_steps_launched_ahead()
                 kind, _, payload = from_rt.recv(timeout=60)
                 res = decode(kind, payload)
                 assert res.step_id == done.step_id
-                steps.append(res.token_ids.tolist())
-                offs = np.concatenate([[0], np.cumsum(res.num_sampled)])
-                for j, rid in enumerate(done.req_ids.tolist()):
-                    got[rid] += res.token_ids[offs[j]:offs[j + 1]].tolist()
+                _record(done, res, steps, got)
                 core.update(done, res, float(t))
             t += 1
         assert (steps, got) == (want_steps, want)
