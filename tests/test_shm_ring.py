@@ -12,7 +12,7 @@ import pytest
 
 from lockstep.policy.step import StepPlan
 from lockstep.transports import echo_worker
-from lockstep.transports.shm_ring import MessageTooLarge, Ring, send_ring
+from lockstep.transports.shm_ring import _HOT, MessageTooLarge, Ring, send_ring
 from lockstep.transports.step_codec import decode, encode
 from leaks import open_fds
 
@@ -48,6 +48,26 @@ def test_frames_wrap_around_a_small_ring():
             ring.send(7, bytes([i % 256]) * (i % 300))
             kind, seq, payload = ring.poll()
             assert (kind, seq, payload) == (7, i + 1, bytes([i % 256]) * (i % 300))
+        assert ring.poll() is None
+    finally:
+        ring.close()
+
+
+def test_a_large_ring_starts_again_at_zero_once_the_consumer_has_caught_up():
+    """Past _HOT bytes the producer wraps early when nothing unread lies above the start:
+    frames stay in a few cache-hot pages. A consumer that lags (or holds a frame) still gets
+    every message, in order, intact."""
+    ring = Ring.create(1 << 22)
+    try:
+        for i in range(400):  # kept up with: offsets stay below _HOT + one frame
+            ring.send(3, bytes([i % 256]) * 5000)
+            kind, seq, start, end = ring.poll_frame()
+            assert ring.buffer[start:end] == bytes([i % 256]) * 5000 and start < _HOT + 5200
+        for lap in range(4):  # lagging by up to ~150 KB, across early wraps: all of it, in order
+            sent = [bytes([(lap + i) % 256]) * (1000 + 97 * i) for i in range(40)]
+            for m in sent:
+                ring.send(4, m)
+            assert [ring.poll()[2] for _ in sent] == sent
         assert ring.poll() is None
     finally:
         ring.close()
@@ -135,9 +155,12 @@ def test_typed_views_are_read_only_and_closing_under_them_is_safe():
     assert arr.tolist() == [0, 1, 2, 3]
 
 
-def test_a_full_ring_blocks_the_producer_until_the_consumer_catches_up():
-    ring = Ring.create(4096)
-    sent = [bytes([i]) * (100 + 31 * i) for i in range(40)]  # ~28 kB through 4 kB
+@pytest.mark.parametrize("capacity, sizes", [(4096, [100 + 31 * i for i in range(40)]),  # ~28 kB through 4 kB
+                                             (1 << 20, [9000 + 997 * i for i in range(120)])],  # 8 MB, early wraps
+                         ids=["small", "early-wraps"])
+def test_a_full_ring_blocks_the_producer_until_the_consumer_catches_up(capacity, sizes):
+    ring = Ring.create(capacity)
+    sent = [bytes([i % 256]) * n for i, n in enumerate(sizes)]
     producer = threading.Thread(target=lambda: [ring.send(9, m) for m in sent])
     try:
         producer.start()
