@@ -11,8 +11,10 @@ steps launched ahead, the next step is staged while the last one's copy may stil
 ``last`` holds each slot's last sampled token on the device: a token id of PLACEHOLDER (-1,
 "what this sequence sampled last step") is read from it inside the forward (and the graph),
 and ``keep_sampled`` writes a step's samples into it. So a step needs nothing back from the
-step before it: the host can launch step N+1 before step N's tokens reach it. A graph is captured per (padded token count, context bound): the decode
-kernel's split count depends on the bound, and each graph bakes in its launches. A batch pads
+step before it: the host can launch step N+1 before step N's tokens reach it.
+
+A graph is captured per (padded token count, context bound): the decode kernel's split
+count depends on the bound, and each graph bakes in its launches. A batch pads
 to the next captured size with tokens whose KV slot is -1: they store nothing, attend to
 nothing, choose no expert and are not counted. Every token of a graph attends as a query of
 its own (its context is its position + 1, read through its sequence's table row), so a step
