@@ -317,7 +317,7 @@ def time_decode(run: Run, rt: TorchRuntime, batch: int, ctx: int, first_req: int
                 host.append(res.host_s)
                 moe = res.expert_counts[cfg.first_k_dense_replace:]
                 touched.append(float((moe > 0).sum(-1).mean()))
-        ahead_ms = "" if graphs_off or temperature > 0 else launched_ahead_ms(rt, req_ids, ctx, warmup + steps, steps)
+        ahead_ms = "" if graphs_off else launched_ahead_ms(rt, req_ids, ctx, warmup + steps, steps)
         replay_ms = ""  # last: a step launched ahead is not timed right after a run of bare replays
         graph = None if graphs_off else rt.runner.graph_for(batch, ctx + warmup + steps)
         if graph is not None:
@@ -354,7 +354,7 @@ def launched_ahead_ms(rt: TorchRuntime, req_ids: np.ndarray, ctx: int, first: in
     for i in range(first, first + steps):
         started = rt.launch(decode_plan(i, req_ids, ctx + i, None))
         if started is None:
-            raise RuntimeError("the runtime did not launch a greedy decode step ahead")
+            raise RuntimeError("the runtime did not launch a decode step ahead")
         if pending is not None:
             rt.finish(pending)
         pending = started
