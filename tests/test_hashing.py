@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lockstep.policy import hashing
 from lockstep.policy.hashing import _PERIOD, BlockHasher, HashConfigError
 from lockstep.policy.request import RequestError
 
@@ -228,6 +229,25 @@ def test_long_prompt_paths_agree(block_size):
     for got, want in zip(h.hash_prompts(prompts), prompts):
         ref, ref_acc = h.hash_prompt(want)
         assert (got[0] == ref).all() and (got[1] == ref_acc).all()
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 64])
+def test_long_prompts_hash_in_two_halves_as_in_one(block_size, monkeypatch):
+    """Prompts of _PARALLEL_WORDS words and more hash their second half on a helper thread,
+    chained from zero and shifted after: the same hashes and accumulator as one pass, and a
+    bad id in either half is reported at its position in the whole prompt."""
+    n = 2 * 2 * hashing._PARALLEL_WORDS + 3 * 2 * _PERIOD + 5 * block_size + 7  # an odd split, a tail
+    h = BlockHasher(b"k", block_size)
+    toks = np.random.default_rng(block_size).integers(0, VOCAB, n, dtype=np.int32)
+    got = h.hash_prompt(toks, "s", vocab_size=VOCAB)
+    for where in (n // 4, n - 3 * block_size):  # the first half, the second
+        bad = toks.copy()
+        bad[where] = VOCAB
+        with pytest.raises(RequestError, match=rf"got {VOCAB} at position {where}"):
+            h.hash_prompt(bad, vocab_size=VOCAB)
+    monkeypatch.setattr(hashing, "_PARALLEL_WORDS", 1 << 62)
+    want = h.hash_prompt(toks, "s", vocab_size=VOCAB)
+    assert (got[0] == want[0]).all() and (got[1] == want[1]).all()
 
 
 def test_block_swap_across_key_periods_changes_later_hashes():
