@@ -34,8 +34,9 @@ prompt is mixed, folded, chained and finalized in reused buffers before the next
 about 15 numpy calls per 65K words and no Python loop per block, with admission's token-range
 check riding along (``hash_prompt(vocab_size=...)``); an 855K-token prompt takes about
 1.6 ms on one idle core here. Prompts of 512K tokens and more hash their two halves at once,
-the second on a helper thread (``_hash_halves``). The finalization is four passes over blocks, not fourteen: its
-multipliers are secret, so it needs no public avalanche mixer to hide (A, B).
+the second on a helper thread (``_hash_halves``). The finalization is four passes over
+blocks, not fourteen: its multipliers are secret, so it needs no public avalanche mixer to
+hide (A, B).
 Method "sha256" chains ``sha256(secret, parent, block)`` per block for users who want a
 cryptographic hash and can pay a Python loop per block.
 """
