@@ -18,9 +18,9 @@ waits for step N's tokens, which the device already holds. Options:
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
 block-scaled expert weights for fused MoE), ``fuse_shared`` (the shared experts inside the
-fused MoE launch; default on), ``launch_ahead`` (default on: see ``launch``), ``ep_dispatch`` (expert parallelism: ``padded``,
-the default on the fast path without a draft model, or ``exact``; see
-``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
+fused MoE launch; default on), ``launch_ahead`` (default on: see ``launch``),
+``ep_dispatch`` (expert parallelism: ``padded``, the default on the fast path without a
+draft model, or ``exact``; see ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
 size) as a CUDA graph, all-to-alls included; other steps use exact dispatch. Expert
 placement options (``eplb_min_stage_steps``, ``eplb_copy_all``): see ``_place_experts``.
