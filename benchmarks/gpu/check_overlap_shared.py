@@ -25,9 +25,7 @@ CTX, STEPS, BATCHES, TIMED = 1024, 4, (128, 256), (64, 128, 256)
 
 def one_runtime(overlap: bool, timings: dict) -> tuple[dict, dict]:
     per = -(-(CTX + STEPS + 2) // BS)
-    longest = CTX + 3 + 2 * 30 + 2  # time_decode's 3 warm-up and 30 timed steps, twice over
-    rt = runtime("v2-lite", "cuda", blocks=max(TIMED) * -(-longest // BS) + 8, max_seqs=max(TIMED),
-                 max_len=longest + BS,
+    rt = runtime("v2-lite", "cuda", blocks=max(BATCHES) * per + 8, max_seqs=max(BATCHES), max_len=CTX + 2 * BS,
                  fast=True, cuda_graphs="on", compile=True, overlap_shared=overlap, capture_len=CTX + STEPS + 2)
     try:
         torch.manual_seed(0)
