@@ -18,8 +18,7 @@ waits for step N's tokens, which the device already holds. Options:
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
 block-scaled expert weights for fused MoE), ``fuse_shared`` (the shared experts inside the
-fused MoE launch; default on), ``overlap_shared`` (larger steps' shared MLP on a side
-stream; default on), ``launch_ahead`` (default on: see ``launch``),
+fused MoE launch; default on), ``launch_ahead`` (default on: see ``launch``),
 ``ep_dispatch`` (expert parallelism: ``padded``, the default on the fast path without a
 draft model, or ``exact``; see ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
@@ -144,8 +143,7 @@ class TorchRuntime:
         cuda = self.device.type == "cuda"
         fast = FastDeepseek(self.model, fused_moe=bool(opts.get("fused_moe", self.placements is None)),
                             compile=bool(opts.get("compile", cuda)), moe_fp8=bool(opts.get("moe_fp8", False)),
-                            fuse_shared=bool(opts.get("fuse_shared", True)),
-                            overlap_shared=bool(opts.get("overlap_shared", True)))
+                            fuse_shared=bool(opts.get("fuse_shared", True)))
         if self.world > 1 and "ep_dispatch" not in opts and not opts.get("draft_model"):
             self.ep_padded = True  # the fast path's default
         # Exact expert dispatch syncs the host inside every MoE layer: no graphs there.
@@ -195,8 +193,7 @@ class TorchRuntime:
             fast = FastDeepseek(draft, fused_moe=target.use_fused_moe if own_layers else True,
                                 compile=bool(opts.get("compile", self.device.type == "cuda")),
                                 moe_fp8=target.moe_fp8 if own_layers else False,
-                                fuse_shared=target.fuse_shared if own_layers else bool(opts.get("fuse_shared", True)),
-                                overlap_shared=target.overlap_shared)
+                                fuse_shared=target.fuse_shared if own_layers else bool(opts.get("fuse_shared", True)))
             # A draft pass feeds one or two tokens a request (two after a fully accepted step).
             return self._make_runner(fast, kv, spec, self.runner.mode, max_tokens=2 * spec.max_num_seqs,
                                      tables=self.runner.tables)

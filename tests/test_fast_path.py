@@ -152,25 +152,6 @@ def test_shared_experts_fused_as_expert_slots_are_the_shared_mlp():
     assert torch.equal(counts_after, counts_before)  # the shared slots are not routed experts
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a side stream exists on CUDA only")
-def test_shared_mlp_on_a_side_stream_gives_the_same_logits():
-    """overlap_shared: steps beyond FUSE_SHARED_MAX_TOKENS run the shared MLP on a side
-    stream; the kernels are the same, so the logits are too, bit for bit (graphs captured
-    with it: benchmarks/gpu/check_overlap_shared.py on the H200)."""
-    model = load_model("tiny", dtype=torch.bfloat16, device=DEV, seed=0,
-                       overrides={**SMALL, "n_shared_experts": 2})
-    rng = np.random.default_rng(2)
-    new = [rng.integers(3, 500, n).tolist() for n in (40, 50)]  # 90 tokens: past the fused limit
-    b = ForwardBatch.build(new, [0, 0], [[0, 1, 2, 3], [4, 5, 6, 7]], BS, device=DEV)
-    b = dataclasses.replace(b, sample_index=torch.arange(len(b.input_ids), device=DEV))
-    plain = FastDeepseek(model, overlap_shared=False)
-    side = FastDeepseek(model)
-    assert side.overlap_shared and not plain.overlap_shared
-    want, counts = plain(b, model.make_kv_cache(8, BS))
-    got, got_counts = side(b, model.make_kv_cache(8, BS))
-    assert torch.equal(got, want) and torch.equal(got_counts, counts)
-
-
 def test_fp8_experts_stay_close_to_bf16():
     """moe_fp8: the routed experts read as e4m3 with 128x128 block scales (W8A16)."""
     model = tiny(torch.bfloat16)

@@ -29,10 +29,6 @@ forward, so a decode forward can be captured as a CUDA graph.
   shared MLP's three launches per layer and streams its weights at the fused kernel's rate
   (the routed experts' storage moves into the larger tensor, the model's parameters
   re-pointed at it; only the shared weights, ~35 MB a layer in v2-lite, exist twice).
-  Larger steps run the shared MLP through cuBLAS, and with ``overlap_shared`` (CUDA; default
-  on) on a side stream, forked after the post-attention norm and joined before the sum, so
-  its small GEMMs fill the SMs the router, the alignment and the fused MoE's tails leave idle
-  (a fork and a join are CUDA events: they are captured in the graph like any launch).
 - The small elementwise steps between GEMMs (norms, rope, SiLU·mul) are pure functions
   shared with the reference model, optionally ``torch.compile``d (once for every layer:
   weights are arguments) so a step launches a few hundred kernels, not thousands. The router
@@ -270,7 +266,7 @@ def _stored_entries(cache, slots: torch.Tensor, dl: int, dtype) -> tuple[torch.T
 
 class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False,
-                 fuse_shared: bool = True, overlap_shared: bool = True):
+                 fuse_shared: bool = True):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
         from lockstep.kernels.dense import linear
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
@@ -301,9 +297,6 @@ class FastDeepseek:
                     fuse_shared_experts(lw)
         self.first_moe = self.cfg.first_k_dense_replace
         self.len_cap = 1 << 30
-        dev = next(model.parameters()).device
-        self._side = torch.cuda.Stream(dev) if overlap_shared and dev.type == "cuda" else None
-        self.overlap_shared = self._side is not None
 
     # -- the reference model's interface, for callers holding a ForwardBatch ----------------
     def __call__(self, batch: ForwardBatch, kv: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,24 +330,12 @@ class FastDeepseek:
                 x, h = ops.add_norm(x, down, nxt, eps)
                 continue
             fuse = self.fuse_shared and lw.with_shared is not None and h.shape[0] <= FUSE_SHARED_MAX_TOKENS
+            routed = self._routed(h, lw, step, chosen, fuse)
             if lw.gate_up is None or fuse:
-                x, h = ops.add_norm(x, self._routed(h, lw, step, chosen, fuse), nxt, eps)
-                continue
-            side = self._side
-            if side is None:
-                routed = self._routed(h, lw, step, chosen)
+                x, h = ops.add_norm(x, routed, nxt, eps)
+            else:
                 shared = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
-            else:  # the shared MLP beside the routed experts (see the module docstring)
-                main = torch.cuda.current_stream(h.device)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    shared = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
-                routed = self._routed(h, lw, step, chosen)
-                main.wait_stream(side)
-                # ``shared`` is made on the side stream and freed after this stream's sum reads
-                # it; the side stream's next allocation comes after its next wait on this
-                # stream, so no record_stream is needed (nor ``h``'s, read there before the join).
-            x, h = ops.add2_norm(x, routed, shared, nxt, eps)
+                x, h = ops.add2_norm(x, routed, shared, nxt, eps)
         if inp.sample_index is not None:
             h = h[inp.sample_index]
         logits = self._linear(h, self.model.lm_head.weight).float()
