@@ -242,6 +242,26 @@ def moe_candidates(committed: dict, batch: int, per_expert: float, fp8: bool, sm
     return out
 
 
+def moe_part_candidates(best: dict, part: str, fp8: bool, smoke: bool) -> list[dict]:
+    """``best`` with one GEMM's tiles (``part``: "up" or "down") varied: the up GEMM reads
+    N = 2I rows of K = H, the down GEMM N = H rows of K = I, so one tile rarely suits both
+    (at 256 tokens v2-lite's layer went from 308 to 300 us so, 2026-11-30)."""
+    if smoke:
+        return [best]
+    out = [best]
+    for bn in (32, 64, 128, 256):
+        for bk in (64, 128):
+            for w, st in ((4, 3), (4, 4), (4, 5), (8, 4)):
+                if fp8 and bn > 128:
+                    continue
+                if (best["BLOCK_M"] * bk + bn * bk) * 2 * st > 220_000:  # shared memory
+                    continue
+                cfg = {**best, part: {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}}
+                if cfg != best:
+                    out.append(cfg)
+    return out
+
+
 def bench_moe(b: Bench, bw: float) -> None:
     e, h, inter, k = (64, 2048, 1408, 6) if not b.smoke else (8, 256, 128, 2)
     batches = (1, 8, 64, 256) if not b.smoke else (1, 8)
@@ -270,10 +290,13 @@ def bench_moe(b: Bench, bw: float) -> None:
                 wa, wb = (q13, q2) if fp8 else (w13, w2)
                 sc = {"w_gate_up_scale": s13, "w_down_scale": s2} if fp8 else {}
                 ref = moe_mod.fused_moe_reference(x, wa, wb, weights, ids, **sc)
+                tune = lambda c: moe_mod.fused_moe(x, wa, wb, weights, ids, config=c, **sc)  # noqa: E731
                 cfg, _ = b.autotune(f"fused_moe.MOE_CONFIGS[{key}]",
                                     moe_candidates(moe_mod.moe_config(e, h, inter, fp8, t, k),
-                                                   t, t * k / e, fp8, b.smoke),
-                                    lambda c: moe_mod.fused_moe(x, wa, wb, weights, ids, config=c, **sc))
+                                                   t, t * k / e, fp8, b.smoke), tune)
+                for part in ("down", "up"):  # then each GEMM's tiles apart, BLOCK_M kept
+                    cfg, _ = b.autotune(f"fused_moe.MOE_CONFIGS[{key}] ({part} apart)",
+                                        moe_part_candidates(cfg, part, fp8, b.smoke), tune)
                 run = lambda: moe_mod.fused_moe(x, wa, wb, weights, ids, config=cfg, **sc)  # noqa: E731
                 check = b.check(name, run(), ref)
                 elt = 1 if fp8 else 2
