@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="triton is installed on x86_64 only (see py
 
 from lockstep.kernels import _util  # noqa: E402
 from lockstep.kernels.fused_moe import (  # noqa: E402
-    fused_moe, fused_moe_reference, moe_align, moe_align_reference, quantize_fp8_blockwise)
+    ALIGN_KERNEL_MAX_PAIRS, fused_moe, fused_moe_reference, moe_align, moe_align_reference, quantize_fp8_blockwise)
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
 from lockstep.kernels.mla_prefill import mla_prefill, mla_prefill_reference  # noqa: E402
@@ -192,6 +192,24 @@ def test_moe_align_matches_torch(block_m, t, e, k):
     assert int(got[2]) == total
     assert torch.equal(got[0][:total], want[0][:total])
     assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.skipif(not CUDA, reason="host-device syncs exist on CUDA only")
+def test_moe_align_for_large_prefills_makes_the_host_wait_for_nothing():
+    """Beyond ALIGN_KERNEL_MAX_PAIRS pairs the alignment runs as torch ops: none may read a
+    device value back (torch.bincount does), or every MoE layer of a large prefill would
+    stall the host."""
+    ids = torch.rand(2048, 64, generator=gen(6), device=DEV).topk(6, dim=-1).indices
+    assert ids.numel() > ALIGN_KERNEL_MAX_PAIRS
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = moe_align(ids, 64, 32)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = moe_align_reference(ids.cpu(), 64, 32)
+    total = int(want[2])
+    assert int(got[2]) == total and torch.equal(got[0][:total].cpu(), want[0][:total])
 
 
 @pytest.mark.parametrize("fp8", [False, True])
