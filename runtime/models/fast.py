@@ -231,6 +231,7 @@ class _Step:
             self.dec_lens = lens
         if plan.n_pf:
             self.pf_tables = inp.tables.index_select(0, plan.pf_rows)
+        self.prefix = None  # kernels.mla_prefill.prefix_chunks, made by the first layer
         self._shared: dict = {}
 
     def shared_choice(self, t: int, e: int, s: int, ids_dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,11 +273,12 @@ class FastDeepseek:
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
         from lockstep.kernels.kv_store import kv_store
         from lockstep.kernels.mla_decode import mla_decode
-        from lockstep.kernels.mla_prefill import mla_prefill
+        from lockstep.kernels.mla_prefill import mla_prefill, prefix_chunks
 
         self._kv_store, self._mla_decode = kv_store, mla_decode
         self._linear = linear  # the decode projections: tuned Triton tiles or cuBLAS, per shape
         self._mla_prefill, self._fused_moe = mla_prefill, fused_moe_kernel
+        self._prefix_chunks = prefix_chunks
         if model.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"the fast path runs bfloat16 or float16 models (the kernels' dtypes), not {model.dtype}")
         self.model, self.cfg, self.rope = model, model.cfg, model.rope
@@ -389,9 +391,11 @@ class FastDeepseek:
             # and every later step see them (unquantized keys move greedy tokens at near-ties).
             latent, k_pe = _stored_entries(cache, slots, latent.shape[1], latent.dtype)
         kv_new = F.linear(latent, lw.kv_b).view(latent.shape[0], heads, -1)
+        if step.prefix is None:  # where the cached prefixes lie: the same for every layer
+            step.prefix = self._prefix_chunks(step.pf_tables, plan.pf_prefix, cache[0].shape[1])
         return self._mla_prefill(torch.cat([q_nope, q_pe], dim=-1), kv_new[..., :dn], k_pe, kv_new[..., dn:],
                                  plan.pf_cu, plan.pf_max_new, plan.pf_prefix, cache[0], step.pf_tables,
-                                 lw.kv_b, cfg.softmax_scale, cache[1])
+                                 lw.kv_b, cfg.softmax_scale, cache[1], prefix=step.prefix)
 
     # -- experts ---------------------------------------------------------------------------------
     def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor], fuse: bool = False) -> torch.Tensor:
