@@ -19,10 +19,6 @@ Floats map to uint32 keys whose unsigned order is the float order (`_key`).
    With more than CAND candidates (heavy ties, -inf padding) or fewer than k (a misleading
    sample), the program does the same over tiles of the candidates or of the row, re-read per
    pass: slower, never wrong.
-   With {"FUSE_SELECT": True} (off by default; an experiment) there is no select launch: the
-   scan program that finishes a row last (a per-row counter, zeroed by the floor launch,
-   incremented with an acq_rel atomic) selects it, so early rows' selects overlap later rows'
-   scans. The select then runs with the scan's num_warps: 16 keep the CAND tile in registers.
 The earlier four-launch design (topk_threshold.py) stays as a fallback: for k > CAND / 2, or
 when a config says {"ALGO": "threshold"}.
 
@@ -44,15 +40,14 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # TILE: elements per scan step; SAMPLE: sampled keys per row (in PIECES runs); Z: the floor's
 # margin in standard deviations; BINS: histogram bins per row (4096: ~2.5 candidates a bin
 # at the k-th key of a Gaussian row of 128K); CAND: the select program's register tile (a
-# floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round;
-# FUSE_SELECT: select in the scan launch (see the module docstring).
+# floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round.
 TOPK_CONFIGS: dict[int, dict] = {
     1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 2, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
     64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
 }
 DEFAULT_CONFIG = {"ALGO": "select", "CHUNK": None, "PROGRAMS_PER_SM": 4, "TILE": 2048,
                   "num_warps": 4, "SAMPLE": 1024, "PIECES": 64, "Z": 6.0, "BINS": 4096,
-                  "CAND": 8192, "WAYS": 4, "select_warps": 16, "FUSE_SELECT": False}
+                  "CAND": 8192, "WAYS": 4, "select_warps": 16}
 ROW_BUCKETS = (1, 8, 64, 256)
 MAX_CHUNKS = 1024  # the select program's chunk-count vector
 WALK = 16  # a bin of at most this many keys is resolved by walking its distinct keys
@@ -126,14 +121,13 @@ def _compact(x, offs, m, floor, shift, ckey_ptr, cidx_ptr, hist_ptr, region, kep
 
 
 @triton.jit(do_not_specialize=["k"])
-def _topk_floor_kernel(x_ptr, hist_ptr, info_ptr, done_ptr, s_xr, n, k, SAMPLE: tl.constexpr,
+def _topk_floor_kernel(x_ptr, hist_ptr, info_ptr, s_xr, n, k, SAMPLE: tl.constexpr,
                        PIECES: tl.constexpr, Z: tl.constexpr, LOG_NB: tl.constexpr,
-                       ZERO: tl.constexpr, FUSE: tl.constexpr):
+                       ZERO: tl.constexpr):
     """One program a row: its floor and bin shift from the sample, into info, and its
     histogram zeroed (this launch replaces the histogram's memset). Every scan program of
     the row once derived the same floor itself: ncu counted that as 30% of the scan's
-    instructions at 64 rows of 128K. FUSE: also zero the row's counter of finished scan
-    programs (done), for _topk_scan_select_kernel."""
+    instructions at 64 rows of 128K."""
     row = tl.program_id(0).to(tl.int64)
     floor, shift = _sample_floor(x_ptr, row, s_xr, n, k, SAMPLE, PIECES, Z, LOG_NB)
     tl.store(info_ptr + row * 2, floor.to(tl.int32, bitcast=True))
@@ -141,8 +135,6 @@ def _topk_floor_kernel(x_ptr, hist_ptr, info_ptr, done_ptr, s_xr, n, k, SAMPLE: 
     hist = hist_ptr + row * (1 << LOG_NB)
     for z0 in tl.static_range(0, 1 << LOG_NB, ZERO):
         tl.store(hist + z0 + tl.arange(0, ZERO), tl.zeros([ZERO], tl.int32))
-    if FUSE:
-        tl.store(done_ptr + row, 0)
 
 
 @triton.jit(do_not_specialize=["n_chunks"])
@@ -176,7 +168,7 @@ def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_
 
 @triton.jit
 def _region_tile(ckey_ptr, cidx_ptr, cnt, row, n, chunk, n_chunks, LOG_C: tl.constexpr,
-                 CAND: tl.constexpr, CACHE: tl.constexpr):
+                 CAND: tl.constexpr):
     """(key, index, live) [CAND] of every chunk's region read as a [chunks, CAND / chunks]
     tile, flattened in index order; valid when no chunk kept more than CAND / chunks. Reads
     past a region's count (the buffers are padded by CAND) and masks afterwards, so the loads
@@ -186,15 +178,15 @@ def _region_tile(ckey_ptr, cidx_ptr, cnt, row, n, chunk, n_chunks, LOG_C: tl.con
     live = j[None, :] < cnt[:, None]
     src = row * n + c[:, None].to(tl.int64) * chunk + j[None, :]
     real = (c < n_chunks)[:, None]  # constant along a row: the loads stay vectors
-    key = tl.where(live, tl.load(ckey_ptr + src, mask=real, other=0, cache_modifier=CACHE),
-                   0).to(tl.uint32, bitcast=True)
-    idx = tl.load(cidx_ptr + src, mask=real, other=0, cache_modifier=CACHE)
+    key = tl.where(live, tl.load(ckey_ptr + src, mask=real, other=0), 0).to(tl.uint32,
+                                                                           bitcast=True)
+    idx = tl.load(cidx_ptr + src, mask=real, other=0)
     return tl.reshape(key, [CAND]), tl.reshape(idx, [CAND]), tl.reshape(live, [CAND])
 
 
 @triton.jit
 def _candidates(q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl, excl, row, s_xr, n, total, chunk,
-                LOG_C: tl.constexpr, CACHE: tl.constexpr):
+                LOG_C: tl.constexpr):
     """(key, index, live) at dense candidate positions q, in index order: the row's own
     elements when from_row, else the chunk regions, found by a binary search of q in the
     inclusive chunk counts `incl` (`excl`: the exclusive ones)."""
@@ -209,9 +201,8 @@ def _candidates(q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl, excl, row, s_xr, n
             ahead = tl.gather(incl, ch + ((1 << (LOG_C - 1 - s)) - 1), 0) <= q
             ch = tl.where(ahead, ch + (1 << (LOG_C - 1 - s)), ch)
         src = row * n + ch.to(tl.int64) * chunk + (q - tl.gather(excl, ch, 0))
-        key = tl.load(ckey_ptr + src, mask=live, other=0,
-                      cache_modifier=CACHE).to(tl.uint32, bitcast=True)
-        idx = tl.load(cidx_ptr + src, mask=live, other=0, cache_modifier=CACHE)
+        key = tl.load(ckey_ptr + src, mask=live, other=0).to(tl.uint32, bitcast=True)
+        idx = tl.load(cidx_ptr + src, mask=live, other=0)
     return key, idx, live
 
 
@@ -309,17 +300,14 @@ def _emit(key, idx, live, kth, need, n_eq, written, ties, val_ptr, ind_ptr, row,
     return written + tl.sum(sel.to(tl.int32), 0), ties + tl.sum(eq.to(tl.int32), 0)
 
 
-@triton.jit
-def _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr_ptr, val_ptr,
-                ind_ptr, s_xr, n, k, chunk, n_chunks, LOG_C: tl.constexpr, LOG_NB: tl.constexpr,
-                CAND: tl.constexpr, WALK: tl.constexpr, SMALL: tl.constexpr,
-                WAYS: tl.constexpr, CACHE: tl.constexpr):
-    """Select row's k largest from its scanned candidates (the select program's body). CACHE:
-    the cache modifier of the loads of what the scan wrote (".cg" when the scan ran in the same
-    launch: read from L2, never from a stale L1 line)."""
+@triton.jit(do_not_specialize=["k", "n_chunks"])
+def _topk_select_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr_ptr,
+                        val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks,
+                        LOG_C: tl.constexpr, LOG_NB: tl.constexpr, CAND: tl.constexpr,
+                        WALK: tl.constexpr, SMALL: tl.constexpr, WAYS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     cs = tl.arange(0, 1 << LOG_C)
-    cnt = tl.load(cnt_ptr + row * n_chunks + cs, mask=cs < n_chunks, other=0,
-                  cache_modifier=CACHE)
+    cnt = tl.load(cnt_ptr + row * n_chunks + cs, mask=cs < n_chunks, other=0)
     incl = tl.cumsum(cnt, 0)
     excl = incl - cnt
     total = tl.sum(cnt, 0)
@@ -327,7 +315,7 @@ def _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr
     shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
     # The bin holding the k-th largest key: `best`, with c_hi keys above it and m_bin in it.
     b = tl.arange(0, 1 << LOG_NB)
-    hist = tl.load(hist_ptr + row * (1 << LOG_NB) + b, cache_modifier=CACHE)
+    hist = tl.load(hist_ptr + row * (1 << LOG_NB) + b)
     at_least = tl.sum(hist, 0) - _prefix(hist, 1 << LOG_NB) + hist  # keys in bins >= b
     best = tl.max(tl.where(at_least >= k, b, 0), 0)
     m_bin = tl.sum(tl.where(b == best, hist, 0), 0)
@@ -337,10 +325,10 @@ def _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr
     if (total >= k) & (total <= CAND):  # the candidates fit in registers: one read
         if tl.max(cnt, 0) <= (CAND >> LOG_C):  # as a [chunks, CAND / chunks] tile
             key, idx, live = _region_tile(ckey_ptr, cidx_ptr, cnt, row, n, chunk, n_chunks,
-                                          LOG_C, CAND, CACHE)
+                                          LOG_C, CAND)
         else:  # one chunk holds most of them (a sorted row): search each position's chunk
             key, idx, live = _candidates(q, False, x_ptr, ckey_ptr, cidx_ptr, incl, excl, row,
-                                         s_xr, n, total, chunk, LOG_C, CACHE)
+                                         s_xr, n, total, chunk, LOG_C)
         in_bin = live & (tl.minimum((key - floor) >> shift, (1 << LOG_NB) - 1) == best)
         kth, c_hi, n_eq = _resolve(key, live, in_bin, m_bin, c_hi, k, WALK, WAYS)
         _emit(key, idx, live, kth.to(tl.uint32), k - c_hi, n_eq, 0, 0, val_ptr, ind_ptr, row,
@@ -358,7 +346,7 @@ def _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr
             stashed = 0
             for q0 in range(0, size, CAND):
                 key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl,
-                                             excl, row, s_xr, n, total, chunk, LOG_C, CACHE)
+                                             excl, row, s_xr, n, total, chunk, LOG_C)
                 kk = key.to(tl.int64)
                 stashed = _stash(key, live & (kk >= lo_key) & (kk < hi_key), scr, stashed, CAND)
             tl.debug_barrier()
@@ -369,7 +357,7 @@ def _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr
             hi = tl.full([], 0, tl.int64)
             for q0 in range(0, size, CAND):
                 key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl,
-                                             excl, row, s_xr, n, total, chunk, LOG_C, CACHE)
+                                             excl, row, s_xr, n, total, chunk, LOG_C)
                 kk = key.to(tl.int64)
                 in_range = live & (kk >= lo_key) & (kk < hi_key)
                 lo = tl.minimum(lo, tl.min(tl.where(in_range, key, 0xFFFFFFFF), 0).to(tl.int64))
@@ -379,7 +367,7 @@ def _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr
                 counts = tl.zeros([WAYS], tl.int32)
                 for q0 in range(0, size, CAND):
                     key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr,
-                                                 incl, excl, row, s_xr, n, total, chunk, LOG_C, CACHE)
+                                                 incl, excl, row, s_xr, n, total, chunk, LOG_C)
                     counts += _count_ge(key, live, t)
                 lo, hi, c_hi = _narrow(t, counts, lo, hi, c_hi, k, WAYS)
             kth = lo
@@ -387,59 +375,10 @@ def _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr
         ties = 0
         for q0 in range(0, size, CAND):
             key, idx, live = _candidates(q0 + q, from_row, x_ptr, ckey_ptr, cidx_ptr, incl, excl,
-                                         row, s_xr, n, total, chunk, LOG_C, CACHE)
+                                         row, s_xr, n, total, chunk, LOG_C)
             written, ties = _emit(key, idx, live, kth.to(tl.uint32), k - c_hi, n, written, ties,
                                   val_ptr, ind_ptr, row, k, CAND)
 
-
-
-@triton.jit(do_not_specialize=["k", "n_chunks"])
-def _topk_select_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr_ptr,
-                        val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks,
-                        LOG_C: tl.constexpr, LOG_NB: tl.constexpr, CAND: tl.constexpr,
-                        WALK: tl.constexpr, SMALL: tl.constexpr, WAYS: tl.constexpr):
-    _select_row(tl.program_id(0).to(tl.int64), x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr,
-                info_ptr, scr_ptr, val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks, LOG_C, LOG_NB,
-                CAND, WALK, SMALL, WAYS, "")
-
-
-@triton.jit(do_not_specialize=["k", "n_chunks"])
-def _topk_scan_select_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, done_ptr,
-                             scr_ptr, val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks,
-                             TILE: tl.constexpr, LOG_C: tl.constexpr, LOG_NB: tl.constexpr,
-                             CAND: tl.constexpr, WALK: tl.constexpr, SMALL: tl.constexpr,
-                             WAYS: tl.constexpr):
-    """The scan and the select in one launch ({"FUSE_SELECT": True}): each program scans its
-    chunk as _topk_scan_kernel does; the last of a row's programs to finish (by the row's
-    counter in done, zeroed by the floor launch) then selects the row, so a row's select runs
-    while later rows are still scanned. The barrier orders every thread's stores of the
-    chunk before the counter's increment, an acq_rel atomic at gpu scope (one thread's, as
-    in a grid sync); the selecting program reads the scan's output with .cg loads, from L2."""
-    c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    lo = c * chunk
-    hi = tl.minimum(lo + chunk, n)
-    region = row * n + lo
-    hist = hist_ptr + row * (1 << LOG_NB)
-    x_row = x_ptr + row * s_xr
-    offs = lo + tl.arange(0, TILE)
-    x = tl.load(x_row + offs, mask=offs < n, other=0.0)
-    floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
-    shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
-    kept = 0
-    for t0 in range(lo, hi, TILE):
-        offs = t0 + tl.arange(0, TILE)
-        ahead = offs + TILE
-        x_next = tl.load(x_row + ahead, mask=(ahead < n) & (t0 + TILE < hi), other=0.0)
-        kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region, kept,
-                        LOG_NB, TILE)
-        x = x_next
-    tl.store(cnt_ptr + row * n_chunks + c, kept)
-    tl.debug_barrier()  # every thread's stores and histogram atomics, before the release
-    finished = tl.atomic_add(done_ptr + row, 1, sem="acq_rel", scope="gpu")
-    if finished == n_chunks - 1:  # the row's other programs are done: select it
-        _select_row(row, x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr_ptr,
-                    val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks, LOG_C, LOG_NB, CAND, WALK,
-                    SMALL, WAYS, ".cg")
 
 def topk(x: torch.Tensor, k: int, *, config: dict | None = None
          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,11 +406,9 @@ def topk(x: torch.Tensor, k: int, *, config: dict | None = None
     return vals, inds
 
 
-def _scan(x: torch.Tensor, k: int, cfg: dict, out: tuple | None = None) -> tuple:
-    """Launch the scan: (chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist). With
-    out = (vals, inds) and cfg["FUSE_SELECT"], the scan launch also selects into them."""
+def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
+    """Launch the scan: (chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist)."""
     r, n = x.shape
-    fuse = out is not None and bool(cfg.get("FUSE_SELECT"))
     tile = max(16, min(cfg["TILE"], next_pow2(n)))  # whole runs of 16 (see _prefix)
     chunk = cfg["CHUNK"] or triton.cdiv(r * n, cfg["PROGRAMS_PER_SM"] * sm_count(x.device))
     # at most MAX_CHUNKS chunks, and rows of >= 16 in the select program's [chunks, ...] tile
@@ -480,24 +417,15 @@ def _scan(x: torch.Tensor, k: int, cfg: dict, out: tuple | None = None) -> tuple
     n_chunks = triton.cdiv(n, chunk)
     # The regions are padded by CAND: the select program reads whole [chunks, CAND / chunks] tiles.
     log_nb = (cfg["BINS"] - 1).bit_length()
-    sizes = [r * n_chunks, r * 2, r * SMALL, r * n + cfg["CAND"], r * n + cfg["CAND"], r << log_nb]
-    cnt, info, scr, ckey, cidx, hist, *rest = carve(sizes + [r] * fuse, x.device)
-    done = rest[0] if fuse else hist  # (unused unless fused)
+    cnt, info, scr, ckey, cidx, hist = carve([r * n_chunks, r * 2, r * SMALL, r * n + cfg["CAND"],
+                                              r * n + cfg["CAND"], r << log_nb], x.device)
     sample = max(32, min(cfg["SAMPLE"], next_pow2(n)))
-    _topk_floor_kernel[(r,)](x, hist, info, done, x.stride(0), n, k, SAMPLE=sample,
+    _topk_floor_kernel[(r,)](x, hist, info, x.stride(0), n, k, SAMPLE=sample,
                              PIECES=min(cfg["PIECES"], sample), Z=cfg["Z"], LOG_NB=log_nb,
-                             ZERO=min(1024, 1 << log_nb), FUSE=fuse, num_warps=4)
-    if fuse:
-        vals, inds = out
-        _topk_scan_select_kernel[(n_chunks, r)](
-            x, cnt, ckey, cidx, hist, info, done, scr, vals, inds, x.stride(0), n, k, chunk,
-            n_chunks, TILE=tile, LOG_C=(next_pow2(n_chunks) - 1).bit_length(), LOG_NB=log_nb,
-            CAND=cfg["CAND"], WALK=WALK, SMALL=SMALL, WAYS=cfg["WAYS"],
-            num_warps=cfg["num_warps"])
-    else:
-        _topk_scan_kernel[(n_chunks, r)](x, cnt, ckey, cidx, hist, info, x.stride(0), n, chunk,
-                                         n_chunks, TILE=tile, LOG_NB=log_nb,
-                                         num_warps=cfg["num_warps"])
+                             ZERO=min(1024, 1 << log_nb), num_warps=4)
+    _topk_scan_kernel[(n_chunks, r)](x, cnt, ckey, cidx, hist, info, x.stride(0), n, chunk,
+                                     n_chunks, TILE=tile, LOG_NB=log_nb,
+                                     num_warps=cfg["num_warps"])
     return chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist
 
 
@@ -522,9 +450,6 @@ def select_paths(x: torch.Tensor, k: int, config: dict | None = None) -> dict:
 def _topk_select(x: torch.Tensor, k: int, cfg: dict, vals: torch.Tensor,
                  inds: torch.Tensor) -> None:
     r, n = x.shape
-    if cfg.get("FUSE_SELECT"):  # the last scan program of each row selects it
-        _scan(x, k, cfg, (vals, inds))
-        return
     chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist = _scan(x, k, cfg)
     _topk_select_kernel[(r,)](x, cnt, ckey, cidx, hist, info, scr, vals, inds, x.stride(0), n, k,
                               chunk, n_chunks, LOG_C=(next_pow2(n_chunks) - 1).bit_length(),

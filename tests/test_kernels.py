@@ -251,13 +251,6 @@ def test_fused_moe_rejects_bad_arguments():
 TINY_TOPK = {"CHUNK": 128, "TILE": 64, "SAMPLE": 64, "PIECES": 8, "BINS": 256, "CAND": 512,
              "select_warps": 4, "FINISH_TILE": 256}
 TINY_THRESHOLD = {"ALGO": "threshold", "CHUNK": 256, "TILE": 128, "SAMPLE": 64, "FINISH_TILE": 256}
-# The select done by each row's last scan program, in the scan's launch (its warps: on CUDA,
-# enough for the select's register tile).
-FUSED = {"FUSE_SELECT": True, **({"num_warps": 16} if CUDA else {})}
-
-
-def _fused(cfg, fuse):
-    return {**(cfg or {}), **FUSED} if fuse else cfg
 
 
 def _assert_topk(x, k, config=None):
@@ -287,19 +280,17 @@ def _hard_rows(g, n: int, sample: int, pieces: int) -> torch.Tensor:
     return rows
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_topk_random_rows_match_torch(fuse):
+def test_topk_random_rows_match_torch():
     g = gen(8)
     r, n, k = (6, 20000, 700) if CUDA else (3, 1000, 50)
     x = torch.randn(r, n, generator=g, device=DEV)
-    vals, idx = _assert_topk(x, k, _fused(None if CUDA else TINY_TOPK, fuse))
+    vals, idx = _assert_topk(x, k, None if CUDA else TINY_TOPK)
     want = torch.topk(x, k, dim=1).indices.sort(dim=1).values
     assert torch.equal(idx.long(), want)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("cand, rows", [(512, 9), (1024, 2)])
-def test_topk_select_hard_rows(cand, rows, fuse):
+def test_topk_select_hard_rows(cand, rows):
     """Every way through the select program: candidates in registers as a chunk tile or by
     search (sorted rows), the k-th key's bin walked or bisected (ties, clusters), and the
     tiled path for too many candidates (ties) or too few (a misleading sample); with the
@@ -310,21 +301,7 @@ def test_topk_select_hard_rows(cand, rows, fuse):
     cfg = {} if CUDA else {**TINY_TOPK, "CAND": cand}
     full = {**topk_config(9), **cfg}
     x = _hard_rows(gen(9), n, min(full["SAMPLE"], n), full["PIECES"])
-    _assert_topk(x[:rows], k, _fused(cfg or None, fuse))
-
-
-@pytest.mark.parametrize("chunk", [64, 1024])
-def test_topk_fused_many_rows(chunk):
-    """Many rows, each of many scan programs (or one): every row's last program selects it,
-    and a second call (the buffers' counters zeroed again by the floor launch) agrees."""
-    r, n, k = (70, 30000, 2048) if CUDA else (21, 900, 40)
-    x = torch.randn(r, n, generator=gen(12), device=DEV)
-    x[::5] = x[::5].round()  # ties
-    x[1::7, n // 2:] = float("-inf")
-    cfg = FUSED if CUDA else {**TINY_TOPK, **FUSED, "CHUNK": chunk}
-    first = _assert_topk(x, k, cfg)
-    second = _assert_topk(x, k, cfg)
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    _assert_topk(x[:rows], k, cfg or None)
 
 
 def test_topk_threshold_path_hard_rows():
@@ -334,39 +311,21 @@ def test_topk_threshold_path_hard_rows():
     _assert_topk(_hard_rows(gen(9), n, sample, 16)[:6], k, cfg)
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_topk_bf16_whole_row_and_single(fuse):
+def test_topk_bf16_whole_row_and_single():
     g = gen(10)
-    cfg = _fused(None if CUDA else TINY_TOPK, fuse)
+    cfg = None if CUDA else TINY_TOPK
     _assert_topk(randn(2, 777, g=g), 777, cfg)  # (interpreter: k > CAND / 2, the threshold path)
     _assert_topk(randn(2, 777, g=g), 200, cfg)
     _assert_topk(torch.randn(1, 300, generator=g, device=DEV), 1, cfg)
 
 
 @NEEDS_CUDA
-@pytest.mark.parametrize("algo", ["select", "threshold", "fused"])
+@pytest.mark.parametrize("algo", ["select", "threshold"])
 @pytest.mark.parametrize("rows", [1, 64])
 def test_topk_indexer_shape(rows, algo):
     x = torch.randn(rows, 131072, generator=gen(11), device=DEV)
-    _, idx = _assert_topk(x, 2048, FUSED if algo == "fused" else {"ALGO": algo})
+    _, idx = _assert_topk(x, 2048, {"ALGO": algo})
     assert torch.equal(idx.long(), torch.topk(x, 2048, dim=1).indices.sort(dim=1).values)
-
-
-@NEEDS_CUDA
-def test_topk_fused_graph_replays():
-    """The per-row counters are zeroed in the graph (by the floor launch): replays agree."""
-    x = torch.randn(64, 131072, generator=gen(13), device=DEV)
-    ref = topk_reference(x, 2048)
-    topk(x, 2048, config=FUSED)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        vals, idx = topk(x, 2048, config=FUSED)
-    for seed in (14, 15):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(idx, ref[1]) and torch.equal(vals, ref[0])
-        x.copy_(torch.randn(x.shape, generator=gen(seed), device=DEV))
-        ref = topk_reference(x, 2048)
 
 
 def test_topk_rejects_bad_arguments():
