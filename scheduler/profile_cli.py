@@ -110,6 +110,11 @@ def run_profile(args) -> int:
     print(f"loaded in {time.monotonic() - started:.1f} s", flush=True)
     decode = _measure_decode(rt, args, timer, blocks, deadline, notes)
     prefill = _measure_prefill(rt, args, timer, vocab, pre_ctx, blocks, deadline, notes)
+    if rt.device.type == "cuda":  # eager prefill allocates: a full allocator retries (and syncs)
+        mem = torch.cuda.memory_stats(rt.device)
+        notes.append(f"allocator: {mem.get('num_alloc_retries', 0)} alloc retries, "
+                     f"{mem.get('reserved_bytes.all.peak', 0) / 1e9:.1f} GB peak reserved of "
+                     f"{torch.cuda.get_device_properties(rt.device).total_memory / 1e9:.1f} GB")
     rt.shutdown()
     profile = {
         "model": Path(args.model).name if Path(args.model).is_dir() else args.model,
