@@ -184,8 +184,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
     last one (a layer's view of the block-major pool); block_tables [B, max_blocks];
     w_kv_b [H * (DN + DV), DL], kv_b_proj's weight. At most `chunk_tokens` prefix tokens
     (over all sequences) are expanded at a time; ``prefix``: ``prefix_chunks`` of these tables
-    and lengths, made once for every layer (made here when None). Returns [T, H, DV] in q's
-    dtype."""
+    and lengths, made once for every layer (made here when None; given, it decides the chunks
+    and ``chunk_tokens`` is not read). Returns [T, H, DV] in q's dtype."""
     dev = q.device
     check(cache, "cache", dims=3, dtypes=(q.dtype, FP8), device=dev)
     check(block_tables, "block_tables", dims=2, dtypes=(torch.int32, torch.int64), device=dev)
@@ -205,6 +205,8 @@ def mla_prefill(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: to
                              causal=True, out=out, config=config)
     if prefix is None:
         prefix = prefix_chunks(block_tables, prefix_lens, cache.shape[1], chunk_tokens=chunk_tokens)
+    elif prefix and prefix[0][2].shape[0] != batch + 1:
+        raise ValueError(f"prefix: chunks made for {prefix[0][2].shape[0] - 1} sequences, this call has {batch}")
     for blk, off, cu_k in prefix:
         ent = cache[blk, off]
         ent = (ent.float() * scale[blk, off][:, None]).to(q.dtype) if scale is not None else ent.to(q.dtype)

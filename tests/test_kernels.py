@@ -210,6 +210,7 @@ def test_moe_align_for_large_prefills_makes_the_host_wait_for_nothing():
     want = moe_align_reference(ids.cpu(), 64, 32)
     total = int(want[2])
     assert int(got[2]) == total and torch.equal(got[0][:total].cpu(), want[0][:total])
+    assert torch.equal(got[1].cpu(), want[1])
 
 
 @pytest.mark.parametrize("fp8", [False, True])
