@@ -46,11 +46,13 @@ def _first_at(x, top, idx, NONE: tl.constexpr, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, s_logit, s_w, s_ids, scaling,
+def _moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, s_logit, s_w, s_ids, scaling, shared_first,
                       E: tl.constexpr, GS: tl.constexpr, TOP_K: tl.constexpr,
                       TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+    # SHARED > 0: columns TOP_K .. TOP_K + SHARED - 1 are every token's pick of the shared
+    # experts fused as slots shared_first.., with weight 1 (see models.fast's fuse_shared).
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     g, s = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_GS)
     expert = g[:, None] * GS + s[None, :]  # [BLOCK_G, BLOCK_GS]
@@ -93,10 +95,16 @@ def _moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, s_logit, s_w, s_i
         w = tl.where(kk[None, :] == j, score[:, None], w)
     if NORM:
         w = tl.div_rn(w, tl.sum(w, 1)[:, None] + 1e-20)
-    out = row_ok[:, None] & (kk[None, :] < TOP_K)
+    w = w * scaling
+    ids = ids.to(tl.int64)
+    if SHARED > 0:
+        extra = (kk[None, :] >= TOP_K) & (kk[None, :] < TOP_K + SHARED)
+        w = tl.where(extra, 1.0, w)
+        ids = tl.where(extra, (shared_first + kk - TOP_K).to(tl.int64)[None, :], ids)
+    out = row_ok[:, None] & (kk[None, :] < TOP_K + SHARED)
     r = rows.to(tl.int64)[:, None]
-    tl.store(w_ptr + r * s_w + kk[None, :], w * scaling, mask=out)
-    tl.store(ids_ptr + r * s_ids + kk[None, :], ids.to(tl.int64), mask=out)
+    tl.store(w_ptr + r * s_w + kk[None, :], w, mask=out)
+    tl.store(ids_ptr + r * s_ids + kk[None, :], ids, mask=out)
 
 
 @triton.jit
@@ -181,10 +189,14 @@ def _launch(t: int, block_e: int) -> tuple[int, int]:
 
 def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int,
               topk_group: int, norm_topk_prob: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+              scaling: float, shared: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
     """Route tokens from their router logits (T, E) float32 (x.float() @ W^T) and the
     correction bias (E,) float32: (weights (T, top_k) float32, ids (T, top_k) int64), ids in
-    descending order of biased score. Group-limited when topk_group < n_group."""
+    descending order of biased score. Group-limited when topk_group < n_group.
+
+    ``shared`` = (first, count): append ``count`` columns holding ids first.. and weight 1,
+    every token's pick of shared experts fused as expert slots (two concatenations fewer a
+    layer than adding them afterwards)."""
     check(logits, "logits", dims=2, dtypes=(torch.float32,))
     check(bias, "bias", dims=1, dtypes=(torch.float32,), device=logits.device)
     t, e = logits.shape
@@ -192,8 +204,12 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int
     why = moe_route_unsupported(e, top_k, n_group, topk_group)
     if why is not None:
         raise ValueError(why)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    first, count = shared
+    if count < 0 or (count and first < e):
+        raise ValueError(f"shared=(first, count) must name {count} slots at or after the {e} routed "
+                         f"experts, got first={first}")
+    weights = torch.empty(t, top_k + count, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k + count, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
     grouped = topk_group < n_group
@@ -203,9 +219,9 @@ def moe_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int
     block_t, warps = _launch(t, block_g * block_gs)
     _moe_route_kernel[(triton.cdiv(t, block_t),)](
         logits, bias, weights, ids, t, logits.stride(0), weights.stride(0), ids.stride(0),
-        float(scaling), E=e, GS=gs, TOP_K=top_k, TOPK_GROUP=topk_group, GROUPED=grouped,
+        float(scaling), first, E=e, GS=gs, TOP_K=top_k, TOPK_GROUP=topk_group, GROUPED=grouped,
         NORM=bool(norm_topk_prob), BLOCK_T=block_t, BLOCK_G=block_g, BLOCK_GS=block_gs,
-        BLOCK_K=next_pow2(top_k), num_warps=warps)
+        BLOCK_K=next_pow2(top_k + count), SHARED=count, num_warps=warps)
     return weights, ids
 
 

@@ -401,6 +401,24 @@ def test_moe_route_matches_model_route(case):
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("case", ROUTE_CASES[:2], ids=lambda c: f"e{c[0]}-k{c[1]}-g{c[2]}of{c[3]}")
+def test_moe_route_appends_the_shared_experts_columns(case):
+    """shared=(first, count): the routed columns unchanged, then ids first.. with weight 1,
+    what models.fast used to concatenate after the router."""
+    e, k, n_group, topk_group, norm, scaling = case
+    g = gen(14)
+    logits, bias = randn(7, e, g=g, dtype=torch.float32), randn(e, g=g, dtype=torch.float32, scale=0.1)
+    args = (k, n_group, topk_group, norm, scaling)
+    weights, ids = moe_route(logits, bias, *args)
+    w2, i2 = moe_route(logits, bias, *args, (e, 2))
+    assert i2.shape == (7, k + 2) and w2.is_contiguous() and i2.is_contiguous()
+    assert torch.equal(i2[:, :k], ids) and torch.equal(w2[:, :k], weights)
+    assert torch.equal(i2[:, k:], torch.tensor([[e, e + 1]] * 7, device=DEV))
+    assert torch.equal(w2[:, k:], torch.ones(7, 2, device=DEV))
+    with pytest.raises(ValueError, match="shared"):
+        moe_route(logits, bias, *args, (e - 1, 2))
+
+
 @pytest.mark.parametrize("t, e, h", [(1, 64, 2048), (5, 30, 100), (37, 64, 256)] if CUDA else
                          [(1, 64, 64), (5, 30, 40), (13, 20, 48)])
 def test_router_logits_are_the_float32_gemm(t, e, h):

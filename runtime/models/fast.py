@@ -33,7 +33,8 @@ forward, so a decode forward can be captured as a CUDA graph.
   shared with the reference model, optionally ``torch.compile``d (once for every layer:
   weights are arguments) so a step launches a few hundred kernels, not thousands. The router
   is two kernels (``kernels.router``: up to ROUTER_GEMM_MAX_TOKENS tokens the float32 logits
-  GEMM from bf16 activations, else cuBLAS's; then sigmoid, bias, group limit, top-k).
+  GEMM from bf16 activations, else cuBLAS's; then sigmoid, bias, group limit, top-k, and with
+  fuse_shared the shared experts' columns).
 
 Weights are not copied: projections that read the same input (q and kv_a; gate and up) are
 concatenated once and the model's own parameters re-pointed at views of the result, so the
@@ -403,18 +404,25 @@ class FastDeepseek:
         cfg, moe, ops = self.cfg, lw.moe, self.ops
         gate, k = moe.gate, cfg.num_experts_per_tok
         args = (k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        shared = (0, 0)  # with fuse, the shared experts' columns, made by the router kernel
         if ops.moe_route_unsupported(gate.weight.shape[0], k, cfg.n_group, cfg.topk_group) is None:
             if (h.shape[0] <= ROUTER_GEMM_MAX_TOKENS and gate.weight.dtype == torch.float32
                     and h.stride(-1) == 1 and gate.weight.stride(-1) == 1):
                 logits = ops.router_logits(h, gate.weight)
             else:
                 logits = F.linear(h.float(), gate.weight)
-            weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args)
+            if fuse:
+                e = lw.with_shared[2]
+                shared = (e, lw.with_shared[0].shape[0] - e)
+            weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args, shared)
         else:
             weights, ids = ops.route(h, gate.weight, gate.e_score_correction_bias, *args)
+        routed = ids[:, :k] if shared[1] else ids
         if step.valid is not None:  # padding tokens choose no expert: they cost no weight reads
-            ids = torch.where(step.valid[:, None], ids, cfg.n_routed_experts)
-        chosen.append(ids)
+            routed = torch.where(step.valid[:, None], routed, cfg.n_routed_experts)
+            if not shared[1]:
+                ids = routed
+        chosen.append(routed)
         if not self.use_fused_moe:  # expert parallelism: this rank's slots, all-to-alls
             if getattr(moe.experts, "dispatch", None) == "padded":
                 return moe.experts(h, weights, ids, local=self._fused_moe)
@@ -422,8 +430,9 @@ class FastDeepseek:
         if fuse:
             w13, w2, e = lw.with_shared
             n = w13.shape[0]
-            s_ids, s_w = step.shared_choice(h.shape[0], e, n - e, ids.dtype, h.device)
-            ids, weights = torch.cat([ids, s_ids], 1), torch.cat([weights.float(), s_w], 1)
+            if not shared[1]:  # the router's kernel did not take them: add them here
+                s_ids, s_w = step.shared_choice(h.shape[0], e, n - e, ids.dtype, h.device)
+                ids, weights = torch.cat([ids, s_ids], 1), torch.cat([weights.float(), s_w], 1)
             if step.valid is not None:  # padding: no expert at all, shared ones included
                 ids = torch.where(step.valid[:, None], ids, n)
             return self._fused_moe(h, w13, w2, weights, ids)
