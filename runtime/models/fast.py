@@ -69,6 +69,9 @@ FUSE_SHARED_MAX_TOKENS = 64
 # reduction); beyond, float32 tiles without tensor cores lose to cuBLAS (44 us a layer at
 # batch 256 through tl.dot's IEEE path, against ~10).
 ROUTER_GEMM_MAX_TOKENS = 8
+# With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
+# concatenations a layer add them, the form before; kept for A/B runs on the GPU).
+ROUTER_WRITES_SHARED = True
 
 
 def len_bucket(max_len: int, cap: int) -> int:
@@ -411,7 +414,7 @@ class FastDeepseek:
                 logits = ops.router_logits(h, gate.weight)
             else:
                 logits = F.linear(h.float(), gate.weight)
-            if fuse:
+            if fuse and ROUTER_WRITES_SHARED:
                 e = lw.with_shared[2]
                 shared = (e, lw.with_shared[0].shape[0] - e)
             weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args, shared)
