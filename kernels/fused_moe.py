@@ -140,6 +140,10 @@ def _moe_align_kernel(ids_ptr, n, sorted_ptr, blk_expert_ptr, total_ptr, max_blo
 
 # Above this every program's recount of all the ids outweighs torch's sort.
 ALIGN_KERNEL_MAX_PAIRS = 8192
+# Up to this many tokens the pairs run a block each in pair order, with no alignment launch.
+# A token's experts are distinct, so at one token no weight is read twice; at two, the
+# experts both tokens pick (the shared ones, at least) would be.
+PAIR_BLOCKS_MAX_TOKENS = 1
 
 
 def moe_align(topk_ids: torch.Tensor, experts: int, block_m: int
@@ -193,17 +197,23 @@ def moe_align_reference(topk_ids: torch.Tensor, experts: int, block_m: int
 
 # -- up: gate/up GEMM, SiLU·mul -------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["n_pairs", "top_k"])
+@triton.jit(do_not_specialize=["n_pairs", "top_k", "experts"])
 def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, total_ptr,
-                   n_pairs, top_k, inter, hidden,
+                   n_pairs, top_k, inter, hidden, experts,
                    s_xt, s_we, s_wn, s_se, s_sn, s_sk, s_at,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   QUANT: tl.constexpr, EVEN_K: tl.constexpr):
+                   QUANT: tl.constexpr, EVEN_K: tl.constexpr, PAIRS: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
-    flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PAIRS:  # a block per pair, in pair order: blk_expert_ptr is the ids themselves
+        e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+        if (e < 0) | (e >= experts):
+            return
+        flat = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, n_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+        flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = flat < n_pairs
     tok = (flat // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,17 +257,23 @@ def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, to
 
 # -- down: down GEMM times the routing weight ------------------------------------------------
 
-@triton.jit(do_not_specialize=["n_pairs"])
+@triton.jit(do_not_specialize=["n_pairs", "experts"])
 def _moe_down_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, topw_ptr, sorted_ptr, blk_expert_ptr,
-                     total_ptr, n_pairs, hidden, inter,
+                     total_ptr, n_pairs, hidden, inter, experts,
                      s_at, s_we, s_wn, s_se, s_sn, s_sk, s_yt,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     QUANT: tl.constexpr, EVEN_K: tl.constexpr):
+                     QUANT: tl.constexpr, EVEN_K: tl.constexpr, PAIRS: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
-    flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if PAIRS:  # as in the up kernel
+        e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+        if (e < 0) | (e >= experts):
+            return
+        flat = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, n_pairs)
+    else:
+        if pid_m * BLOCK_M >= tl.load(total_ptr):
+            return
+        e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
+        flat = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = flat < n_pairs
     rows = flat.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -336,43 +352,59 @@ def _check_moe(x, w13, w2, topk_weights, topk_ids, s13, s2) -> bool:
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
               w_gate_up_scale: torch.Tensor | None = None,
-              w_down_scale: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+              w_down_scale: torch.Tensor | None = None, config: dict | None = None,
+              reduce: bool = True) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     x [T, H] bf16/fp16; w_gate_up [E, 2I, H] and w_down [E, H, I] in x's dtype, or e4m3fn with
     w_*_scale [E, ceil(N/128), ceil(K/128)] float32 (N, K: the weight's last two dims);
-    topk_weights [T, k] float32; topk_ids [T, k] int32/int64. Returns [T, H] in x's dtype."""
+    topk_weights [T, k] float32; topk_ids [T, k] int32/int64. Returns [T, H] in x's dtype.
+
+    ``reduce=False`` returns the weighted terms [T, k, H] unsummed, for a caller that sums
+    them in its next step (one launch fewer): the rows of ids outside [0, E) are left
+    unwritten, so that sum must mask them (``moe_sum_reference``).
+
+    A single token's pairs (T = 1) run a block each, in pair order, with no alignment launch:
+    its experts are distinct, so no weight is read twice."""
     quant = _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
     t, h = x.shape
     e, inter = w_gate_up.shape[0], w_down.shape[2]
     k = topk_ids.shape[1]
-    out = torch.empty_like(x)
     if t == 0:
-        return out
+        return torch.empty_like(x) if reduce else x.new_empty(0, k, h)
     cfg = config or moe_config(e, h, inter, quant, t, k)
     bm, up, down = cfg["BLOCK_M"], cfg["up"], cfg["down"]
     if quant and (QBLOCK % up["BLOCK_K"] or QBLOCK % down["BLOCK_K"]):
         raise ValueError(f"FP8 weights need BLOCK_K dividing {QBLOCK}; config has "
                          f"{up['BLOCK_K']} / {down['BLOCK_K']}")
-    sorted_ids, blk_expert, total = moe_align(topk_ids, e, bm)
-    n_pairs, blocks = t * k, blk_expert.numel()
+    n_pairs = t * k
+    pairs = t <= PAIR_BLOCKS_MAX_TOKENS
+    if pairs:
+        sorted_ids = total = blk_expert = topk_ids  # the kernels read the ids as the block table
+        blocks = n_pairs
+    else:
+        sorted_ids, blk_expert, total = moe_align(topk_ids, e, bm)
+        blocks = blk_expert.numel()
     act = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, h, dtype=x.dtype, device=x.device)
     s13 = w_gate_up_scale if quant else topk_weights.view(1, 1, -1)  # unused pointer otherwise
     s2 = w_down_scale if quant else topk_weights.view(1, 1, -1)
     _moe_up_kernel[(blocks, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w_gate_up, s13, act, sorted_ids, blk_expert, total, n_pairs, k, inter, h,
+        x, w_gate_up, s13, act, sorted_ids, blk_expert, total, n_pairs, k, inter, h, e,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         s13.stride(0), s13.stride(1), s13.stride(2), act.stride(0),
         BLOCK_M=bm, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], QUANT=quant,
-        EVEN_K=h % up["BLOCK_K"] == 0, num_warps=up["num_warps"], num_stages=up["num_stages"])
+        EVEN_K=h % up["BLOCK_K"] == 0, PAIRS=pairs, num_warps=up["num_warps"], num_stages=up["num_stages"])
     _moe_down_kernel[(blocks, triton.cdiv(h, down["BLOCK_N"]))](
-        act, w_down, s2, y, topk_weights, sorted_ids, blk_expert, total, n_pairs, h, inter,
+        act, w_down, s2, y, topk_weights, sorted_ids, blk_expert, total, n_pairs, h, inter, e,
         act.stride(0), w_down.stride(0), w_down.stride(1),
         s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
         BLOCK_M=bm, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], QUANT=quant,
-        EVEN_K=inter % down["BLOCK_K"] == 0, num_warps=down["num_warps"],
+        EVEN_K=inter % down["BLOCK_K"] == 0, PAIRS=pairs, num_warps=down["num_warps"],
         num_stages=down["num_stages"])
+    if not reduce:
+        return y.view(t, k, h)
+    out = torch.empty_like(x)
     block = min(1024, next_pow2(h))
     _moe_sum_kernel[(t, triton.cdiv(h, block))](y, topk_ids, out, k, h, e, y.stride(0),
                                                 out.stride(0), BLOCK=block, num_warps=4)
@@ -380,6 +412,14 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
 
 # -- references --------------------------------------------------------------------------------
+
+def moe_sum_reference(y: torch.Tensor, topk_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """What the last launch of ``fused_moe`` does to its terms y [T, k, H]: their float32 sum
+    in y's dtype, rows of ids outside [0, experts) left out (``reduce=False`` leaves them
+    unwritten). Pure torch, for a caller's compiled step to fuse with what follows."""
+    ok = (topk_ids >= 0) & (topk_ids < experts)
+    return torch.where(ok[..., None], y.float(), 0.0).sum(1).to(y.dtype)
+
 
 def quantize_fp8_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] -> (e4m3fn [E, N, K], float32 scale [E, ceil(N/128), ceil(K/128)])."""

@@ -20,7 +20,8 @@ pytest.importorskip("triton", reason="triton is installed on x86_64 only (see py
 
 from lockstep.kernels import _util  # noqa: E402
 from lockstep.kernels.fused_moe import (  # noqa: E402
-    ALIGN_KERNEL_MAX_PAIRS, fused_moe, fused_moe_reference, moe_align, moe_align_reference, quantize_fp8_blockwise)
+    ALIGN_KERNEL_MAX_PAIRS, fused_moe, fused_moe_reference, moe_align, moe_align_reference, moe_sum_reference,
+    quantize_fp8_blockwise)
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
 from lockstep.kernels.mla_prefill import mla_prefill, mla_prefill_reference  # noqa: E402
@@ -226,6 +227,36 @@ def test_fused_moe_matches_reference(fp8):
     cfg = None if CUDA else TINY_MOE
     out = fused_moe(x, w13, w2, weights, ids, config=cfg, **scales)
     close(out, fused_moe_reference(x, w13, w2, weights, ids, **scales))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_moe_one_token_runs_a_block_per_pair(fp8):
+    """T = 1 takes no alignment: each pair's block in pair order, ids outside [0, E) skipped;
+    with reduce=False the unsummed terms, which moe_sum_reference sums as the kernel does."""
+    g = gen(8)
+    e, h, inter, k = (16, 512, 384, 8) if CUDA else (6, 256, 160, 3)
+    x, w13, w2, weights, ids = _moe_case(g, 1, e, h, inter, k)
+    ids[0, 1] = e  # a padding id: contributes nothing
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
+        scales = {"w_gate_up_scale": s13, "w_down_scale": s2}
+    cfg = None if CUDA else TINY_MOE
+    want = fused_moe_reference(x, w13, w2, weights, ids, **scales)
+    close(fused_moe(x, w13, w2, weights, ids, config=cfg, **scales), want)
+    terms = fused_moe(x, w13, w2, weights, ids, config=cfg, reduce=False, **scales)
+    assert terms.shape == (1, k, h)
+    close(moe_sum_reference(terms, ids, e), want)
+
+
+def test_fused_moe_unsummed_terms_sum_to_the_output():
+    x, w13, w2, weights, ids = _moe_case(gen(9), 5 if not CUDA else 70, 4 if not CUDA else 16,
+                                         256 if not CUDA else 512, 160 if not CUDA else 384, 2 if not CUDA else 6)
+    ids[2, 0] = -1
+    cfg = None if CUDA else TINY_MOE
+    out = fused_moe(x, w13, w2, weights, ids, config=cfg)
+    terms = fused_moe(x, w13, w2, weights, ids, config=cfg, reduce=False)
+    close(moe_sum_reference(terms, ids, w13.shape[0]), out)
 
 
 @NEEDS_CUDA

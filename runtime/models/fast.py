@@ -54,6 +54,7 @@ from .batch import ForwardBatch, to_device
 from .deepseek_v3 import FP8Cache, DeepseekV3, rms_norm, route
 from .fast_weights import LayerWeights, fuse_shared_experts, layer_weights
 from .rope import apply_rope
+from lockstep.kernels.fused_moe import moe_sum_reference
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ ROUTER_GEMM_MAX_TOKENS = 8
 # With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
 # concatenations a layer add them, the form before; kept for A/B runs on the GPU).
 ROUTER_WRITES_SHARED = True
+# The fused MoE's terms are summed inside the next add + norm step (False: by the kernel's own
+# sum launch, the form before; kept for A/B runs on the GPU).
+MOE_SUM_IN_NORM = True
 
 
 def len_bucket(max_len: int, cap: int) -> int:
@@ -92,6 +96,18 @@ def _add_norm(x, y, w, eps: float):
 
 def _add2_norm(x, y, z, w, eps: float):
     s = x + (y + z)  # the reference's order: routed + shared, then the residual
+    return s, rms_norm(s, w, eps)
+
+
+def _add_moe_norm(x, y, ids, experts: int, w, eps: float):
+    """``_add_norm`` of the fused MoE's unsummed terms y [T, k, H]: the kernel's last launch
+    (the sum over k) runs inside this step's."""
+    s = x + moe_sum_reference(y, ids, experts)
+    return s, rms_norm(s, w, eps)
+
+
+def _add2_moe_norm(x, y, ids, experts: int, z, w, eps: float):
+    s = x + (moe_sum_reference(y, ids, experts) + z)
     return s, rms_norm(s, w, eps)
 
 
@@ -142,6 +158,8 @@ class FastOps:
         self.norm = _Op(rms_norm, compile)
         self.add_norm = _Op(_add_norm, compile)
         self.add2_norm = _Op(_add2_norm, compile)
+        self.add_moe_norm = _Op(_add_moe_norm, compile)
+        self.add2_moe_norm = _Op(_add2_moe_norm, compile)
         self.mla_prep = _Op(_mla_prep, compile)
         self.silu_mul = _Op(_silu_mul, compile)
         # The router after its GEMM runs as one kernel (compiled, `route`'s torch.topk alone
@@ -337,10 +355,17 @@ class FastDeepseek:
                 continue
             fuse = self.fuse_shared and lw.with_shared is not None and h.shape[0] <= FUSE_SHARED_MAX_TOKENS
             routed = self._routed(h, lw, step, chosen, fuse)
-            if lw.gate_up is None or fuse:
+            shared = None if lw.gate_up is None or fuse else \
+                self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
+            if isinstance(routed, tuple) and routed[0].dim() == 2:  # summed by the kernel (A/B)
+                routed = routed[0]
+            if isinstance(routed, tuple):  # the fused MoE's terms, summed in the next step
+                y, ids, n = routed
+                x, h = ops.add_moe_norm(x, y, ids, n, nxt, eps) if shared is None else \
+                    ops.add2_moe_norm(x, y, ids, n, shared, nxt, eps)
+            elif shared is None:
                 x, h = ops.add_norm(x, routed, nxt, eps)
             else:
-                shared = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
                 x, h = ops.add2_norm(x, routed, shared, nxt, eps)
         if inp.sample_index is not None:
             h = h[inp.sample_index]
@@ -402,8 +427,10 @@ class FastDeepseek:
                                  lw.kv_b, cfg.softmax_scale, cache[1], prefix=step.prefix)
 
     # -- experts ---------------------------------------------------------------------------------
-    def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor], fuse: bool = False) -> torch.Tensor:
-        """The routed experts' output; ``fuse``: the shared experts' added in (``with_shared``)."""
+    def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor], fuse: bool = False):
+        """The routed experts' output, or with the fused MoE its unsummed terms (y [T, k, H],
+        ids, experts) for the next step to sum; ``fuse``: the shared experts' added in
+        (``with_shared``)."""
         cfg, moe, ops = self.cfg, lw.moe, self.ops
         gate, k = moe.gate, cfg.num_experts_per_tok
         args = (k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
@@ -438,11 +465,14 @@ class FastDeepseek:
                 ids, weights = torch.cat([ids, s_ids], 1), torch.cat([weights.float(), s_w], 1)
             if step.valid is not None:  # padding: no expert at all, shared ones included
                 ids = torch.where(step.valid[:, None], ids, n)
-            return self._fused_moe(h, w13, w2, weights, ids)
+            return self._fused_moe(h, w13, w2, weights, ids, reduce=not MOE_SUM_IN_NORM), ids, n
         if self.moe_fp8:
             w13, s13, w2, s2 = lw.fp8
-            return self._fused_moe(h, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2)
-        return self._fused_moe(h, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids)
+            return self._fused_moe(h, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2,
+                                   reduce=not MOE_SUM_IN_NORM), ids, w13.shape[0]
+        w13 = moe.experts.gate_up_proj
+        return self._fused_moe(h, w13, moe.experts.down_proj, weights, ids,
+                               reduce=not MOE_SUM_IN_NORM), ids, w13.shape[0]
 
     def _counts(self, chosen: list[torch.Tensor], t: int, device) -> torch.Tensor:
         """Tokens per (layer, expert), in a few launches for all layers at once."""
