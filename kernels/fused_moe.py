@@ -416,9 +416,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 def moe_sum_reference(y: torch.Tensor, topk_ids: torch.Tensor, experts: int) -> torch.Tensor:
     """What the last launch of ``fused_moe`` does to its terms y [T, k, H]: their float32 sum
     in y's dtype, rows of ids outside [0, experts) left out (``reduce=False`` leaves them
-    unwritten). Pure torch, for a caller's compiled step to fuse with what follows."""
+    unwritten). Pure torch, for a caller's compiled step to fuse with what follows: the k
+    terms are added one by one, in the kernel's order, as elementwise ops (a ``.sum(1)``
+    would be a reduction of its own, which the compiler launches apart from a following
+    norm's)."""
     ok = (topk_ids >= 0) & (topk_ids < experts)
-    return torch.where(ok[..., None], y.float(), 0.0).sum(1).to(y.dtype)
+    acc = torch.where(ok[:, 0, None], y[:, 0].float(), 0.0)
+    for j in range(1, y.shape[1]):
+        acc = acc + torch.where(ok[:, j, None], y[:, j].float(), 0.0)
+    return acc.to(y.dtype)
 
 
 def quantize_fp8_blockwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
