@@ -73,9 +73,12 @@ ROUTER_GEMM_MAX_TOKENS = 8
 # With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
 # concatenations a layer add them, the form before; kept for A/B runs on the GPU).
 ROUTER_WRITES_SHARED = True
-# The fused MoE's terms are summed inside the next add + norm step (False: by the kernel's own
-# sum launch, the form before; kept for A/B runs on the GPU).
-MOE_SUM_IN_NORM = True
+# Up to this many tokens the fused MoE's terms are summed inside the next add + norm step, one
+# launch fewer a layer: on the H200 v2-lite's step went 2.55 -> 2.48 ms at batch 1, 6.43 ->
+# 6.36 at 8, 10.07 -> 9.99 at 64, but 12.48 -> 12.61 at 256, where the norm's looped
+# reduction reads the k terms twice (raw/2026-11-30-h200-session11-moe-sum-ab.txt). 0: the
+# kernel's own sum launch everywhere.
+MOE_SUM_IN_NORM_MAX_TOKENS = 64
 
 
 def len_bucket(max_len: int, cap: int) -> int:
@@ -465,14 +468,14 @@ class FastDeepseek:
                 ids, weights = torch.cat([ids, s_ids], 1), torch.cat([weights.float(), s_w], 1)
             if step.valid is not None:  # padding: no expert at all, shared ones included
                 ids = torch.where(step.valid[:, None], ids, n)
-            return self._fused_moe(h, w13, w2, weights, ids, reduce=not MOE_SUM_IN_NORM), ids, n
+            return self._fused_moe(h, w13, w2, weights, ids, reduce=h.shape[0] > MOE_SUM_IN_NORM_MAX_TOKENS), ids, n
         if self.moe_fp8:
             w13, s13, w2, s2 = lw.fp8
             return self._fused_moe(h, w13, w2, weights, ids, w_gate_up_scale=s13, w_down_scale=s2,
-                                   reduce=not MOE_SUM_IN_NORM), ids, w13.shape[0]
+                                   reduce=h.shape[0] > MOE_SUM_IN_NORM_MAX_TOKENS), ids, w13.shape[0]
         w13 = moe.experts.gate_up_proj
         return self._fused_moe(h, w13, moe.experts.down_proj, weights, ids,
-                               reduce=not MOE_SUM_IN_NORM), ids, w13.shape[0]
+                               reduce=h.shape[0] > MOE_SUM_IN_NORM_MAX_TOKENS), ids, w13.shape[0]
 
     def _counts(self, chosen: list[torch.Tensor], t: int, device) -> torch.Tensor:
         """Tokens per (layer, expert), in a few launches for all layers at once."""
