@@ -78,13 +78,27 @@ DENSE_CONFIGS: dict[tuple, dict] = {
 }
 
 
+# Tuned on an H200: (B, K, N) -> gemv config for B products of one row by [K, N] each (the
+# absorbed MLA's per-head matrices at one decoding token); shapes not in it go to torch.bmm.
+BMM_ROW_CONFIGS: dict[tuple, dict] = {}
+
+
+def bmm_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [B, K] times w [B, K, N] -> [B, N]: ``gemv`` where BMM_ROW_CONFIGS has the shape
+    (and the dtype is bfloat16), else torch.bmm."""
+    cfg = BMM_ROW_CONFIGS.get(tuple(w.shape))
+    if cfg is None or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return torch.bmm(x[:, None], w)[:, 0]
+    return gemv(x, w, cfg)
+
+
 def dense_config(n: int, k: int, rows: int) -> dict | None:
     """The tuned config for y [rows, n] = x @ W [n, k]^T, or None: cuBLAS."""
     if rows > MAX_ROWS:
         return None
     bucket = min(b for b in ROW_BUCKETS if b >= rows)
     cfg = DENSE_CONFIGS.get((n, k, bucket))
-    if cfg is None or cfg.get("BACKEND") == "cublas":
+    if cfg is None or cfg.get("BACKEND") == "cublas" or (cfg.get("BACKEND") == "gemv" and rows != 1):
         return None
     return cfg
 
@@ -116,12 +130,71 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, s_xm, s_wn, s_ym,
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
+# -- one row: matrix-vector products ------------------------------------------------------------
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, s_xb, s_wb, s_wk, s_wn, s_yb,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    # y[b, n] = sum_k x[b, k] * w[b, k, n]. Program (n tile, b): BLOCK_N outputs, all of K,
+    # float32 FMAs (a tensor-core tile would be 15/16 padding rows). The weight's strides are
+    # runtime values; Triton specialises the unit one, so loads vectorize along it whether
+    # w is [N, K] row-major (a projection, through w.T) or [K, N] (a head's absorbed matrix).
+    pid_n, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    nm = offs_n < N
+    x_ptrs = x_ptr + b * s_xb + offs_k
+    w_ptrs = w_ptr + b * s_wb + offs_k[:, None] * s_wk + offs_n[None, :].to(tl.int64) * s_wn
+    acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN:
+            xv = tl.load(x_ptrs)
+            wv = tl.load(w_ptrs)
+        else:
+            km = (k0 + offs_k) < K
+            xv = tl.load(x_ptrs, mask=km, other=0.0)
+            wv = tl.load(w_ptrs, mask=km[:, None] & nm[None, :], other=0.0)
+        acc += xv.to(tl.float32)[:, None] * wv.to(tl.float32)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * s_wk
+    tl.store(y_ptr + b * s_yb + offs_n, tl.sum(acc, 0).to(y_ptr.dtype.element_ty), mask=nm)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, config: dict) -> torch.Tensor:
+    """x [B, K] times w [B, K, N] (any strides; one unit stride reads fastest) -> [B, N] in
+    x's dtype, float32 sums: B matrix-vector products in one launch, as ``torch.bmm`` of
+    [B, 1, K] by [B, K, N] computes them. ``config``: BLOCK_N, BLOCK_K, num_warps,
+    num_stages (tuned per shape by benchmarks/gpu/bench_kernels.py)."""
+    check(x, "x", dims=2, dtypes=(torch.bfloat16, torch.float16))
+    check(w, "w", dims=3, dtypes=(x.dtype,), device=x.device, last_contiguous=False)
+    b, k = x.shape
+    n = w.shape[2]
+    check_shape(w, "w", (b, k, n))
+    y = torch.empty(b, n, dtype=x.dtype, device=x.device)
+    if b == 0 or n == 0:
+        return y
+    bn, bk = config["BLOCK_N"], config["BLOCK_K"]
+    _gemv_kernel[(triton.cdiv(n, bn), b)](
+        x, w, y, n, k, x.stride(0), w.stride(0), w.stride(1), w.stride(2), y.stride(0),
+        BLOCK_N=bn, BLOCK_K=bk, EVEN=k % bk == 0 and n % bn == 0,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return y
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T -> [M, N] in x's dtype: the tuned kernel where the table (or
-    ``config``) names one, else F.linear."""
+    ``config``) names one, else F.linear. A config with "BACKEND": "gemv" (one row) runs
+    ``gemv``."""
     cfg = config if config is not None else dense_config(w.shape[0], w.shape[1], x.shape[0])
     if cfg is None or cfg.get("BACKEND") == "cublas" or x.dtype != torch.bfloat16:
         return F.linear(x, w)  # (the tiles were tuned, and multiply, in bfloat16)
+    if cfg.get("BACKEND") == "gemv" and x.shape[0] == 1:
+        check(x, "x", dims=2, dtypes=(torch.bfloat16,))
+        check(w, "w", dims=2, dtypes=(x.dtype,), device=x.device)
+        check_shape(w, "w", (None, x.shape[1]))
+        return gemv(x, w.t()[None], cfg)
+    if cfg.get("BACKEND") == "gemv":
+        return F.linear(x, w)
     check(x, "x", dims=2, dtypes=(torch.bfloat16,))
     check(w, "w", dims=2, dtypes=(x.dtype,), device=x.device)
     m, k = x.shape

@@ -152,6 +152,30 @@ def test_shared_experts_fused_as_expert_slots_are_the_shared_mlp():
     assert torch.equal(counts_after, counts_before)  # the shared slots are not routed experts
 
 
+def test_one_token_decode_through_per_head_matrix_vector_products(monkeypatch):
+    """At one decoding token the absorbed heads' products run as ``gemv`` where the table has
+    their shapes: the step's logits match torch.bmm's, up to bf16 sums."""
+    from lockstep.kernels import dense
+
+    model = tiny(torch.bfloat16)
+    cfg = model.cfg
+    fast = FastDeepseek(model)
+    kv = model.make_kv_cache(8, BS)
+    fast(ForwardBatch.build([[5, 9, 11, 4]], [0], [[0, 1]], BS, device=DEV), kv)
+    step = ForwardBatch.build([[7]], [4], [[0, 1]], BS, device=DEV)
+    before, _ = fast(step, kv)
+    tile = {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    h, dn, dl, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    monkeypatch.setitem(dense.BMM_ROW_CONFIGS, (h, dn, dl), tile)
+    monkeypatch.setitem(dense.BMM_ROW_CONFIGS, (h, dl, dv), tile)
+    calls, gemv = [], dense.gemv
+    monkeypatch.setattr(dense, "gemv", lambda x, w, c: calls.append(tuple(w.shape)) or gemv(x, w, c))
+    after, _ = fast(step, kv)
+    assert sorted(set(calls)) == sorted({(h, dn, dl), (h, dl, dv)})
+    rows = (after - before).abs().amax(-1) / before.abs().amax(-1)
+    assert rows.max() < 0.02 and torch.equal(after.argmax(-1), before.argmax(-1))
+
+
 def test_fp8_experts_stay_close_to_bf16():
     """moe_fp8: the routed experts read as e4m3 with 128x128 block scales (W8A16)."""
     model = tiny(torch.bfloat16)

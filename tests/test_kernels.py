@@ -497,7 +497,8 @@ def test_moe_route_rejects_bad_arguments():
 
 # -- dense decode projections ---------------------------------------------------------------------
 
-from lockstep.kernels.dense import dense_config, linear  # noqa: E402
+from lockstep.kernels import dense  # noqa: E402
+from lockstep.kernels.dense import bmm_row, dense_config, gemv, linear  # noqa: E402
 
 DENSE_TILES = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
                {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}]
@@ -520,6 +521,38 @@ def test_dense_linear_falls_back_to_cublas():
     assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
     assert torch.equal(linear(x, w, config={"BACKEND": "cublas"}), torch.nn.functional.linear(x, w))
     assert dense_config(40, 64, 300) is None  # past the decode sizes
+
+
+GEMV_TILES = [{"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2},
+              {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}]
+
+
+@pytest.mark.parametrize("tile", range(len(GEMV_TILES)))
+def test_gemv_one_row_projection_and_per_head_products(tile):
+    """gemv through a projection's transpose (k unit-stride) and per-head [K, N] matrices
+    (n unit-stride), sizes off the tiles' multiples, against float32 torch."""
+    g, cfg = gen(20), GEMV_TILES[tile]
+    n, k = (300, 200) if not CUDA else (3648, 2048)
+    x, w = randn(1, k, g=g), randn(n, k, g=g, scale=0.05)
+    out = linear(x, w, config={"BACKEND": "gemv", **cfg})
+    assert out.shape == (1, n) and out.dtype == x.dtype
+    close(out, x.float() @ w.float().T)
+    heads, kk, nn = (3, 40, 72) if not CUDA else (16, 128, 512)
+    q = randn(heads, 1, kk + 8, g=g)[:, 0, :kk]  # strided rows, as a head's slice of q
+    m = randn(heads, kk, nn, g=g, scale=0.1)
+    close(gemv(q, m, cfg), torch.bmm(q.float()[:, None], m.float())[:, 0])
+
+
+def test_bmm_row_uses_the_table_or_torch(monkeypatch):
+    g = gen(21)
+    q, m = randn(3, 40, g=g), randn(3, 40, 72, g=g, scale=0.1)
+    want = torch.bmm(q[:, None], m)[:, 0]
+    assert torch.equal(bmm_row(q, m), want)  # not in the table
+    monkeypatch.setitem(dense.BMM_ROW_CONFIGS, (3, 40, 72), GEMV_TILES[0])
+    close(bmm_row(q, m), q.float()[:, None].bmm(m.float())[:, 0])
+    # a gemv entry serves one row only: more rows go to F.linear
+    x, w = randn(3, 64, g=g), randn(40, 64, g=g)
+    assert torch.equal(linear(x, w, config={"BACKEND": "gemv", **GEMV_TILES[0]}), torch.nn.functional.linear(x, w))
 
 
 def test_dense_linear_rejects_bad_arguments():

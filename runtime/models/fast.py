@@ -294,7 +294,7 @@ class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False,
                  fuse_shared: bool = True):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
-        from lockstep.kernels.dense import linear
+        from lockstep.kernels.dense import bmm_row, linear
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
         from lockstep.kernels.kv_store import kv_store
         from lockstep.kernels.mla_decode import mla_decode
@@ -302,6 +302,7 @@ class FastDeepseek:
 
         self._kv_store, self._mla_decode = kv_store, mla_decode
         self._linear = linear  # the decode projections: tuned Triton tiles or cuBLAS, per shape
+        self._bmm_row = bmm_row  # the absorbed heads' products at one token: the same, per shape
         self._mla_prefill, self._fused_moe = mla_prefill, fused_moe_kernel
         self._prefix_chunks = prefix_chunks
         if model.dtype not in (torch.bfloat16, torch.float16):
@@ -407,9 +408,15 @@ class FastDeepseek:
     def _decode(self, q_nope, q_pe, lw: LayerWeights, cache, plan: AttnPlan, step: _Step) -> torch.Tensor:
         """Absorbed MLA: (T, H, dv) values for tokens attending per token. ``cache``: this
         layer's (entries, scales or None), as every cache argument here."""
-        q_latent = torch.bmm(q_nope.transpose(0, 1), lw.w_uk).transpose(0, 1)  # (T, H, dl)
+        one = q_nope.shape[0] == 1  # a token: per-head matrix-vector products (tuned shapes)
+        if one:
+            q_latent = self._bmm_row(q_nope[0], lw.w_uk)[None]
+        else:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), lw.w_uk).transpose(0, 1)  # (T, H, dl)
         o = self._mla_decode(q_latent, q_pe, cache[0], step.dec_tables, step.dec_lens, self.cfg.softmax_scale,
                              cache[1], max_seq_len=plan.dec_len_bound)
+        if one:
+            return self._bmm_row(o[0], lw.w_uv)[None]
         out = o.new_empty(o.shape[0], o.shape[1], lw.w_uv.shape[2])
         torch.bmm(o.transpose(0, 1), lw.w_uv, out=out.transpose(0, 1))  # cuBLAS writes (T, H, dv) in place
         return out
