@@ -26,14 +26,17 @@ MAX_ROWS = 256  # above this a projection is a real GEMM: cuBLAS
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (N, K, row bucket) -> config.
 DENSE_CONFIGS: dict[tuple, dict] = {
-    (3648, 2048, 1): {'BACKEND': 'cublas'},
+    # one row: gemv (2026-11-30, session 11; 8 weight copies cycled, graph replays): w_in
+    # 6.81 -> 6.10 us, o_proj 6.25 -> 4.92 us; v2-lite's batch-1 step, with the heads'
+    # products below, 2.43 -> 2.34 ms (raw/2026-11-30-h200-session11-gemv-tune.txt)
+    (3648, 2048, 1): {'BACKEND': 'gemv', 'BLOCK_N': 8, 'BLOCK_K': 512, 'num_warps': 8, 'num_stages': 4},
     (3648, 2048, 8): {'BACKEND': 'cublas'},
     (3648, 2048, 16): {'BACKEND': 'cublas'},
     (3648, 2048, 32): {'BACKEND': 'cublas'},
     (3648, 2048, 64): {'BACKEND': 'cublas'},
     (3648, 2048, 128): {'BACKEND': 'cublas'},
     (3648, 2048, 256): {'BACKEND': 'cublas'},
-    (2048, 2048, 1): {'BACKEND': 'cublas'},
+    (2048, 2048, 1): {'BACKEND': 'gemv', 'BLOCK_N': 8, 'BLOCK_K': 512, 'num_warps': 8, 'num_stages': 4},
     (2048, 2048, 8): {'BACKEND': 'cublas'},
     (2048, 2048, 16): {'BACKEND': 'cublas'},
     (2048, 2048, 32): {'BACKEND': 'cublas'},
@@ -80,7 +83,11 @@ DENSE_CONFIGS: dict[tuple, dict] = {
 
 # Tuned on an H200: (B, K, N) -> gemv config for B products of one row by [K, N] each (the
 # absorbed MLA's per-head matrices at one decoding token); shapes not in it go to torch.bmm.
-BMM_ROW_CONFIGS: dict[tuple, dict] = {}
+# (2026-11-30, session 11: W_UK 3.37 -> 2.94 us, W_UV 3.66 -> 2.99 us against torch.bmm.)
+BMM_ROW_CONFIGS: dict[tuple, dict] = {
+    (16, 128, 512): {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 4},
+    (16, 512, 128): {'BLOCK_N': 16, 'BLOCK_K': 512, 'num_warps': 4, 'num_stages': 4},
+}
 
 
 def bmm_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
