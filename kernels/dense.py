@@ -94,7 +94,12 @@ def bmm_row(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [B, K] times w [B, K, N] -> [B, N]: ``gemv`` where BMM_ROW_CONFIGS has the shape
     (and the dtype is bfloat16), else torch.bmm."""
     cfg = BMM_ROW_CONFIGS.get(tuple(w.shape))
-    if cfg is None or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+    return bmm_row_with(x, w, cfg)
+
+
+def bmm_row_with(x: torch.Tensor, w: torch.Tensor, cfg: dict | None) -> torch.Tensor:
+    """``bmm_row`` with a given table entry (None or {"BACKEND": "torch"}: torch.bmm)."""
+    if cfg is None or cfg.get("BACKEND") == "torch" or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         return torch.bmm(x[:, None], w)[:, 0]
     return gemv(x, w, cfg)
 

@@ -490,7 +490,10 @@ def dense_candidates(rows: int, smoke: bool) -> list[dict]:
     """cuBLAS first (the table's default), then tiles of the Triton kernel."""
     out = [{"BACKEND": "cublas"}]
     if smoke:
-        return out + [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}]
+        gemv = [{"BACKEND": "gemv", "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}] if rows == 1 else []
+        return out + gemv + [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}]
+    if rows == 1:  # one row: the matrix-vector kernel too
+        out += [{"BACKEND": "gemv", **c} for c in gemv_candidates()]
     bms = [min(64, max(16, 1 << (rows - 1).bit_length()))] + ([128] if rows >= 128 else [])
     for bm in bms:
         for bn in (16, 32, 64, 128):
@@ -498,6 +501,41 @@ def dense_candidates(rows: int, smoke: bool) -> list[dict]:
                 for stages in (3, 4):
                     out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": stages})
     return out
+
+
+def gemv_candidates() -> list[dict]:
+    """Tiles of ``dense.gemv``: the session-11 sweep's winners and their neighbours."""
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 4}
+            for bn in (8, 16, 32) for bk in (128, 256, 512) for w in (4, 8)]
+
+
+# The absorbed MLA's per-head matrices (heads, K, N): W_UK and W_UV of v2-lite.
+HEAD_SHAPES = ((16, 128, 512), (16, 512, 128))
+
+
+def bench_heads(b: Bench, bw: float) -> None:
+    """One decoding token's per-head products (``dense.bmm_row``): torch.bmm or gemv tiles,
+    the faster in BMM_ROW_CONFIGS; timed as bench_dense times projections."""
+    g = torch.Generator(device=b.dev).manual_seed(6)
+    for h, k, n in HEAD_SHAPES if not b.smoke else ((3, 40, 72),):
+        name = f"heads H={h} K={k} N={n}"
+        try:
+            copies = 1 if b.smoke else max(1, -(-(96 << 20) // (2 * h * k * n)))
+            ws = [(torch.randn(h, k, n, generator=g, device=b.dev) * 0.05).to(torch.bfloat16) for _ in range(copies)]
+            x = torch.randn(h, k + 64, generator=g, device=b.dev).to(torch.bfloat16)[:, :k]  # strided, as q's slice
+            cands = [{"BACKEND": "torch"}] + (gemv_candidates() if not b.smoke else
+                                              [{"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}])
+            cfg, _ = b.autotune(f"dense.BMM_ROW_CONFIGS[{(h, k, n)}]", cands,
+                                lambda c: [dense_mod.bmm_row_with(x, w, c) for w in ws])
+            check = b.check(name, dense_mod.bmm_row_with(x, ws[0], cfg), torch.bmm(x.float()[:, None], ws[0].float())[:, 0])
+            us = b.graph_us(lambda: [dense_mod.bmm_row_with(x, w, cfg) for w in ws]) / len(ws)
+            base_us = b.graph_us(lambda: [torch.bmm(x[:, None], w) for w in ws]) / len(ws)
+            nbytes = 2 * h * k * n
+            b.row("dense", name, us=us, baseline="torch.bmm", baseline_us=base_us, speedup=base_us / us,
+                  bytes_mb=nbytes / 1e6, frac_roofline=1e6 * nbytes / bw / us, check=check, note=f"config {cfg}")
+        except Exception:  # noqa: BLE001
+            b.errors[name] = traceback.format_exc()[-1500:]
+            print(b.errors[name], flush=True)
 
 
 def bench_dense(b: Bench, bw: float) -> None:
@@ -660,7 +698,7 @@ def main() -> None:
         b.errors["copy"] = traceback.format_exc()[-1500:]
         bw = 4.19e12
     for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("topk", lambda: bench_topk(b, bw)),
-                    ("decode", lambda: bench_decode(b, bw)), ("dense", lambda: bench_dense(b, bw)),
+                    ("decode", lambda: bench_decode(b, bw)), ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
                     ("kv", lambda: bench_kv_store(b, bw)),
                     ("prefill", lambda: bench_prefill(b))):
         if only and sec not in only:
