@@ -43,29 +43,10 @@ def sample(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top
     return out.to(torch.int32).cpu().numpy()
 
 
-# Rows at most this many are argmaxed in two stages (below); a chunk of the vocabulary each.
-ARGMAX_SPLIT_MAX_ROWS = 8
-ARGMAX_CHUNK = 1024
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(dim=-1)`` of logits (S, V): the first index of each row's largest value
-    (NaN counting as largest, as there). For a few long rows in two stages, each chunk's
-    first maximum then the first chunk holding the row's: torch's argmax reduces one row in
-    one block of threads, 23 us for v2-lite's 102,400 logits on the H200, a 1% of its
-    batch-1 step spent on one SM."""
-    s, v = x.shape
-    if s > ARGMAX_SPLIT_MAX_ROWS or v % ARGMAX_CHUNK or v < 4 * ARGMAX_CHUNK or not x.is_contiguous():
-        return x.argmax(dim=-1)
-    top, at = x.view(s, v // ARGMAX_CHUNK, ARGMAX_CHUNK).max(dim=-1)  # first maximum of each chunk
-    chunk = top.argmax(dim=-1, keepdim=True)
-    return (at.gather(1, chunk) + chunk * ARGMAX_CHUNK)[:, 0]
-
-
 def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
                      seeds: np.ndarray, positions: np.ndarray, gen: torch.Generator) -> torch.Tensor:
     """One token per row of ``logits`` (S, V), as an int64 tensor on logits' device."""
-    out = argmax_rows(logits)
+    out = logits.argmax(dim=-1)
     rand = np.flatnonzero(temperature > 0)
     if not len(rand):
         return out

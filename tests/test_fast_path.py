@@ -381,25 +381,6 @@ def test_speculation_on_the_fast_path_replays_verify_and_draft_passes_as_graphs(
     assert spec.spec.draft_passes > 0
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
-def test_argmax_rows_is_argmax_first_maximum_included(rows):
-    """The two-stage argmax of a few long rows picks torch's index: ties within a chunk and
-    across chunks go to the first, an all-equal row to 0, NaN counts as the largest."""
-    from lockstep.runtime.sampling import ARGMAX_CHUNK, argmax_rows
-
-    g = torch.Generator().manual_seed(0)
-    v = 8 * ARGMAX_CHUNK
-    x = torch.randn(rows, v, generator=g)
-    x[0, 5] = x[0, 6] = 9.0  # a tie within a chunk
-    x[-1, 3 * ARGMAX_CHUNK + 1] = x[-1, 6 * ARGMAX_CHUNK] = 9.0  # across chunks
-    if rows > 2:
-        x[1] = -3.0
-        x[2, 4000] = float("nan")
-    assert torch.equal(argmax_rows(x.to(DEV)).cpu(), x.argmax(-1))
-    odd = torch.randn(rows, v + 3, generator=g)  # not a multiple of the chunk: one stage
-    assert torch.equal(argmax_rows(odd.to(DEV)).cpu(), odd.argmax(-1))
-
-
 def test_sample_on_device_greedy_seeded_and_distribution():
     g = torch.Generator(device=DEV).manual_seed(0)
     logits = torch.randn(6, 50, generator=g, device=DEV)
