@@ -132,6 +132,19 @@ def next_pow2(n: int) -> int:
 
 
 @triton.jit
+def to_dtype(x, ty: tl.constexpr):
+    """float32 x to ``ty``, rounded to nearest even as the GPU converts. Triton 3.6's
+    interpreter truncates to bfloat16, so there the rounding is done on the bits first (NaN
+    aside): a kernel whose bf16 outputs feed further math on the CPU would drift otherwise."""
+    if _SOFT_FP8:
+        if ty == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(ty)
+
+
+@triton.jit
 def to_fp8(x):
     """float32 (already within +-448) to e4m3fn, round to nearest even.
 

@@ -22,7 +22,7 @@ from lockstep.kernels import _util  # noqa: E402
 from lockstep.kernels.fused_moe import (  # noqa: E402
     ALIGN_KERNEL_MAX_PAIRS, fused_moe, fused_moe_reference, moe_align, moe_align_reference, moe_sum_reference,
     quantize_fp8_blockwise)
-from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token  # noqa: E402
+from lockstep.kernels.kv_store import kv_store, kv_store_reference, mla_prep_store, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
 from lockstep.kernels.mla_prefill import mla_prefill, mla_prefill_reference  # noqa: E402
 from lockstep.kernels.topk import topk, topk_config, topk_reference  # noqa: E402
@@ -74,6 +74,45 @@ def test_kv_store_matches_reference(fp8):
         torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
     else:
         assert torch.equal(cache, ref)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_prep_store_is_norm_rope_and_kv_store(fp8, interleaved):
+    """One launch: the latent's RMS norm, rope of k_pe and of every head's q_pe, and the cache
+    entry, against the model's rms_norm / apply_rope and kv_store_reference on strided views
+    (q_pe a slice of q's heads, the tail a slice of the fused projection's rows)."""
+    from lockstep.runtime.models.deepseek_v3 import rms_norm
+    from lockstep.runtime.models.rope import apply_rope
+
+    g = gen(3)
+    heads, dn, dl, dr, bs, blocks = (16, 128, 512, 64, 16, 16) if CUDA else (3, 8, 32, 16, 4, 6)
+    t = 40 if CUDA else 7
+    q = randn(t, heads, dn + dr, g=g)
+    f = randn(t, 24 + dl + dr, g=g, scale=2.0)
+    q_pe, tail = q[..., dn:], f[:, 24:]
+    pos = torch.arange(t, device=DEV).float()[:, None] * torch.linspace(0.01, 1.0, dr // 2, device=DEV)
+    cos, sin = pos.cos(), pos.sin()
+    w = randn(dl, g=g, scale=0.5) + 1
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(3))[:t].to(DEV)
+    slots[1] = -1  # padding: nothing stored
+    dtype = _util.FP8 if fp8 else BF16
+    cache, ref = (torch.zeros(blocks, bs, dl + dr, device=DEV).to(dtype) for _ in range(2))
+    scale, ref_scale = (torch.zeros(blocks, bs, device=DEV) if fp8 else None for _ in range(2))
+    qo, lat, kpe = mla_prep_store(q_pe, tail, cos, sin, w, 1e-6, cache, slots, scale, interleaved=interleaved)
+    want_lat = rms_norm(tail[:, :dl], w, 1e-6)
+    pe = apply_rope(torch.cat([q_pe, tail[:, None, dl:]], dim=1), cos[:, None], sin[:, None], interleaved)
+    close(lat, want_lat)
+    close(qo, pe[:, :-1])
+    close(kpe, pe[:, -1])
+    kv_store_reference(ref, lat, kpe, slots, ref_scale)  # what it stored is what it returned
+    if fp8:
+        same_fp8(cache, ref)
+        torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(cache, ref)
+    with pytest.raises(ValueError, match="cos"):
+        mla_prep_store(q_pe, tail, cos[:, :2], sin, w, 1e-6, cache, slots, scale, interleaved=interleaved)
 
 
 def test_kv_store_rejects_bad_arguments():

@@ -73,6 +73,10 @@ ROUTER_GEMM_MAX_TOKENS = 8
 # With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
 # concatenations a layer add them, the form before; kept for A/B runs on the GPU).
 ROUTER_WRITES_SHARED = True
+# The latent's norm, the rope of q_pe and k_pe and the cache store run as one kernel
+# (kernels.kv_store.mla_prep_store; False: a compiled step for norm and rope, then kv_store:
+# three launches a layer, the form before, kept for A/B runs on the GPU).
+MLA_PREP_KERNEL = True
 # Up to this many tokens the fused MoE's terms are summed inside the next add + norm step, one
 # launch fewer a layer: on the H200 v2-lite's step went 2.55 -> 2.48 ms at batch 1, 6.43 ->
 # 6.36 at 8, 10.07 -> 9.99 at 64, but 12.48 -> 12.61 at 256, where the norm's looped
@@ -296,11 +300,12 @@ class FastDeepseek:
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
         from lockstep.kernels.dense import bmm_row, linear
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
-        from lockstep.kernels.kv_store import kv_store
+        from lockstep.kernels.kv_store import kv_store, mla_prep_store
         from lockstep.kernels.mla_decode import mla_decode
         from lockstep.kernels.mla_prefill import mla_prefill, prefix_chunks
 
         self._kv_store, self._mla_decode = kv_store, mla_decode
+        self._mla_prep_store = mla_prep_store
         self._linear = linear  # the decode projections: tuned Triton tiles or cuBLAS, per shape
         self._bmm_row = bmm_row  # the absorbed heads' products at one token: the same, per shape
         self._mla_prefill, self._fused_moe = mla_prefill, fused_moe_kernel
@@ -388,10 +393,15 @@ class FastDeepseek:
         else:
             split = cfg.q_lora_rank
             q = F.linear(self.ops.norm(f[:, :split], lw.q_a_norm, 1e-6), lw.q_b).view(t, heads, dn + dr)
-        q_pe, latent, k_pe = self.ops.mla_prep(q[..., dn:], f[:, split:], step.cos, step.sin, lw.kv_norm, 1e-6,
-                                               dl, cfg.rope_interleave)
         cache = step.caches[i]
-        self._kv_store(cache[0], latent, k_pe, inp.slot_mapping, cache[1])
+        if MLA_PREP_KERNEL:
+            q_pe, latent, k_pe = self._mla_prep_store(q[..., dn:], f[:, split:], step.cos, step.sin, lw.kv_norm,
+                                                      1e-6, cache[0], inp.slot_mapping, cache[1],
+                                                      interleaved=cfg.rope_interleave)
+        else:
+            q_pe, latent, k_pe = self.ops.mla_prep(q[..., dn:], f[:, split:], step.cos, step.sin, lw.kv_norm, 1e-6,
+                                                   dl, cfg.rope_interleave)
+            self._kv_store(cache[0], latent, k_pe, inp.slot_mapping, cache[1])
         if not plan.n_pf:
             return self._linear(self._decode(q[..., :dn], q_pe, lw, cache, plan, step).view(t, heads * dv),
                                 lw.o_proj)
