@@ -75,11 +75,13 @@ ROUTER_GEMM_MAX_TOKENS = 8
 ROUTER_WRITES_SHARED = True
 # The latent's norm, the rope of q_pe and k_pe and the cache store run as one kernel
 # (kernels.kv_store.mla_prep_store; False: a compiled step for norm and rope, then kv_store:
-# three launches a layer, the form before, kept for A/B runs on the GPU).
+# three launches a layer, the form before, kept for A/B runs on the GPU). On the H200 v2-lite's
+# step went 2.34 -> 2.31 ms at batch 1, 6.36 -> 6.29 at 8, 9.99 -> 9.92 at 64, even at 256
+# (raw/2026-11-30-h200-session11-mla-prep-ab.txt).
 MLA_PREP_KERNEL = True
 # Up to this many tokens the fused MoE's terms are summed inside the next add + norm step, one
 # launch fewer a layer: on the H200 v2-lite's step went 2.55 -> 2.48 ms at batch 1, 6.43 ->
-# 6.36 at 8, 10.07 -> 9.99 at 64, but 12.48 -> 12.61 at 256, where the norm's looped
+# 6.36 at 8, 10.07 -> 9.99 at 64, but 12.45 -> 12.60 at 256, where the norm's looped
 # reduction reads the k terms twice (raw/2026-11-30-h200-session11-moe-sum-ab.txt). 0: the
 # kernel's own sum launch everywhere.
 MOE_SUM_IN_NORM_MAX_TOKENS = 64
