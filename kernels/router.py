@@ -51,33 +51,17 @@ def _moe_route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, T, s_logit, s_w, s_i
                       TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
                       BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
-    _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), T,
-                s_logit, s_w, s_ids, scaling, shared_first, E, GS, TOP_K, TOPK_GROUP, GROUPED, NORM,
-                BLOCK_T, BLOCK_G, BLOCK_GS, BLOCK_K, SHARED, False)
-
-
-@triton.jit
-def _route_rows(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows, T, s_logit, s_w, s_ids, scaling, shared_first,
-                E: tl.constexpr, GS: tl.constexpr, TOP_K: tl.constexpr,
-                TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
-                BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr,
-                BLOCK_K: tl.constexpr, SHARED: tl.constexpr, FROM_L2: tl.constexpr):
-    # Routes the given rows. SHARED > 0: columns TOP_K .. TOP_K + SHARED - 1 are every
-    # token's pick of the shared experts fused as slots shared_first.., with weight 1 (see
-    # models.fast's fuse_shared). FROM_L2: the logits were written by other programs of this
-    # launch, so they are read past this SM's (not coherent) L1.
+    # SHARED > 0: columns TOP_K .. TOP_K + SHARED - 1 are every token's pick of the shared
+    # experts fused as slots shared_first.., with weight 1 (see models.fast's fuse_shared).
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     g, s = tl.arange(0, BLOCK_G), tl.arange(0, BLOCK_GS)
     expert = g[:, None] * GS + s[None, :]  # [BLOCK_G, BLOCK_GS]
     real_g = g * GS < E
     real = real_g[:, None] & (s[None, :] < GS)
     row_ok = rows < T
     ok = row_ok[:, None, None] & real[None, :, :]
-    if FROM_L2:
-        logit = tl.load(logits_ptr + rows.to(tl.int64)[:, None, None] * s_logit + expert[None, :, :],
-                        mask=ok, other=0.0, cache_modifier=".cg")
-    else:
-        logit = tl.load(logits_ptr + rows.to(tl.int64)[:, None, None] * s_logit + expert[None, :, :],
-                        mask=ok, other=0.0)
+    logit = tl.load(logits_ptr + rows.to(tl.int64)[:, None, None] * s_logit + expert[None, :, :],
+                    mask=ok, other=0.0)
     scores = _sigmoid(logit, _PRECISE)
     choice = scores + tl.load(bias_ptr + expert, mask=real, other=0.0)[None, :, :]
     choice = tl.where(choice != choice, float("inf"), choice)  # NaN first, as torch.topk
@@ -147,77 +131,6 @@ def _router_gemm_kernel(x_ptr, w_ptr, out_ptr, T, H, s_x, s_w, s_o, E,
         else:
             acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_o + cols[None, :], acc, mask=rm[:, None] & cm[None, :])
-
-
-@triton.jit
-def _route_one_kernel(x_ptr, w_ptr, logits_ptr, count_ptr, bias_ptr, wout_ptr, ids_ptr, H, s_w,
-                      scaling, shared_first,
-                      E: tl.constexpr, GS: tl.constexpr, TOP_K: tl.constexpr,
-                      TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    # One token: each program computes BLOCK_E logits (as _router_gemm_kernel with one row),
-    # then counts itself done; the last program to finish routes the token. The count is
-    # acquire-release at GPU scope after a barrier (all of this program's stores issued), so
-    # the last program sees every program's logits; it resets the count for the next launch.
-    cols = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    cm = cols < E
-    w_row = w_ptr + cols.to(tl.int64)[:, None] * s_w
-    acc = tl.zeros([1, BLOCK_E], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_H):
-        k = k0 + tl.arange(0, BLOCK_H)
-        km = k < H
-        x = tl.load(x_ptr + k[None, :], mask=km[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_row + k[None, :], mask=cm[:, None] & km[None, :], other=0.0)
-        acc += tl.sum(x[:, None, :] * w[None, :, :], 2)
-    tl.store(logits_ptr + cols[None, :], acc, mask=cm[None, :])
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(count_ptr, 0)
-        _route_rows(logits_ptr, bias_ptr, wout_ptr, ids_ptr, tl.arange(0, 1), 1, E, TOP_K + SHARED,
-                    TOP_K + SHARED, scaling, shared_first, E, GS, TOP_K, TOPK_GROUP, GROUPED, NORM,
-                    1, BLOCK_G, BLOCK_GS, BLOCK_K, SHARED, True)
-
-
-def route_one_token(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, count: torch.Tensor,
-                    top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool, scaling: float,
-                    shared: tuple[int, int] = (0, 0)) -> tuple[torch.Tensor, torch.Tensor]:
-    """``moe_route(router_logits(x, w), bias, ...)`` for one token x [1, H] in ONE launch:
-    (weights [1, top_k + shared count] float32, ids int64), the same values. ``count`` is a
-    one-element int32 tensor of zeros, owned by the caller (allocated once, outside any CUDA
-    graph capture) and left at zero by every launch; launches sharing it must not overlap
-    (one stream)."""
-    check(x, "x", dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
-    check(w, "w", dims=2, dtypes=(torch.float32,), device=x.device)
-    check(bias, "bias", dims=1, dtypes=(torch.float32,), device=x.device)
-    check(count, "count", dims=1, dtypes=(torch.int32,), device=x.device)
-    e, h = w.shape
-    check_shape(x, "x", (1, h))
-    check_shape(bias, "bias", (e,))
-    check_shape(count, "count", (1,))
-    why = moe_route_unsupported(e, top_k, n_group, topk_group)
-    if why is not None:
-        raise ValueError(why)
-    first, n_shared = shared
-    if n_shared < 0 or (n_shared and first < e):
-        raise ValueError(f"shared=(first, count) must name {n_shared} slots at or after the {e} routed "
-                         f"experts, got first={first}")
-    dev = x.device
-    logits = torch.empty(1, e, dtype=torch.float32, device=dev)
-    weights = torch.empty(1, top_k + n_shared, dtype=torch.float32, device=dev)
-    ids = torch.empty(1, top_k + n_shared, dtype=torch.int64, device=dev)
-    grouped = topk_group < n_group
-    groups = n_group if grouped else 1
-    gs = e // groups
-    block_e = 4
-    _route_one_kernel[(triton.cdiv(e, block_e),)](
-        x, w, logits, count, bias, weights, ids, h, w.stride(0), float(scaling), first,
-        E=e, GS=gs, TOP_K=top_k, TOPK_GROUP=topk_group, GROUPED=grouped, NORM=bool(norm_topk_prob),
-        BLOCK_G=next_pow2(groups), BLOCK_GS=next_pow2(gs), BLOCK_K=next_pow2(top_k + n_shared),
-        SHARED=n_shared, BLOCK_E=block_e, BLOCK_H=max(16, min(2048, next_pow2(h))),
-        num_warps=4)  # router_logits' tiles and warps for one token: the same sums, bit for bit
-    return weights, ids
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

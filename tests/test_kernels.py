@@ -442,7 +442,7 @@ def test_mla_prefill_matches_reference(fp8):
 
 # -- MoE router ----------------------------------------------------------------------------------
 
-from lockstep.kernels.router import moe_route, moe_route_reference, route_one_token, router_logits  # noqa: E402
+from lockstep.kernels.router import moe_route, moe_route_reference, router_logits  # noqa: E402
 from lockstep.runtime.models.deepseek_v3 import route  # noqa: E402
 
 # (experts, top_k, n_group, topk_group, norm_topk_prob, scaling): v2-lite's router, tiny's
@@ -469,29 +469,6 @@ def test_moe_route_matches_model_route(case):
     ref_weights, ref_ids = moe_route_reference(logits, bias, *args)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("case", ROUTE_CASES, ids=lambda c: f"e{c[0]}-k{c[1]}-g{c[2]}of{c[3]}")
-def test_route_one_token_is_router_logits_then_moe_route(case):
-    """One launch for one token (the last program to finish its logits routes): the ids of
-    router_logits + moe_route, the same weights, the shared columns too; launch after launch
-    (the count it shares resets itself)."""
-    e, k, n_group, topk_group, norm, scaling = case
-    g = gen(22)
-    h = 256 if not CUDA else 2048
-    w = randn(e, h, g=g, scale=h ** -0.5).float()
-    bias = randn(e, g=g, scale=0.1).float()
-    count = torch.zeros(1, dtype=torch.int32, device=DEV)
-    args = (k, n_group, topk_group, norm, scaling)
-    for i in range(3):
-        x = randn(1, h, g=g)
-        want_w, want_ids = moe_route(router_logits(x, w), bias, *args, (e, 2))
-        got_w, got_ids = route_one_token(x, w, bias, count, *args, (e, 2))
-        assert torch.equal(got_ids, want_ids), i
-        torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
-        assert int(count.item()) == 0
-    with pytest.raises(ValueError, match="x"):
-        route_one_token(randn(2, h, g=g), w, bias, count, *args)
 
 
 @pytest.mark.parametrize("case", ROUTE_CASES[:2], ids=lambda c: f"e{c[0]}-k{c[1]}-g{c[2]}of{c[3]}")

@@ -70,10 +70,6 @@ FUSE_SHARED_MAX_TOKENS = 64
 # reduction); beyond, float32 tiles without tensor cores lose to cuBLAS (44 us a layer at
 # batch 256 through tl.dot's IEEE path, against ~10).
 ROUTER_GEMM_MAX_TOKENS = 8
-# At one token the router's GEMM and its routing run as one launch (kernels.router.
-# route_one_token: the last program to finish its logits routes). False: two launches, the
-# form before; kept for A/B runs on the GPU.
-ROUTE_ONE_LAUNCH = True
 # With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
 # concatenations a layer add them, the form before; kept for A/B runs on the GPU).
 ROUTER_WRITES_SHARED = True
@@ -177,10 +173,9 @@ class FastOps:
         self.silu_mul = _Op(_silu_mul, compile)
         # The router after its GEMM runs as one kernel (compiled, `route`'s torch.topk alone
         # still launches two); `route` stays for settings the kernel does not take.
-        from lockstep.kernels.router import moe_route, moe_route_unsupported, route_one_token, router_logits
+        from lockstep.kernels.router import moe_route, moe_route_unsupported, router_logits
 
         self.moe_route, self.moe_route_unsupported = moe_route, moe_route_unsupported
-        self.route_one_token = route_one_token  # GEMM and routing in one launch, for one token
         self.router_logits = router_logits  # the gate's GEMM in one launch, for a few tokens
         self.route = _Op(route, compile)
 
@@ -322,9 +317,6 @@ class FastDeepseek:
         self.model, self.cfg, self.rope = model, model.cfg, model.rope
         self.use_fused_moe, self.moe_fp8 = bool(fused_moe), bool(moe_fp8 and fused_moe)
         self.ops = FastOps(compile)
-        # route_one_token's completion count: made here, outside any graph capture, and left
-        # at zero by every launch (this model's forward runs on one stream)
-        self._route_count = torch.zeros(1, dtype=torch.int32, device=model.embed_tokens.weight.device)
         with torch.no_grad():
             self.layers = [layer_weights(layer, self.cfg) for layer in model.layers]
             if self.moe_fp8:
@@ -466,17 +458,15 @@ class FastDeepseek:
         args = (k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         shared = (0, 0)  # with fuse, the shared experts' columns, made by the router kernel
         if ops.moe_route_unsupported(gate.weight.shape[0], k, cfg.n_group, cfg.topk_group) is None:
+            if (h.shape[0] <= ROUTER_GEMM_MAX_TOKENS and gate.weight.dtype == torch.float32
+                    and h.stride(-1) == 1 and gate.weight.stride(-1) == 1):
+                logits = ops.router_logits(h, gate.weight)
+            else:
+                logits = F.linear(h.float(), gate.weight)
             if fuse and ROUTER_WRITES_SHARED:
                 e = lw.with_shared[2]
                 shared = (e, lw.with_shared[0].shape[0] - e)
-            gemm = (h.shape[0] <= ROUTER_GEMM_MAX_TOKENS and gate.weight.dtype == torch.float32
-                    and h.stride(-1) == 1 and gate.weight.stride(-1) == 1)
-            if gemm and h.shape[0] == 1 and ROUTE_ONE_LAUNCH:
-                weights, ids = ops.route_one_token(h, gate.weight, gate.e_score_correction_bias, self._route_count,
-                                                   *args, shared)
-            else:
-                logits = ops.router_logits(h, gate.weight) if gemm else F.linear(h.float(), gate.weight)
-                weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args, shared)
+            weights, ids = ops.moe_route(logits, gate.e_score_correction_bias, *args, shared)
         else:
             weights, ids = ops.route(h, gate.weight, gate.e_score_correction_bias, *args)
         routed = ids[:, :k] if shared[1] else ids
