@@ -6,7 +6,9 @@
 - `mla_prefill`: new tokens over a long cached prefix, chunked, expanded form.
 - `topk`: exact top-k over long rows (sparse-attention indexer), two launches;
   `topk_threshold`: the earlier four-launch design, its fallback for large k.
-- `kv_store`: new latents into the paged cache, bf16 or FP8 with per-token scales.
+- `kv_store`: new latents into the paged cache, bf16 or FP8 with per-token scales; and
+  `mla_prep_store`, the latent's norm, rope of q_pe and k_pe and that store in one launch.
+- `dense`: decode projections (tiles or one-row `gemv`) and the absorbed heads' products.
 - `router`: the MoE router after its GEMM (sigmoid, bias, group-limited top-k, weights), one launch.
 
 Importing this package imports nothing; each module needs triton. Tuned launch configs live in

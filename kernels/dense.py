@@ -7,8 +7,9 @@ thousand) read v2-lite's projections at 30–55% of the H200's copy bandwidth
 program owns BLOCK_N rows of W and streams them once for BLOCK_M rows of x; the programs of
 one weight tile are adjacent in the grid (M fastest), so a tile read twice comes from L2.
 
-Which one runs is a table: DENSE_CONFIGS maps (N, K, row bucket) to a tile config, or to
-{"BACKEND": "cublas"} where cuBLAS was faster in the tuning run; shapes not in it go to
+Which one runs is a table: DENSE_CONFIGS maps (N, K, row bucket) to a tile config, to
+{"BACKEND": "gemv", ...} (one row: ``gemv``'s matrix-vector tiles), or to {"BACKEND": "cublas"}
+where cuBLAS was faster in the tuning run; shapes not in it go to
 cuBLAS (F.linear), as do float16 inputs. bf16 operands, float32 accumulation, bf16 output.
 """
 

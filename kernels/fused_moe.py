@@ -3,12 +3,14 @@ routing weight, and the sum over each token's top-k.
 
 1. align: the T*k (token, slot) pairs are grouped by expert into blocks of BLOCK_M rows, each
    expert's rows padded to a whole block, so every block of the grouped GEMMs reads one
-   expert's weights; padding rows hold the sentinel T*k.
+   expert's weights; padding rows hold the sentinel T*k. At one token
+   (PAIR_BLOCKS_MAX_TOKENS) there is no align: each pair is a block, in pair order.
 2. up: per (block, tile of I) program, act = silu(x W_gate^T) * (x W_up^T) from the fused
    gate_up weight [E, 2I, H] (rows 0..I-1 gate, I..2I-1 up, the layout of the model's
    `Experts`); act stays bf16 in a [T*k, I] buffer.
 3. down: y = weight * (act W_down^T) from [E, H, I], into a [T*k, H] buffer.
-4. sum: out[t] = sum over the k slots, in slot order (deterministic, no atomics).
+4. sum: out[t] = sum over the k slots, in slot order (deterministic, no atomics); with
+   ``reduce=False`` left to the caller (``moe_sum_reference``, fused into its next step).
 
 At decode sizes the expert weights dominate the bytes: every block streams its expert's
 weights once, so the grid puts blocks of one expert side by side (they share tiles in L2).
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._util import DOT, DOT16, FP8, FP8_MAX, check, check_shape, next_pow2
+from ._util import DOT, DOT16, FP8, FP8_MAX, check, check_shape, next_pow2, to_dtype
 
 QBLOCK = 128  # FP8 weight scale block (rows and columns)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -37,7 +39,8 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 # (E, H, I, "bf16" | "fp8", token bucket) -> {"BLOCK_M": .., "up": {..}, "down": {..}}. The
 # two GEMMs have different shapes (up: N = 2I, K = H; down: N = H, K = I); bench_kernels.py now
 # tunes their tiles apart (64 tokens and up) once BLOCK_M (the alignment both read) is chosen,
-# but only the bf16 256-token entry below comes from such a run so far.
+# but only the bf16 256-token entry below comes from such a run so far (and the bf16 one-token
+# entry, tuned apart for the pair blocks by a probe in session 11).
 def _tiles(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
     t = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
     return {"BLOCK_M": bm, "up": t, "down": dict(t)}
@@ -45,7 +48,8 @@ def _tiles(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
 
 MOE_CONFIGS: dict[tuple, dict] = {
     # one token, a block per pair, up and down tuned apart (2026-11-30, session 11): 44.95 ->
-    # 44.07 us a layer, v2-lite's step 2.466 -> 2.442 ms at batch 1
+    # 44.07 us a layer, v2-lite's step 2.466 -> 2.442 ms at batch 1. The bucket also serves 2-7
+    # tokens, through the aligned path, where these tiles were not timed.
     (64, 2048, 1408, 'bf16', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 32, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
     (64, 2048, 1408, 'fp8', 1): {'BLOCK_M': 16, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
     (64, 2048, 1408, 'bf16', 8): {'BLOCK_M': 16, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
@@ -319,7 +323,7 @@ def _moe_sum_kernel(y_ptr, ids_ptr, out_ptr, top_k, hidden, experts, s_yt, s_ot,
         e = tl.load(ids_ptr + row)
         ok = (e >= 0) & (e < experts)  # rows of foreign experts were never written
         acc += tl.load(y_ptr + row.to(tl.int64) * s_yt + offs, mask=hm & ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=hm)
+    tl.store(out_ptr + t.to(tl.int64) * s_ot + offs, to_dtype(acc, out_ptr.dtype.element_ty), mask=hm)
 
 
 def _check_moe(x, w13, w2, topk_weights, topk_ids, s13, s2) -> bool:
@@ -366,8 +370,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     them in its next step (one launch fewer): the rows of ids outside [0, E) are left
     unwritten, so that sum must mask them (``moe_sum_reference``).
 
-    A single token's pairs (T = 1) run a block each, in pair order, with no alignment launch:
-    its experts are distinct, so no weight is read twice."""
+    Up to PAIR_BLOCKS_MAX_TOKENS tokens (one) the pairs run a block each, in pair order, with
+    no alignment launch: a token's experts are distinct, so no weight is read twice."""
     quant = _check_moe(x, w_gate_up, w_down, topk_weights, topk_ids, w_gate_up_scale, w_down_scale)
     t, h = x.shape
     e, inter = w_gate_up.shape[0], w_down.shape[2]

@@ -165,7 +165,7 @@ def mla_prep_store(q_pe: torch.Tensor, tail: torch.Tensor, cos: torch.Tensor, si
     check(q_pe, "q_pe", dims=3, dtypes=(tail.dtype,), device=dev)
     check(cos, "cos", dims=2, dtypes=(torch.float32,), device=dev)
     check(sin, "sin", dims=2, dtypes=(torch.float32,), device=dev)
-    check(kv_norm, "kv_norm", dims=1, dtypes=(tail.dtype, torch.float32), device=dev)
+    check(kv_norm, "kv_norm", dims=1, dtypes=(tail.dtype,), device=dev)
     check(slot_mapping, "slot_mapping", dims=1, dtypes=(torch.int32, torch.int64), device=dev)
     check(cache, "cache", dims=3, dtypes=(torch.bfloat16, torch.float16, torch.float32, FP8), device=dev)
     t, heads, dr = q_pe.shape

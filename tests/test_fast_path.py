@@ -176,6 +176,37 @@ def test_one_token_decode_through_per_head_matrix_vector_products(monkeypatch):
     assert rows.max() < 0.02 and torch.equal(after.argmax(-1), before.argmax(-1))
 
 
+def test_ab_switches_keep_the_logits_and_long_steps_sum_in_the_kernel(monkeypatch):
+    """The forms the GPU A/B switches bring back (the MoE's sum by its own launch, the MLA
+    prologue as norm and rope then kv_store, the shared experts' columns by concatenation)
+    give the same logits, bit for bit in the interpreter; and a step of more than
+    MOE_SUM_IN_NORM_MAX_TOKENS tokens (summed by the kernel) equals one summed in the norm."""
+    from lockstep.runtime.models import fast as F
+
+    model = tiny(torch.bfloat16)
+    fast = FastDeepseek(model)
+
+    def logits(new, done, tables):
+        b = ForwardBatch.build(new, done, tables, BS, device=DEV)
+        b = dataclasses.replace(b, sample_index=torch.arange(len(b.input_ids), device=DEV))
+        kv = model.make_kv_cache(8, BS)
+        if done[0]:  # a cached prefix first
+            fast(ForwardBatch.build([list(range(3, 3 + done[0]))], [0], tables, BS, device=DEV), kv)
+        return fast(b, kv)[0]
+
+    short = ([[7, 8, 9]], [16], [[0, 1]])
+    base = logits(*short)
+    for name, value in (("MOE_SUM_IN_NORM_MAX_TOKENS", 0), ("MLA_PREP_KERNEL", False),
+                        ("ROUTER_WRITES_SHARED", False)):
+        with monkeypatch.context() as m:
+            m.setattr(F, name, value)
+            assert torch.equal(logits(*short), base), name
+    long = ([list(range(5, 5 + F.MOE_SUM_IN_NORM_MAX_TOKENS + 2))], [0], [[0, 1, 2, 3, 4]])
+    summed_by_kernel = logits(*long)
+    monkeypatch.setattr(F, "MOE_SUM_IN_NORM_MAX_TOKENS", 1 << 20)
+    assert torch.equal(logits(*long), summed_by_kernel)
+
+
 def test_fp8_experts_stay_close_to_bf16():
     """moe_fp8: the routed experts read as e4m3 with 128x128 block scales (W8A16)."""
     model = tiny(torch.bfloat16)

@@ -9,7 +9,9 @@ forward, so a decode forward can be captured as a CUDA graph.
   verification, a short chunk) decodes them too.
 - Sequences feeding more than ``DECODE_MAX_NEW`` tokens (prefill chunks) go through
   ``kernels.mla_prefill``: causal over their new tokens, then their cached prefix in chunks.
-- New latents reach the cache through ``kernels.kv_store``, before attention (a sequence's
+- New latents reach the cache through ``kernels.kv_store.mla_prep_store`` (the latent's norm,
+  the rope of q_pe and k_pe and the store in one launch; ``kv_store`` after a compiled step
+  with MLA_PREP_KERNEL off), before attention (a sequence's
   new tokens attend to themselves through the cache, as in the reference model).
 - The cache is the model's block-major pool, read through per-layer views: bf16, or FP8
   (``FP8Cache``: e4m3 values with a float32 scale per token, each a strided view of the same
@@ -29,8 +31,9 @@ forward, so a decode forward can be captured as a CUDA graph.
   shared MLP's three launches per layer and streams its weights at the fused kernel's rate
   (the routed experts' storage moves into the larger tensor, the model's parameters
   re-pointed at it; only the shared weights, ~35 MB a layer in v2-lite, exist twice).
-- The small elementwise steps between GEMMs (norms, rope, SiLU·mul) are pure functions
-  shared with the reference model, optionally ``torch.compile``d (once for every layer:
+- The small elementwise steps between GEMMs (norms, SiLU·mul; the MoE's sum over its k terms
+  inside the next add + norm; rope and the latent's norm only with MLA_PREP_KERNEL off) are
+  pure functions shared with the reference model, optionally ``torch.compile``d (once for every layer:
   weights are arguments) so a step launches a few hundred kernels, not thousands. The router
   is two kernels (``kernels.router``: up to ROUTER_GEMM_MAX_TOKENS tokens the float32 logits
   GEMM from bf16 activations, else cuBLAS's; then sigmoid, bias, group limit, top-k, and with
@@ -54,7 +57,10 @@ from .batch import ForwardBatch, to_device
 from .deepseek_v3 import FP8Cache, DeepseekV3, rms_norm, route
 from .fast_weights import LayerWeights, fuse_shared_experts, layer_weights
 from .rope import apply_rope
-from lockstep.kernels.fused_moe import moe_sum_reference
+try:
+    from lockstep.kernels.fused_moe import moe_sum_reference
+except ImportError:  # no triton (it installs on x86_64 only): the fast path cannot run anyway
+    moe_sum_reference = None
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +86,10 @@ ROUTER_WRITES_SHARED = True
 # (raw/2026-11-30-h200-session11-mla-prep-ab.txt).
 MLA_PREP_KERNEL = True
 # Up to this many tokens the fused MoE's terms are summed inside the next add + norm step, one
-# launch fewer a layer: on the H200 v2-lite's step went 2.55 -> 2.48 ms at batch 1, 6.43 ->
-# 6.36 at 8, 10.07 -> 9.99 at 64, but 12.45 -> 12.60 at 256, where the norm's looped
-# reduction reads the k terms twice (raw/2026-11-30-h200-session11-moe-sum-ab.txt). 0: the
-# kernel's own sum launch everywhere.
+# launch fewer a layer: on the H200 v2-lite's step went (medians of rounds) 2.55 -> 2.48 ms at
+# batch 1, 6.43 -> 6.36 at 8, 10.07 -> 9.99 at 64, but 12.45 -> 12.60 at 256, where the norm's
+# looped reduction reads the k terms twice (raw/2026-11-30-h200-session11-moe-sum-ab.txt).
+# 0: the kernel's own sum launch everywhere.
 MOE_SUM_IN_NORM_MAX_TOKENS = 64
 
 
@@ -368,7 +374,7 @@ class FastDeepseek:
             routed = self._routed(h, lw, step, chosen, fuse)
             shared = None if lw.gate_up is None or fuse else \
                 self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
-            if isinstance(routed, tuple) and routed[0].dim() == 2:  # summed by the kernel (A/B)
+            if isinstance(routed, tuple) and routed[0].dim() == 2:  # summed by the kernel (> 64 tokens)
                 routed = routed[0]
             if isinstance(routed, tuple):  # the fused MoE's terms, summed in the next step
                 y, ids, n = routed
@@ -450,9 +456,10 @@ class FastDeepseek:
 
     # -- experts ---------------------------------------------------------------------------------
     def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor], fuse: bool = False):
-        """The routed experts' output, or with the fused MoE its unsummed terms (y [T, k, H],
-        ids, experts) for the next step to sum; ``fuse``: the shared experts' added in
-        (``with_shared``)."""
+        """The routed experts' output [T, H]; with the fused MoE (y, ids, experts), where y is
+        the unsummed terms [T, k, H] for the next step to sum, or above
+        MOE_SUM_IN_NORM_MAX_TOKENS the output [T, H] summed by the kernel. ``fuse``: the
+        shared experts' added in (``with_shared``)."""
         cfg, moe, ops = self.cfg, lw.moe, self.ops
         gate, k = moe.gate, cfg.num_experts_per_tok
         args = (k, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
