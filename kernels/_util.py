@@ -107,6 +107,20 @@ def check(t, name: str, *, dims: int | None = None, dtypes: tuple = (), device=N
                          f"{t.stride()}): pass a .contiguous() copy")
 
 
+def check_cache_scale(cache: torch.Tensor, scale) -> bool:
+    """Whether the paged cache is FP8; raise ValueError when its per-token scale
+    [num_blocks, block_size] float32 is missing or misshapen, or given for another cache."""
+    if cache.dtype != FP8:
+        if scale is not None:
+            raise ValueError(f"scale is only for an FP8 cache; this cache is {cache.dtype}")
+        return False
+    if scale is None:
+        raise ValueError("an FP8 cache needs scale [num_blocks, block_size] float32")
+    check(scale, "scale", dims=2, dtypes=(torch.float32,), device=cache.device, last_contiguous=False)
+    check_shape(scale, "scale", tuple(cache.shape[:2]))
+    return True
+
+
 def check_shape(t: torch.Tensor, name: str, shape: tuple) -> None:
     """`shape` entries of None match any size."""
     if len(shape) != t.dim() or any(s is not None and s != n for s, n in zip(shape, t.shape)):

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import FP8, FP8_MAX, check, check_shape, next_pow2, to_dtype, to_fp8
+from ._util import FP8, FP8_MAX, check, check_cache_scale, check_shape, next_pow2, to_dtype, to_fp8
 
 
 @triton.jit
@@ -63,14 +63,7 @@ def kv_store(cache: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
     if cache.shape[2] != dl + k_pe.shape[1]:
         raise ValueError(f"cache entries hold {cache.shape[2]} values but latent + k_pe give "
                          f"{dl} + {k_pe.shape[1]}")
-    quant = cache.dtype == FP8
-    if quant:
-        if scale is None:
-            raise ValueError("an FP8 cache needs scale [num_blocks, block_size] float32")
-        check(scale, "scale", dims=2, dtypes=(torch.float32,), device=dev, last_contiguous=False)
-        check_shape(scale, "scale", tuple(cache.shape[:2]))
-    elif scale is not None:
-        raise ValueError(f"scale is only for an FP8 cache; this cache is {cache.dtype}")
+    quant = check_cache_scale(cache, scale)
     if t == 0:
         return
     sc = scale if quant else cache  # any pointer: the kernel never touches it
@@ -178,14 +171,7 @@ def mla_prep_store(q_pe: torch.Tensor, tail: torch.Tensor, cos: torch.Tensor, si
     check_shape(kv_norm, "kv_norm", (dl,))
     check_shape(slot_mapping, "slot_mapping", (t,))
     check_shape(cache, "cache", (None, None, dl + dr))
-    quant = cache.dtype == FP8
-    if quant:
-        if scale is None:
-            raise ValueError("an FP8 cache needs scale [num_blocks, block_size] float32")
-        check(scale, "scale", dims=2, dtypes=(torch.float32,), device=dev, last_contiguous=False)
-        check_shape(scale, "scale", tuple(cache.shape[:2]))
-    elif scale is not None:
-        raise ValueError(f"scale is only for an FP8 cache; this cache is {cache.dtype}")
+    quant = check_cache_scale(cache, scale)
     qo = torch.empty(t, heads, dr, dtype=tail.dtype, device=dev)
     lat = torch.empty(t, dl, dtype=tail.dtype, device=dev)
     kpe = torch.empty(t, dr, dtype=tail.dtype, device=dev)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import DOT, DOT16, FP8, check, check_shape, next_pow2
+from ._util import DOT, DOT16, FP8, check, check_cache_scale, check_shape, next_pow2
 
 LOG2E = 1.4426950408889634
 
@@ -297,14 +297,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     check_shape(cache, "cache", (None, None, dl + dr))
     check_shape(block_tables, "block_tables", (b, None))
     check_shape(seq_lens, "seq_lens", (b,))
-    quant = cache.dtype == FP8
-    if quant:
-        if scale is None:
-            raise ValueError("an FP8 cache needs scale [num_blocks, block_size] float32")
-        check(scale, "scale", dims=2, dtypes=(torch.float32,), device=dev, last_contiguous=False)
-        check_shape(scale, "scale", tuple(cache.shape[:2]))
-    elif scale is not None:
-        raise ValueError(f"scale is only for an FP8 cache; this cache is {cache.dtype}")
+    quant = check_cache_scale(cache, scale)
     bound = max_seq_len or block_tables.shape[1] * cache.shape[1]
     cfg = {**decode_config(cache.dtype, b, bound), **(config or {})}
     block_h = min(64, max(16, next_pow2(h)))

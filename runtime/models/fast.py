@@ -11,8 +11,8 @@ forward, so a decode forward can be captured as a CUDA graph.
   ``kernels.mla_prefill``: causal over their new tokens, then their cached prefix in chunks.
 - New latents reach the cache through ``kernels.kv_store.mla_prep_store`` (the latent's norm,
   the rope of q_pe and k_pe and the store in one launch; ``kv_store`` after a compiled step
-  with MLA_PREP_KERNEL off), before attention (a sequence's
-  new tokens attend to themselves through the cache, as in the reference model).
+  with MLA_PREP_KERNEL off), before attention (a sequence's new tokens attend to themselves
+  through the cache, as in the reference model).
 - The cache is the model's block-major pool, read through per-layer views: bf16, or FP8
   (``FP8Cache``: e4m3 values with a float32 scale per token, each a strided view of the same
   bytes), which every kernel takes with its ``scale`` argument. The pool's layout is the
@@ -23,18 +23,19 @@ forward, so a decode forward can be captured as a CUDA graph.
   ``kernels.fused_moe`` too (one row per received pair).
   ``moe_fp8``: the experts also as e4m3 with 128x128 block scales (DeepSeek's layout), which
   the kernel reads instead (half the bytes; the bf16 copy stays for the reference path).
-  ``fuse_shared`` (bf16/fp16 experts, not with ``moe_fp8``; all experts on this rank; steps of at most FUSE_SHARED_MAX_TOKENS
-  tokens): the shared experts run inside the same fused MoE launch, as extra experts every
-  token picks with weight 1. A shared MLP of
-  intermediate s*I is the sum of s MLPs of intermediate I (SiLU·mul is per unit), so its
+  ``fuse_shared`` (bf16/fp16 experts, not with ``moe_fp8``; all experts on this rank; steps
+  of at most FUSE_SHARED_MAX_TOKENS tokens): the shared experts run inside the same fused MoE
+  launch, as extra experts every token picks with weight 1. A shared MLP of intermediate s*I
+  is the sum of s MLPs of intermediate I (SiLU·mul is per unit), so its
   gate/up/down rows are split into s expert slots after the routed ones. That saves the
   shared MLP's three launches per layer and streams its weights at the fused kernel's rate
   (the routed experts' storage moves into the larger tensor, the model's parameters
   re-pointed at it; only the shared weights, ~35 MB a layer in v2-lite, exist twice).
 - The small elementwise steps between GEMMs (norms, SiLU·mul; the MoE's sum over its k terms
   inside the next add + norm; rope and the latent's norm only with MLA_PREP_KERNEL off) are
-  pure functions shared with the reference model, optionally ``torch.compile``d (once for every layer:
-  weights are arguments) so a step launches a few hundred kernels, not thousands. The router
+  pure functions shared with the reference model, optionally ``torch.compile``d (once for
+  every layer: weights are arguments) so a step launches a few hundred kernels, not
+  thousands. The router
   is two kernels (``kernels.router``: up to ROUTER_GEMM_MAX_TOKENS tokens the float32 logits
   GEMM from bf16 activations, else cuBLAS's; then sigmoid, bias, group limit, top-k, and with
   fuse_shared the shared experts' columns).
@@ -57,6 +58,7 @@ from .batch import ForwardBatch, to_device
 from .deepseek_v3 import FP8Cache, DeepseekV3, rms_norm, route
 from .fast_weights import LayerWeights, fuse_shared_experts, layer_weights
 from .rope import apply_rope
+
 try:
     from lockstep.kernels.fused_moe import moe_sum_reference
 except ImportError:  # no triton (it installs on x86_64 only): the fast path cannot run anyway
