@@ -57,11 +57,14 @@ class Prompts:
     def find_private(self, out_tokens: np.ndarray, out_base: np.ndarray) -> None:
         """Which requests share no block hash with any other: every request's prompt and
         output (``out_tokens[out_base[r]:out_base[r + 1]]``) hashed ahead, and the lane-0
-        keys (what the block pool's table is keyed by) counted over the whole workload."""
+        keys (what the block pool's table is keyed by) of their first blocks counted over the
+        whole workload. The first block's key stands for all of them: a block's hash chains
+        every block before it and its position, so two requests that share any block share
+        their first."""
         bs = self.hasher.block_size
         self._hashes = {}
         keep = sum(w.input_len for w in self.workload) <= KEEP_PROMPT_TOKENS
-        keys, owners = [], []
+        keys, owners = [], []  # the first block's lane-0 key of each request that has one
         todo = list(range(len(self.workload)))
         while todo:
             batch = self._batch(todo, lambda r: True, PROMPT_BATCH)
@@ -76,18 +79,17 @@ class Prompts:
                     self._ready[r] = (seq[:n], h[:a], acc)
                 else:
                     self._hashes[r] = (h[:a], acc)
-                keys.append(h[:, 0])
-                owners.append(r)
+                if len(h):
+                    keys.append(h.item(0, 0))
+                    owners.append(r)
+                else:  # no full block: nothing to share
+                    self.private[r] = True
         if not keys:
             return
-        lane0 = np.concatenate(keys)
-        ordered = np.sort(lane0)
-        repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-        private = np.zeros(len(self.workload), dtype=bool)
-        private[owners] = True
-        if len(repeated):
-            owner = np.repeat(np.array(owners, dtype=np.int64), [len(k) for k in keys])
-            private[owner[np.isin(lane0, repeated)]] = False
+        lane0 = np.array(keys, dtype=np.uint64)
+        _, where, counts = np.unique(lane0, return_inverse=True, return_counts=True)
+        private = np.array(self.private, dtype=bool)
+        private[owners] = counts[where] == 1
         self.private = private.tolist()
 
     def _batch(self, rids: Sequence[int], want: Callable[[int], bool], most: int) -> list[tuple]:

@@ -221,3 +221,23 @@ def test_prompts_hashed_ahead_but_not_kept_simulate_alike(monkeypatch):
     kept = Simulator(d, workload, seed=0).run()
     monkeypatch.setattr(prompts_module, "KEEP_PROMPT_TOKENS", 0)
     assert Simulator(d, workload, seed=0).run() == kept == Simulator(d, workload, seed=0, private_prefixes=False).run()
+
+
+@pytest.mark.parametrize("trace", ["mooncake_conversation_300.jsonl", "azure_code_300.csv"])
+def test_private_requests_are_those_sharing_no_block_at_all(trace):
+    """``find_private`` counts first blocks only (a block's hash chains all before it): the
+    same requests as counting every block of every prompt and output."""
+    d = load_deployment(ROOT / "examples" / "h200-v2lite.toml")
+    workload = read_trace(DATA / trace).requests[:200]
+    sim = Simulator(d, workload, seed=0)
+    owners: dict[int, set[int]] = {}
+    hashed = [r for r in range(len(workload)) if r in sim.prompts._ready]  # not too long for the model
+    for r in hashed:
+        seq = np.concatenate([sim.prompts._ready[r][0],
+                              sim.out_tokens[sim.out_base.item(r) : sim.out_base.item(r + 1)]])
+        for key in sim.hasher.hash_prompt(seq)[0][:, 0].tolist():
+            owners.setdefault(key, set()).add(r)
+    shared = set().union(*(o for o in owners.values() if len(o) > 1))
+    assert sim.prompts.private == [r in hashed and r not in shared for r in range(len(workload))]
+    if trace.startswith("mooncake"):
+        assert shared and not all(sim.prompts.private)

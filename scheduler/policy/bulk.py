@@ -40,6 +40,8 @@ class BulkDecode:
         slots = self._active
         if not slots:
             return 0, False
+        if self._waiting and self._free_slots and self._could_admit_head():
+            return 0, False  # the next schedule starts it (checked first: it is the usual miss)
         dec, nknown_a, ncomp_a, stop = self.s_decodable, self.s_nknown, self.s_ncomp, self.s_stop
         if len(slots) <= SMALL_BATCH:  # one pass, the same checks
             pend_a, maxtotal_a, nblk_a = self.s_prefill_end, self.s_maxtotal, self.s_nblocks
@@ -65,8 +67,6 @@ class BulkDecode:
             if any(c < e for c, e in zip(ncomp, pend)):
                 return 0, False  # a one-token prefill chunk left
             rem = [t - a for t, a in zip(maxtotal, nknown)]
-        if self._waiting and self._free_slots and self._could_admit_head():
-            return 0, False
         k = min(rem)
         if k <= 0:
             return 0, False
