@@ -284,6 +284,37 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
     int32; seq_lens [B] int32 (tokens to attend to, the new one included; 0 gives zeros).
     Returns [B, H, DL] in q's dtype. `max_seq_len` (host-known bound) and `num_splits` only
     shape the launch; fix num_splits when capturing a CUDA graph."""
+    out, part, lse = _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale,
+                             max_seq_len, num_splits, config)
+    if lse is not None:
+        _merge(part, lse, out)
+    return out
+
+
+def mla_decode_partials(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
+                        scale: torch.Tensor | None = None, *, max_seq_len: int | None = None,
+                        num_splits: int | None = None, config: dict | None = None,
+                        max_splits: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``mla_decode`` without its merge launch, for a caller that merges the splits where it
+    reads the output (``dense.merge_bmm_row``): (partials [B, H, S, DL] float32, their
+    log2-sum-exps [B, H, S]), or (the output [B, H, DL], None) where one split per sequence
+    wrote the output directly or there are more than ``max_splits`` splits (merged here: each
+    of a reader's programs would redo a merge that large). An empty split has lse -inf;
+    merged, a sequence's splits give the sum of partial * exp2(lse - max) over the sum of
+    exp2(lse - max)."""
+    out, part, lse = _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale,
+                             max_seq_len, num_splits, config)
+    if lse is not None and part.shape[2] > max_splits:
+        _merge(part, lse, out)
+        lse = None
+    return (out, None) if lse is None else (part, lse)
+
+
+def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_seq_len,
+            num_splits, config):
+    """Check and launch the split kernel: (output, partials, lse), lse None where the split
+    kernel wrote the output itself."""
     dev = q_latent.device
     check(q_latent, "q_latent", dims=3, dtypes=(torch.bfloat16, torch.float16))
     check(q_pe, "q_pe", dims=3, dtypes=(q_latent.dtype,), device=dev)
@@ -307,7 +338,7 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         num_splits = num_splits_for(b, groups, bound, cfg["MIN_SPLIT"], sms, cfg.get("WAVES", 2))
     out = torch.empty(b, h, dl, dtype=q_latent.dtype, device=dev)
     if b == 0:
-        return out
+        return out, out, None
     direct = num_splits == 1  # the split kernel writes the output: no partials, no merge
     if direct:
         part, lse = out.unsqueeze(2), out  # lse: an unused pointer
@@ -328,15 +359,25 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1], QUANT=quant, GROUP=group, MULTI=multi,
         DIRECT=direct, HALVES=halves,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if direct:
-        return out
+    return (out, part, None) if direct else (out, part, lse)
+
+
+def _merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    b, h, num_splits, dl = part.shape
     # A program merges a whole head row where its tile stays within 8K values (registers).
     block_d = min(next_pow2(dl), max(32, 8192 // next_pow2(num_splits)))
     _mla_decode_merge_kernel[(b, h, triton.cdiv(dl, block_d))](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), num_splits,
         DL=dl, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=4)
-    return out
+
+
+def merge_reference(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """The splits' merge in torch, float32: part [..., S, D] and lse [..., S] -> [..., D]."""
+    mx = lse.amax(-1, keepdim=True)
+    mx = torch.where(mx == float("-inf"), torch.zeros_like(mx), mx)
+    w = torch.exp2(lse - mx)
+    return (part * w[..., None]).sum(-2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
 
 
 def gather_entries(cache: torch.Tensor, block_tables: torch.Tensor, length: int,

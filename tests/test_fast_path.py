@@ -154,8 +154,10 @@ def test_shared_experts_fused_as_expert_slots_are_the_shared_mlp():
 
 def test_one_token_decode_through_per_head_matrix_vector_products(monkeypatch):
     """At one decoding token the absorbed heads' products run as ``gemv`` where the table has
-    their shapes: the step's logits match torch.bmm's, up to bf16 sums."""
+    their shapes, the attention splits merged by their own launch or inside W_UV's product
+    (``MERGE_IN_W_UV_MAX_SPLITS``): the step's logits match torch.bmm's, up to bf16 sums."""
     from lockstep.kernels import dense
+    from lockstep.runtime.models import fast as F
 
     model = tiny(torch.bfloat16)
     cfg = model.cfg
@@ -168,12 +170,22 @@ def test_one_token_decode_through_per_head_matrix_vector_products(monkeypatch):
     h, dn, dl, dv = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     monkeypatch.setitem(dense.BMM_ROW_CONFIGS, (h, dn, dl), tile)
     monkeypatch.setitem(dense.BMM_ROW_CONFIGS, (h, dl, dv), tile)
-    calls, gemv = [], dense.gemv
+    calls, gemv, merges = [], dense.gemv, []
     monkeypatch.setattr(dense, "gemv", lambda x, w, c: calls.append(tuple(w.shape)) or gemv(x, w, c))
+    merge = fast._merge_bmm_row
+    fast._merge_bmm_row = lambda p, lse, w: merges.append(p.shape[1]) or merge(p, lse, w)
+    monkeypatch.setattr(F, "MERGE_IN_W_UV_MAX_SPLITS", 0)  # the splits merged by mla_decode's launch
     after, _ = fast(step, kv)
-    assert sorted(set(calls)) == sorted({(h, dn, dl), (h, dl, dv)})
+    assert sorted(set(calls)) == sorted({(h, dn, dl), (h, dl, dv)}) and not merges
     rows = (after - before).abs().amax(-1) / before.abs().amax(-1)
     assert rows.max() < 0.02 and torch.equal(after.argmax(-1), before.argmax(-1))
+    # merged inside W_UV's product instead (the CPU's 4 "SMs" give several splits)
+    calls.clear()
+    monkeypatch.setattr(F, "MERGE_IN_W_UV_MAX_SPLITS", 128)
+    merged, _ = fast(step, kv)
+    assert set(calls) == {(h, dn, dl)} and merges and min(merges) > 1
+    rows = (merged - after).abs().amax(-1) / after.abs().amax(-1)
+    assert rows.max() < 0.02 and torch.equal(merged.argmax(-1), after.argmax(-1))
 
 
 def test_ab_switches_keep_the_logits_and_long_steps_sum_in_the_kernel(monkeypatch):

@@ -23,7 +23,8 @@ from lockstep.kernels.fused_moe import (  # noqa: E402
     ALIGN_KERNEL_MAX_PAIRS, fused_moe, fused_moe_reference, moe_align, moe_align_reference, moe_sum_reference,
     quantize_fp8_blockwise)
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, mla_prep_store, quantize_per_token  # noqa: E402
-from lockstep.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
+from lockstep.kernels.mla_decode import (  # noqa: E402
+    merge_reference, mla_decode, mla_decode_partials, mla_decode_reference)
 from lockstep.kernels.mla_prefill import mla_prefill, mla_prefill_reference  # noqa: E402
 from lockstep.kernels.topk import topk, topk_config, topk_reference  # noqa: E402
 
@@ -547,7 +548,7 @@ def test_moe_route_rejects_bad_arguments():
 # -- dense decode projections ---------------------------------------------------------------------
 
 from lockstep.kernels import dense  # noqa: E402
-from lockstep.kernels.dense import bmm_row, dense_config, gemv, linear  # noqa: E402
+from lockstep.kernels.dense import bmm_row, dense_config, gemv, linear, merge_bmm_row  # noqa: E402
 
 DENSE_TILES = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
                {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}]
@@ -604,6 +605,52 @@ def test_bmm_row_uses_the_table_or_torch(monkeypatch):
     # a gemv entry serves one row only: more rows go to F.linear
     x, w = randn(3, 64, g=g), randn(40, 64, g=g)
     assert torch.equal(linear(x, w, config={"BACKEND": "gemv", **GEMV_TILES[0]}), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 300])
+@pytest.mark.parametrize("tile", range(len(GEMV_TILES)))
+def test_merge_bmm_row_merges_the_splits_then_multiplies(monkeypatch, splits, tile):
+    """The attention splits' merge fused into the heads' W_UV product: equal to merging in
+    torch, rounding to bf16 (as a merge launch stores it) and multiplying; an empty split
+    (lse -inf) weighs nothing and a head whose splits are all empty gives zeros. 300 splits
+    shrink the K tile (the partials' tile stays in registers); K and N are off the tiles' multiples."""
+    g = gen(22)
+    heads, k, n = (3, 40, 72) if not CUDA else (16, 512, 128)
+    part = randn(heads, splits, k, g=g, dtype=torch.float32)
+    lse = randn(heads, splits, g=g, dtype=torch.float32) * 3
+    lse[0, 0] = float("-inf")
+    lse[2] = float("-inf")
+    w = randn(heads, k, n, g=g, scale=0.1)
+    monkeypatch.setitem(dense.BMM_ROW_CONFIGS, (heads, k, n), GEMV_TILES[tile])
+    out = merge_bmm_row(part, lse, w)
+    merged = merge_reference(part, lse).to(BF16)
+    assert out.shape == (heads, n) and out.dtype == BF16 and not out[2].any()
+    close(out, torch.bmm(merged.float()[:, None], w.float())[:, 0])
+    monkeypatch.delitem(dense.BMM_ROW_CONFIGS, (heads, k, n))  # not in the table: torch ops
+    assert torch.equal(merge_bmm_row(part, lse, w), torch.bmm(merged[:, None], w)[:, 0])
+
+
+def test_mla_decode_partials_merge_to_mla_decode():
+    q_lat, q_pe, cache, tables, lens, scale = _decode_case(gen(2), False)
+    part, lse = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=3)
+    assert part.shape[:3] == lse.shape == (*q_lat.shape[:2], 3)
+    out = mla_decode(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=3)
+    close(merge_reference(part, lse), out, tol=1e-2)
+    direct, none = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=1)
+    assert none is None and torch.equal(direct, mla_decode(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=1))
+    merged, none = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=3, max_splits=2)
+    assert none is None and torch.equal(merged, out)  # more splits than max_splits: merged here
+
+
+def test_merge_bmm_row_rejects_bad_arguments():
+    part, lse = torch.zeros(2, 3, 8, device=DEV), torch.zeros(2, 3, device=DEV)
+    w = torch.zeros(2, 8, 4, dtype=BF16, device=DEV)
+    with pytest.raises(ValueError, match="lse"):
+        merge_bmm_row(part, lse[:, :2], w)
+    with pytest.raises(ValueError, match="part"):
+        merge_bmm_row(part.to(BF16), lse, w)
+    with pytest.raises(ValueError, match="w"):
+        merge_bmm_row(part, lse, w[:, :4])
 
 
 def test_dense_linear_rejects_bad_arguments():

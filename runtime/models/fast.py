@@ -93,6 +93,14 @@ MLA_PREP_KERNEL = True
 # looped reduction reads the k terms twice (raw/2026-11-30-h200-session11-moe-sum-ab.txt).
 # 0: the kernel's own sum launch everywhere.
 MOE_SUM_IN_NORM_MAX_TOKENS = 64
+# At one decoding token, up to this many attention splits are merged inside the W_UV
+# product's launch (kernels.dense.merge_bmm_row) where W_UV's shape has a tuned bmm_row
+# config, one launch fewer a layer. Each of that launch's programs redoes its head's merge:
+# on the H200 v2-lite's batch-1 step went 2.313 -> 2.259 ms at 1K context (16 splits), was
+# even at 2K (32 splits), and went 2.340 -> 2.993 ms at 4K (64 splits)
+# (raw/2026-11-30-h200-session12-merge-ab*.txt).
+# 0: mla_decode's own merge launch, then bmm_row, everywhere (kept for A/B runs).
+MERGE_IN_W_UV_MAX_SPLITS = 16
 
 
 def len_bucket(max_len: int, cap: int) -> int:
@@ -308,16 +316,18 @@ class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False,
                  fuse_shared: bool = True):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
-        from lockstep.kernels.dense import bmm_row, linear
+        from lockstep.kernels.dense import BMM_ROW_CONFIGS, bmm_row, linear, merge_bmm_row
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
         from lockstep.kernels.kv_store import kv_store, mla_prep_store
-        from lockstep.kernels.mla_decode import mla_decode
+        from lockstep.kernels.mla_decode import mla_decode, mla_decode_partials
         from lockstep.kernels.mla_prefill import mla_prefill, prefix_chunks
 
         self._kv_store, self._mla_decode = kv_store, mla_decode
         self._mla_prep_store = mla_prep_store
         self._linear = linear  # the decode projections: tuned Triton tiles or cuBLAS, per shape
         self._bmm_row = bmm_row  # the absorbed heads' products at one token: the same, per shape
+        self._mla_decode_partials, self._merge_bmm_row = mla_decode_partials, merge_bmm_row
+        self._bmm_row_configs = BMM_ROW_CONFIGS
         self._mla_prefill, self._fused_moe = mla_prefill, fused_moe_kernel
         self._prefix_chunks = prefix_chunks
         if model.dtype not in (torch.bfloat16, torch.float16):
@@ -433,6 +443,13 @@ class FastDeepseek:
             q_latent = self._bmm_row(q_nope[0], lw.w_uk)[None]
         else:
             q_latent = torch.bmm(q_nope.transpose(0, 1), lw.w_uk).transpose(0, 1)  # (T, H, dl)
+        if one and MERGE_IN_W_UV_MAX_SPLITS and tuple(lw.w_uv.shape) in self._bmm_row_configs:
+            part, lse = self._mla_decode_partials(q_latent, q_pe, cache[0], step.dec_tables, step.dec_lens,
+                                                  self.cfg.softmax_scale, cache[1], max_seq_len=plan.dec_len_bound,
+                                                  max_splits=MERGE_IN_W_UV_MAX_SPLITS)
+            if lse is None:  # merged already, or one split wrote the output
+                return self._bmm_row(part[0], lw.w_uv)[None]
+            return self._merge_bmm_row(part[0], lse[0], lw.w_uv)[None]
         o = self._mla_decode(q_latent, q_pe, cache[0], step.dec_tables, step.dec_lens, self.cfg.softmax_scale,
                              cache[1], max_seq_len=plan.dec_len_bound)
         if one:
