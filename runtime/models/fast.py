@@ -96,11 +96,11 @@ MOE_SUM_IN_NORM_MAX_TOKENS = 64
 # At one decoding token, up to this many attention splits are merged inside the W_UV
 # product's launch (kernels.dense.merge_bmm_row) where W_UV's shape has a tuned bmm_row
 # config, one launch fewer a layer. Each of that launch's programs redoes its head's merge:
-# on the H200 v2-lite's batch-1 step went 2.313 -> 2.259 ms at 1K context (16 splits), was
-# even at 2K (32 splits), and went 2.340 -> 2.993 ms at 4K (64 splits)
-# (raw/2026-11-30-h200-session12-merge-ab*.txt).
-# 0: mla_decode's own merge launch, then bmm_row, everywhere (kept for A/B runs).
-MERGE_IN_W_UV_MAX_SPLITS = 16
+# on the H200 v2-lite's batch-1 step at 1K context (a 2048-token launch bound: 32 splits)
+# went 2.313 -> 2.259 ms, but at 4K (8192: 128 splits) 2.340 -> 2.993 ms
+# (raw/2026-11-30-h200-session12-merge-ab*.txt). 0: mla_decode's own merge launch, then
+# bmm_row, everywhere (kept for A/B runs).
+MERGE_IN_W_UV_MAX_SPLITS = 32
 
 
 def len_bucket(max_len: int, cap: int) -> int:
