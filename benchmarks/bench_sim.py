@@ -2,7 +2,9 @@
 their real arrival times, on a one-GPU deployment and on the DEP8 example.
 
 Reference (not runnable here): Vidur 0.0.26 replays 30-150 requests per CPU-second.
-Target: >= 7,500 on one GPU. Also checks that advance(k) matches stepping one by one.
+Target: >= 7,500 on one GPU. Each deployment is replayed --repeat times (the median CPU time
+is quoted, and every replay must give the same report). Also checks that advance(k) matches
+stepping one by one.
 """
 
 from __future__ import annotations
@@ -36,13 +38,24 @@ def run(deployment: str, workload, use_advance: bool = True) -> tuple[float, Sim
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="replays per deployment; the figures are their median (this VM is noisy)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {args.repeat}")
     workload = read_trace(args.trace).requests
     rows = []
     for dep in ("h200-v2lite.toml", "h200-dep8.toml"):
-        cpu, sim, rep = run(dep, workload)
-        rows.append({"deployment": dep, "requests": len(workload), "cpu_s": cpu,
+        cpus, reports = [], []
+        for _ in range(args.repeat):
+            cpu, sim, rep = run(dep, workload)
+            cpus.append(cpu)
+            reports.append(rep)
+        if any(r != reports[0] for r in reports):  # same inputs, same report: the contract
+            raise SystemExit(f"{dep}: replays of the same trace gave different reports")
+        cpu = float(np.median(cpus))
+        rows.append({"deployment": dep, "requests": len(workload), "cpu_s": cpu, "best_cpu_s": min(cpus),
                      "requests_per_cpu_s": len(workload) / cpu, "steps": rep["steps"],
                      "completed": rep["requests"]["completed"]})
     # advance(k) must not change results: replay a slice both ways.
@@ -53,10 +66,11 @@ def main() -> None:
         np.array_equal(getattr(a.metrics, f), getattr(b.metrics, f), equal_nan=True)
         for f in ("first", "second", "last", "finish", "ntok"))
     rows.append({"deployment": "advance == one by one (600 requests)", "requests": 600, "cpu_s": 0.0,
-                 "requests_per_cpu_s": 0.0, "steps": 0, "completed": str(same)})
+                 "best_cpu_s": 0.0, "requests_per_cpu_s": 0.0, "steps": 0, "completed": str(same)})
     one = rows[0]["requests_per_cpu_s"]
     emit("bench_sim", rows, {
-        "metric": "simulated requests per CPU-second, Azure code trace, one GPU", "unit": "req/s",
+        "metric": f"simulated requests per CPU-second, Azure code trace, one GPU (median of {args.repeat})",
+        "unit": "req/s",
         "value": one, "baseline": {"name": "Vidur 0.0.26, best reference figure from the issue", "value": VIDUR_BEST},
         "ratio": one / VIDUR_BEST, "target": 7500, "meets_target": one >= 7500,
     }, args.json)

@@ -11,6 +11,10 @@ Which one runs is a table: DENSE_CONFIGS maps (N, K, row bucket) to a tile confi
 {"BACKEND": "gemv", ...} (one row: ``gemv``'s matrix-vector tiles), or to {"BACKEND": "cublas"}
 where cuBLAS was faster in the tuning run; shapes not in it go to
 cuBLAS (F.linear), as do float16 inputs. bf16 operands, float32 accumulation, bf16 output.
+
+At one row, ``gemv`` also serves per-head products (``bmm_row``: the absorbed MLA heads' W_UK
+and W_UV, BMM_ROW_CONFIGS), and ``merge_bmm_row`` feeds W_UV's with the merge of MLA
+decode's attention splits (``mla_decode.mla_decode_partials``) in the same launch.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._util import DOT, check, check_shape, next_pow2, to_dtype
+from .mla_decode import merge_reference
 
 ROW_BUCKETS = (1, 8, 16, 32, 64, 128, 256)
 MAX_ROWS = 256  # above this a projection is a real GEMM: cuBLAS
@@ -195,21 +200,22 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: dict) -> torch.Tensor:
 
 
 @triton.jit(do_not_specialize=["S"])
-def _merge_gemv_kernel(p_ptr, lse_ptr, w_ptr, y_ptr, N, K, S, s_pb, s_ps, s_lb, s_wb, s_wk, s_wn,
-                       s_yb, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       EVEN: tl.constexpr):
+def _merge_gemv_kernel(p_ptr, lse_ptr, w_ptr, y_ptr, N, K, S, s_pb, s_ps, s_lb, s_ls, s_wb, s_wk,
+                       s_wn, s_yb, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     # ``_gemv_kernel`` whose row x[b] is the merge of S split partials p[b, s, :] with weights
-    # exp2(lse[b, s] - max), rounded to y's dtype as a merge launch would store it. Every
-    # program of a row redoes the row's merge from L2: at the sizes this serves (16 heads of
-    # 512, up to 128 splits) that costs less than the merge's own launch.
+    # exp2(lse[b, s] - max), computed as mla_decode's merge launch computes it and rounded to
+    # y's dtype as that launch stores it. Every program of a row redoes the row's merge from
+    # L2: up to 32 splits of 512 (v2-lite's heads) that costs less than the merge's own
+    # launch, at 64 and more it costs more (see fast.MERGE_IN_W_UV_MAX_SPLITS).
     pid_n, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     ss = tl.arange(0, BLOCK_S)
     sm = ss < S
-    lse = tl.load(lse_ptr + b * s_lb + ss, mask=sm, other=float("-inf"))
+    lse = tl.load(lse_ptr + b * s_lb + ss * s_ls, mask=sm, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty: a row of zeros
     wt = tl.exp2(lse - mx)
-    inv = 1.0 / tl.maximum(tl.sum(wt, 0), 1e-30)
+    den = tl.maximum(tl.sum(wt, 0), 1e-30)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     nm = offs_n < N
@@ -224,18 +230,24 @@ def _merge_gemv_kernel(p_ptr, lse_ptr, w_ptr, y_ptr, N, K, S, s_pb, s_ps, s_lb, 
             km = (k0 + offs_k) < K
             pv = tl.load(p_ptrs, mask=sm[:, None] & km[None, :], other=0.0)
             wv = tl.load(w_ptrs, mask=km[:, None] & nm[None, :], other=0.0)
-        xv = to_dtype(tl.sum(pv * wt[:, None], 0) * inv, y_ptr.dtype.element_ty).to(tl.float32)
+        xv = to_dtype(tl.sum(pv * wt[:, None], 0) / den, y_ptr.dtype.element_ty).to(tl.float32)
         acc += xv[:, None] * wv.to(tl.float32)
         p_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * s_wk
     tl.store(y_ptr + b * s_yb + offs_n, tl.sum(acc, 0).to(y_ptr.dtype.element_ty), mask=nm)
 
 
+def merge_fuses(w: torch.Tensor) -> bool:
+    """Whether ``merge_bmm_row`` runs as one launch for W_UV weights w (else: torch ops)."""
+    cfg = BMM_ROW_CONFIGS.get(tuple(w.shape))
+    return cfg is not None and cfg.get("BACKEND") != "torch" and w.dtype == torch.bfloat16
+
+
 def merge_bmm_row(part: torch.Tensor, lse: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The merge of attention splits, then ``bmm_row``, in one launch where BMM_ROW_CONFIGS
-    has w's shape: part [B, S, K] float32 (unit-stride K), lse [B, S] float32 (log2-sum-exps;
-    -inf for an empty split), w [B, K, N] -> [B, N] in w's dtype. Elsewhere the merge and the
-    product run as torch ops, with the merged row rounded to w's dtype as in the fused form."""
+    """The merge of attention splits, then ``bmm_row``, in one launch where ``merge_fuses(w)``:
+    part [B, S, K] float32 (unit-stride K), lse [B, S] float32 (log2-sum-exps; -inf for an
+    empty split), w [B, K, N] -> [B, N] in w's dtype. Elsewhere the merge and the product run
+    as torch ops, with the merged row rounded to w's dtype as in the fused form."""
     check(part, "part", dims=3, dtypes=(torch.float32,))
     check(lse, "lse", dims=2, dtypes=(torch.float32,), device=part.device, last_contiguous=False)
     check(w, "w", dims=3, dtypes=(torch.bfloat16, torch.float16), device=part.device,
@@ -245,9 +257,7 @@ def merge_bmm_row(part: torch.Tensor, lse: torch.Tensor, w: torch.Tensor) -> tor
     check_shape(lse, "lse", (b, s))
     check_shape(w, "w", (b, k, n))
     cfg = BMM_ROW_CONFIGS.get(tuple(w.shape))
-    if cfg is None or cfg.get("BACKEND") == "torch" or w.dtype != torch.bfloat16:
-        from .mla_decode import merge_reference
-
+    if not merge_fuses(w):
         return bmm_row_with(merge_reference(part, lse).to(w.dtype), w, cfg)
     y = torch.empty(b, n, dtype=w.dtype, device=w.device)
     if b == 0 or n == 0:
@@ -255,8 +265,8 @@ def merge_bmm_row(part: torch.Tensor, lse: torch.Tensor, w: torch.Tensor) -> tor
     block_s = next_pow2(s)
     bn, bk = cfg["BLOCK_N"], min(cfg["BLOCK_K"], max(16, 8192 // block_s))  # the partials' tile in registers
     _merge_gemv_kernel[(triton.cdiv(n, bn), b)](
-        part, lse, w, y, n, k, s, part.stride(0), part.stride(1), lse.stride(0), w.stride(0),
-        w.stride(1), w.stride(2), y.stride(0),
+        part, lse, w, y, n, k, s, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
+        w.stride(0), w.stride(1), w.stride(2), y.stride(0),
         BLOCK_S=block_s, BLOCK_N=bn, BLOCK_K=bk, EVEN=k % bk == 0 and n % bn == 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y

@@ -4,8 +4,10 @@ With W_UK absorbed into the query, every head attends to the same cached entry
 [latent (kv_lora_rank) | k_pe (rope_dim)]: the latent is both key (with q_latent) and value, so
 one program loads a tile of entries once and serves a group of heads with two small GEMMs.
 The sequence is split over programs (flash-decoding): each split writes its normalised
-partial output and log-sum-exp, and a second kernel merges the splits. The output stays in
-latent space [B, H, kv_lora_rank]; W_UV is applied by the caller.
+partial output and log-sum-exp, and a second kernel merges the splits, or the caller merges
+them where it reads them (``mla_decode_partials``; ``dense.merge_bmm_row`` does it inside the
+W_UV product). The output stays in latent space [B, H, kv_lora_rank]; W_UV is applied by the
+caller.
 
 Tiles of BLOCK_N tokens lie within one page of the cache when BLOCK_N divides the block size;
 a split then loads the block ids of up to 32 pages at once, so a tile's address needs no load
@@ -253,26 +255,6 @@ def _mla_decode_split_kernel(
         tl.store(lse_ptr + b * s_lb + heads * s_lh + sp, lse, mask=hm)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _mla_decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, s_os, s_lb, s_lh,
-                             s_outb, s_outh, num_splits,
-                             DL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    b, h, dc = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    ss = tl.arange(0, BLOCK_S)
-    od = dc * BLOCK_D + tl.arange(0, BLOCK_D)
-    # Partials and lse load together (an empty split's partial is zeros, its weight 0): one
-    # memory round trip, not two.
-    o = tl.load(op_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + od[None, :],
-                mask=(ss < num_splits)[:, None] & (od < DL)[None, :], other=0.0)
-    lse = tl.load(lse_ptr + b * s_lb + h * s_lh + ss, mask=ss < num_splits, other=float("-inf"))
-    mx = tl.max(lse, 0)
-    mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty: output zeros
-    w = tl.exp2(lse - mx)
-    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
-    tl.store(out_ptr + b * s_outb + h * s_outh + od, out.to(out_ptr.dtype.element_ty),
-             mask=od < DL)
-
-
 def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                scale: torch.Tensor | None = None, *, max_seq_len: int | None = None,
@@ -299,8 +281,8 @@ def mla_decode_partials(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch
     """``mla_decode`` without its merge launch, for a caller that merges the splits where it
     reads the output (``dense.merge_bmm_row``): (partials [B, H, S, DL] float32, their
     log2-sum-exps [B, H, S]), or (the output [B, H, DL], None) where one split per sequence
-    wrote the output directly or there are more than ``max_splits`` splits (merged here: each
-    of a reader's programs would redo a merge that large). An empty split has lse -inf;
+    wrote the output directly, there are more than ``max_splits`` splits (merged here: each
+    of a reader's programs would redo a merge that large), or B is 0. An empty split has lse -inf;
     merged, a sequence's splits give the sum of partial * exp2(lse - max) over the sum of
     exp2(lse - max)."""
     out, part, lse = _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale,
@@ -314,7 +296,7 @@ def mla_decode_partials(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch
 def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_seq_len,
             num_splits, config):
     """Check and launch the split kernel: (output, partials, lse), lse None where the split
-    kernel wrote the output itself."""
+    kernel wrote the output itself or there is no sequence (partials None then too)."""
     dev = q_latent.device
     check(q_latent, "q_latent", dims=3, dtypes=(torch.bfloat16, torch.float16))
     check(q_pe, "q_pe", dims=3, dtypes=(q_latent.dtype,), device=dev)
@@ -338,7 +320,7 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
         num_splits = num_splits_for(b, groups, bound, cfg["MIN_SPLIT"], sms, cfg.get("WAVES", 2))
     out = torch.empty(b, h, dl, dtype=q_latent.dtype, device=dev)
     if b == 0:
-        return out, out, None
+        return out, None, None
     direct = num_splits == 1  # the split kernel writes the output: no partials, no merge
     if direct:
         part, lse = out.unsqueeze(2), out  # lse: an unused pointer
@@ -360,6 +342,26 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
         DIRECT=direct, HALVES=halves,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (out, part, None) if direct else (out, part, lse)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, s_os, s_lb, s_lh,
+                             s_outb, s_outh, num_splits,
+                             DL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b, h, dc = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    ss = tl.arange(0, BLOCK_S)
+    od = dc * BLOCK_D + tl.arange(0, BLOCK_D)
+    # Partials and lse load together (an empty split's partial is zeros, its weight 0): one
+    # memory round trip, not two.
+    o = tl.load(op_ptr + b * s_ob + h * s_oh + ss[:, None] * s_os + od[None, :],
+                mask=(ss < num_splits)[:, None] & (od < DL)[None, :], other=0.0)
+    lse = tl.load(lse_ptr + b * s_lb + h * s_lh + ss, mask=ss < num_splits, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # every split empty: output zeros
+    w = tl.exp2(lse - mx)
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + b * s_outb + h * s_outh + od, out.to(out_ptr.dtype.element_ty),
+             mask=od < DL)
 
 
 def _merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:

@@ -22,7 +22,7 @@ from lockstep.policy.deployment import load_deployment
 from lockstep.policy.hashing import BlockHasher
 from lockstep.sim import prompts as prompts_module
 from lockstep.sim.simulator import Simulator
-from lockstep.sim.traces import read_trace
+from lockstep.sim.traces import TraceRequest, read_trace
 
 ROOT = Path(__file__).parents[1]
 DATA = Path(__file__).parent / "data"
@@ -223,12 +223,35 @@ def test_prompts_hashed_ahead_but_not_kept_simulate_alike(monkeypatch):
     assert Simulator(d, workload, seed=0).run() == kept == Simulator(d, workload, seed=0, private_prefixes=False).run()
 
 
-@pytest.mark.parametrize("trace", ["mooncake_conversation_300.jsonl", "azure_code_300.csv"])
+def _request(t: float, segs: list[tuple[int, int]], output_len: int, output_seg: int = -1) -> TraceRequest:
+    ids, lens = zip(*segs)
+    return TraceRequest(arrival_s=t, input_len=sum(lens), output_len=output_len,
+                        seg_ids=np.array(ids, dtype=np.int64), seg_lens=np.array(lens, dtype=np.int32),
+                        output_seg=output_seg)
+
+
+# (requests, which are private): blocks of 16 tokens, a 32,768-token context
+SHARING = ([
+    _request(0.0, [(100, 40), (101, 20)], 4),  # 0, 1: their first two blocks are equal
+    _request(0.1, [(100, 40), (102, 20)], 4),
+    _request(0.2, [(200, 5)], 3),  # 2: no full block, prompt and output together
+    _request(0.3, [(300, 10)], 10),  # 3: one block, the prompt's and its own output's tokens
+    _request(0.4, [(400, 32768)], 1),  # 4: too long for the model: rejected, never hashed
+    _request(0.5, [(500, 64)], 8),  # 5: alone
+    _request(0.6, [(600, 8), (601, 40)], 4),  # 6, 7: 8 equal tokens, no equal block
+    _request(0.7, [(600, 8), (602, 40)], 4),
+    _request(0.8, [(900, 32)], 16, output_seg=901),  # 8, 9: the next turn resends 8's output
+    _request(0.9, [(900, 32), (901, 16), (902, 10)], 4),
+], [False, False, True, True, False, True, True, True, False, False])
+
+
+@pytest.mark.parametrize("trace", ["sharing", "mooncake_conversation_300.jsonl", "azure_code_300.csv"])
 def test_private_requests_are_those_sharing_no_block_at_all(trace):
     """``find_private`` counts first blocks only (a block's hash chains all before it): the
-    same requests as counting every block of every prompt and output."""
+    same requests as counting every block of every prompt and output. The excerpts are all
+    shared (Mooncake) or all private (Azure); the made-up workload mixes the cases."""
     d = load_deployment(ROOT / "examples" / "h200-v2lite.toml")
-    workload = read_trace(DATA / trace).requests[:200]
+    workload = SHARING[0] if trace == "sharing" else read_trace(DATA / trace).requests[:200]
     sim = Simulator(d, workload, seed=0)
     owners: dict[int, set[int]] = {}
     hashed = [r for r in range(len(workload)) if r in sim.prompts._ready]  # not too long for the model
@@ -239,5 +262,5 @@ def test_private_requests_are_those_sharing_no_block_at_all(trace):
             owners.setdefault(key, set()).add(r)
     shared = set().union(*(o for o in owners.values() if len(o) > 1))
     assert sim.prompts.private == [r in hashed and r not in shared for r in range(len(workload))]
-    if trace.startswith("mooncake"):
-        assert shared and not all(sim.prompts.private)
+    if trace == "sharing":
+        assert sim.prompts.private == SHARING[1]

@@ -186,6 +186,13 @@ def test_one_token_decode_through_per_head_matrix_vector_products(monkeypatch):
     assert set(calls) == {(h, dn, dl)} and merges and min(merges) > 1
     rows = (merged - after).abs().amax(-1) / after.abs().amax(-1)
     assert rows.max() < 0.02 and torch.equal(merged.argmax(-1), after.argmax(-1))
+    # more splits than the cap: merged by mla_decode's launch after all, W_UV by gemv
+    calls.clear()
+    merges.clear()
+    monkeypatch.setattr(F, "MERGE_IN_W_UV_MAX_SPLITS", 1)
+    capped, _ = fast(step, kv)
+    assert sorted(set(calls)) == sorted({(h, dn, dl), (h, dl, dv)}) and not merges
+    assert torch.equal(capped, after)
 
 
 def test_ab_switches_keep_the_logits_and_long_steps_sum_in_the_kernel(monkeypatch):

@@ -609,24 +609,33 @@ def test_bmm_row_uses_the_table_or_torch(monkeypatch):
 
 @pytest.mark.parametrize("splits", [1, 3, 300])
 @pytest.mark.parametrize("tile", range(len(GEMV_TILES)))
-def test_merge_bmm_row_merges_the_splits_then_multiplies(monkeypatch, splits, tile):
+@pytest.mark.parametrize("shape", ["off-tiles", "on-tiles"])
+def test_merge_bmm_row_merges_the_splits_then_multiplies(monkeypatch, splits, tile, shape):
     """The attention splits' merge fused into the heads' W_UV product: equal to merging in
     torch, rounding to bf16 (as a merge launch stores it) and multiplying; an empty split
-    (lse -inf) weighs nothing and a head whose splits are all empty gives zeros. 300 splits
-    shrink the K tile (the partials' tile stays in registers); K and N are off the tiles' multiples."""
+    (lse -inf) weighs nothing and a head whose splits are all empty gives zeros; lse may be
+    strided. 300 splits shrink the K tile (the partials' tile stays in registers); K and N
+    off the tiles' multiples take the masked loads, on them the unmasked ones."""
     g = gen(22)
-    heads, k, n = (3, 40, 72) if not CUDA else (16, 512, 128)
+    if shape == "off-tiles":
+        heads, k, n = (3, 40, 72) if not CUDA else (16, 500, 120)
+    else:
+        heads, k, n = (3, 128, 32) if not CUDA else (16, 512, 128)
     part = randn(heads, splits, k, g=g, dtype=torch.float32)
     lse = randn(heads, splits, g=g, dtype=torch.float32) * 3
     lse[0, 0] = float("-inf")
     lse[2] = float("-inf")
     w = randn(heads, k, n, g=g, scale=0.1)
     monkeypatch.setitem(dense.BMM_ROW_CONFIGS, (heads, k, n), GEMV_TILES[tile])
+    assert dense.merge_fuses(w) and not dense.merge_fuses(w.half())
     out = merge_bmm_row(part, lse, w)
     merged = merge_reference(part, lse).to(BF16)
     assert out.shape == (heads, n) and out.dtype == BF16 and not out[2].any()
     close(out, torch.bmm(merged.float()[:, None], w.float())[:, 0])
+    strided = lse.t().contiguous().t()  # the same values, split stride = heads
+    assert (splits == 1 or strided.stride(1) == heads) and torch.equal(merge_bmm_row(part, strided, w), out)
     monkeypatch.delitem(dense.BMM_ROW_CONFIGS, (heads, k, n))  # not in the table: torch ops
+    assert not dense.merge_fuses(w)
     assert torch.equal(merge_bmm_row(part, lse, w), torch.bmm(merged[:, None], w)[:, 0])
 
 
@@ -640,6 +649,8 @@ def test_mla_decode_partials_merge_to_mla_decode():
     assert none is None and torch.equal(direct, mla_decode(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=1))
     merged, none = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=3, max_splits=2)
     assert none is None and torch.equal(merged, out)  # more splits than max_splits: merged here
+    empty, none = mla_decode_partials(q_lat[:0], q_pe[:0], cache, tables[:0], lens[:0], 0.1, num_splits=3)
+    assert none is None and empty.shape == (0, *q_lat.shape[1:])
 
 
 def test_merge_bmm_row_rejects_bad_arguments():

@@ -94,12 +94,12 @@ MLA_PREP_KERNEL = True
 # 0: the kernel's own sum launch everywhere.
 MOE_SUM_IN_NORM_MAX_TOKENS = 64
 # At one decoding token, up to this many attention splits are merged inside the W_UV
-# product's launch (kernels.dense.merge_bmm_row) where W_UV's shape has a tuned bmm_row
-# config, one launch fewer a layer. Each of that launch's programs redoes its head's merge:
-# on the H200 v2-lite's batch-1 step at 1K context (a 2048-token launch bound: 32 splits)
-# went 2.313 -> 2.259 ms, but at 4K (8192: 128 splits) 2.340 -> 2.993 ms
-# (raw/2026-11-30-h200-session12-merge-ab*.txt). 0: mla_decode's own merge launch, then
-# bmm_row, everywhere (kept for A/B runs).
+# product's launch (kernels.dense.merge_bmm_row) where that launch fuses (a tuned bf16 bmm_row
+# config for W_UV's shape), one launch fewer a layer. Each of its programs redoes its head's
+# merge. On the H200, v2-lite's batch-1 step went 2.277 -> 2.247 ms at 16 splits (a
+# 1024-token launch bound), 2.313 -> 2.259 at 32 (2048: the bench's 1K context), but 2.312 ->
+# 2.596 at 64 and 2.340 -> 2.993 at 128 (raw/2026-11-30-h200-session12-merge-ab*.txt).
+# 0: mla_decode's own merge launch, then bmm_row, everywhere (kept for A/B runs).
 MERGE_IN_W_UV_MAX_SPLITS = 32
 
 
@@ -316,7 +316,7 @@ class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False,
                  fuse_shared: bool = True):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
-        from lockstep.kernels.dense import BMM_ROW_CONFIGS, bmm_row, linear, merge_bmm_row
+        from lockstep.kernels.dense import bmm_row, linear, merge_bmm_row, merge_fuses
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
         from lockstep.kernels.kv_store import kv_store, mla_prep_store
         from lockstep.kernels.mla_decode import mla_decode, mla_decode_partials
@@ -327,7 +327,7 @@ class FastDeepseek:
         self._linear = linear  # the decode projections: tuned Triton tiles or cuBLAS, per shape
         self._bmm_row = bmm_row  # the absorbed heads' products at one token: the same, per shape
         self._mla_decode_partials, self._merge_bmm_row = mla_decode_partials, merge_bmm_row
-        self._bmm_row_configs = BMM_ROW_CONFIGS
+        self._merge_fuses = merge_fuses
         self._mla_prefill, self._fused_moe = mla_prefill, fused_moe_kernel
         self._prefix_chunks = prefix_chunks
         if model.dtype not in (torch.bfloat16, torch.float16):
@@ -443,7 +443,7 @@ class FastDeepseek:
             q_latent = self._bmm_row(q_nope[0], lw.w_uk)[None]
         else:
             q_latent = torch.bmm(q_nope.transpose(0, 1), lw.w_uk).transpose(0, 1)  # (T, H, dl)
-        if one and MERGE_IN_W_UV_MAX_SPLITS and tuple(lw.w_uv.shape) in self._bmm_row_configs:
+        if one and MERGE_IN_W_UV_MAX_SPLITS and self._merge_fuses(lw.w_uv):
             part, lse = self._mla_decode_partials(q_latent, q_pe, cache[0], step.dec_tables, step.dec_lens,
                                                   self.cfg.softmax_scale, cache[1], max_seq_len=plan.dec_len_bound,
                                                   max_splits=MERGE_IN_W_UV_MAX_SPLITS)
