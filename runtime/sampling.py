@@ -10,7 +10,10 @@ is the fast path's: the same choices for greedy rows, the same distributions for
 ones, and nothing but the chosen ids ever leaves the device. It draws by an exponential
 race (argmax of p_i / E_i with E_i ~ Exp(1) picks i with probability p_i), one noise row
 per request, so a seeded row's noise comes from a device generator seeded by (seed,
-position) alone: reproducible, but another stream than the reference's CPU draws.
+position) alone: reproducible, but another stream than the reference's CPU draws. Where no
+row asks for top-k, one kernel (``kernels.sampling.sample_rows``) runs the race over the
+top-p nucleus without sorting the rows; with the same noise it picks what the sort-based
+path picks, but for a boundary value several tokens share (it keeps all of them).
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ import torch
 
 from .models.batch import to_device
 
+try:
+    from lockstep.kernels import _util as _kernels
+    from lockstep.kernels.sampling import sample_rows
+except ImportError:  # no triton (it installs on x86_64 only): the torch ops below serve
+    _kernels = sample_rows = None
+
 _MIX = 0x9E3779B97F4A7C15
+# Batches without top-k sample in one kernel launch (False: sort-based torch ops, the form
+# before, kept for A/B runs on the GPU).
+SAMPLE_KERNEL = True
 
 
 def sample(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
@@ -46,26 +58,42 @@ def sample(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top
 def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
                      seeds: np.ndarray, positions: np.ndarray, gen: torch.Generator) -> torch.Tensor:
     """One token per row of ``logits`` (S, V), as an int64 tensor on logits' device."""
-    out = logits.argmax(dim=-1)
     rand = np.flatnonzero(temperature > 0)
     if not len(rand):
-        return out
+        return logits.argmax(dim=-1)
+    fused = SAMPLE_KERNEL and sample_rows is not None and not (top_k[rand] > 0).any() and (
+        logits.is_cuda or _kernels.INTERPRET) and logits.stride(-1) == 1
+    noise = _noise((len(rand), logits.shape[-1]), rand, seeds, positions, gen, logits.device)
+    if fused:
+        dev, rows = logits.device, np.full(len(logits), -1, np.int64)
+        rows[rand] = np.arange(len(rand))
+        temp = np.where(temperature > 0, temperature, 0.0).astype(np.float32)
+        return sample_rows(logits, to_device(temp, dev), to_device(np.asarray(top_p, np.float32), dev), noise,
+                           to_device(rows, dev))
     every = len(rand) == len(logits)
     rows = None if every else to_device(rand, logits.device)  # (a numpy index would copy synchronously)
     probs = _probs(logits if every else logits[rows], temperature[rand], top_p[rand], top_k[rand])
-    noise = torch.empty_like(probs)
+    picks = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    if every:
+        return picks
+    out = logits.argmax(dim=-1)
+    out[rows] = picks
+    return out
+
+
+def _noise(shape: tuple[int, int], rand: np.ndarray, seeds: np.ndarray, positions: np.ndarray,
+           gen: torch.Generator, device) -> torch.Tensor:
+    """Exp(1) draws, a row per sampled row: from ``gen``, or for a seeded request from a
+    generator seeded by (seed, position)."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
     seeded = np.flatnonzero(seeds[rand] >= 0)
     if len(seeded) < len(rand):
         # Drawn for every row then overwritten for the seeded ones: one launch, not one per row.
         noise.exponential_(generator=gen)
     for j in seeded.tolist():
-        g = torch.Generator(device=logits.device).manual_seed(_row_seed(int(seeds[rand[j]]), int(positions[rand[j]])))
+        g = torch.Generator(device=device).manual_seed(_row_seed(int(seeds[rand[j]]), int(positions[rand[j]])))
         noise[j].exponential_(generator=g)
-    picks = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-    if every:
-        return picks
-    out[rows] = picks
-    return out
+    return noise
 
 
 def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> torch.Tensor:

@@ -431,7 +431,12 @@ def test_speculation_on_the_fast_path_replays_verify_and_draft_passes_as_graphs(
     assert spec.spec.draft_passes > 0
 
 
-def test_sample_on_device_greedy_seeded_and_distribution():
+def test_sample_on_device_greedy_seeded_and_distribution(monkeypatch):
+    """The sorting torch ops (a top-k row sends a batch there; the batch of 40,000 rows too,
+    which the kernel would take hours to run in the interpreter)."""
+    from lockstep.runtime import sampling
+
+    monkeypatch.setattr(sampling, "SAMPLE_KERNEL", False)
     g = torch.Generator(device=DEV).manual_seed(0)
     logits = torch.randn(6, 50, generator=g, device=DEV)
     temp = np.array([0.0, 1.0, 1.0, 0.7, 1.0, 0.0])
@@ -450,6 +455,31 @@ def test_sample_on_device_greedy_seeded_and_distribution():
                              np.zeros(n, np.int64), g)
     freq = torch.bincount(picks.cpu(), minlength=4).double() / n
     torch.testing.assert_close(freq, row[0].double().softmax(-1).cpu(), atol=0.01, rtol=0)
+
+
+def test_sample_on_device_kernel_draws_what_the_sorting_ops_draw(monkeypatch):
+    """Without top-k the rows are drawn by one kernel (``kernels.sampling``): from the same
+    generators, the same picks as the sorting torch ops, seeded rows and greedy rows
+    included; a batch with a top-k row takes the torch ops."""
+    from lockstep.runtime import sampling
+
+    g0 = torch.Generator(device=DEV).manual_seed(5)
+    logits = torch.randn(6, 300, generator=g0, device=DEV) * 3
+    temp = np.array([0.0, 1.0, 0.8, 0.5, 1.0, 0.0])
+    top_p, top_k = np.array([1.0, 1.0, 0.9, 0.3, 0.95, 1.0]), -np.ones(6, np.int64)
+    seeds, pos = np.array([-1, 3, -1, 7, -1, -1]), np.arange(6) * 10
+    calls, kernel = [], sampling.sample_rows
+    monkeypatch.setattr(sampling, "sample_rows", lambda *a: calls.append(len(a[0])) or kernel(*a))
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(sampling, "SAMPLE_KERNEL", fused)
+        got[fused] = sample_on_device(logits, temp, top_p, top_k, seeds, pos, torch.Generator(device=DEV).manual_seed(9))
+    assert calls == [6] and torch.equal(got[True], got[False])
+    assert got[True][[0, 5]].tolist() == logits[[0, 5]].argmax(-1).tolist()
+    monkeypatch.setattr(sampling, "SAMPLE_KERNEL", True)
+    top_k[2] = 5
+    sample_on_device(logits, temp, top_p, top_k, seeds, pos, torch.Generator(device=DEV).manual_seed(9))
+    assert calls == [6]
 
 
 def test_sampled_speculation_on_the_fast_path_draws_what_the_eager_path_draws():

@@ -11,7 +11,9 @@ over the copy bandwidth measured in the same run) and the torch baseline of the 
    replaced (committed config, rows named `... threshold`);
 4. MLA decode, v2-lite (16 heads, kv_lora_rank 512, rope 64, block 64), batch 1-256, context
    1K and 4K, bf16 and FP8 cache, against the torch reference (gather + bf16 matmuls);
-5. KV store (bf16, FP8), and MLA prefill of 4K new tokens on a cached 32K prefix (tokens/s).
+5. KV store (bf16, FP8), and MLA prefill of 4K new tokens on a cached 32K prefix (tokens/s);
+6. sampling (temperature 1, top-p 0.95) of 1-256 rows of v2-lite's 102,400 logits by the
+   kernel without a sort, against the sort-based torch ops it replaced (same noise, same picks).
 
 Times are medians over CUDA-event-timed iterations. `us` replays a CUDA graph of the op after
 flushing L2 (how a decode step runs it: GPU time, launches amortised); `us_eager` calls it
@@ -48,6 +50,7 @@ from _common import emit  # noqa: E402
 from lockstep.kernels import dense as dense_mod  # noqa: E402
 from lockstep.kernels import fused_moe as moe_mod  # noqa: E402
 from lockstep.kernels import mla_decode as dec_mod  # noqa: E402
+from lockstep.kernels import sampling as sampling_mod  # noqa: E402
 from lockstep.kernels import topk as topk_mod  # noqa: E402
 from lockstep.kernels import topk_threshold as topk_threshold_mod  # noqa: E402
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token  # noqa: E402
@@ -659,6 +662,47 @@ def bench_prefill(b: Bench) -> None:
 
 # -- the run ------------------------------------------------------------------------------------
 
+def bench_sampling(b: Bench, bw: float) -> None:
+    """sample_rows on bf16 logits with their noise, against the torch ops the runtime ran
+    before (sort, softmax, cumsum, scatter, softmax, race); the floor reads the logits and the
+    noise once."""
+
+    def sorted_nucleus(logits, temp, top_p, noise):
+        """The runtime's torch ops before the kernel (``sampling._probs`` and the race), with
+        device-side parameters so that a CUDA graph can hold them."""
+        x = logits.float() / temp[:, None]
+        srt, idx = x.sort(dim=-1, descending=True)
+        p = srt.softmax(dim=-1)
+        srt = srt.masked_fill((p.cumsum(dim=-1) - p) >= top_p[:, None], float("-inf"))
+        probs = torch.full_like(x, float("-inf")).scatter(1, idx, srt).softmax(dim=-1)
+        return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    vocab = 102400 if not b.smoke else 300
+    for rows in ((1, 64, 256) if not b.smoke else (1, 4)):
+        name = f"sample top-p 0.95 rows={rows}"
+        try:
+            g = torch.Generator(device=b.dev).manual_seed(rows)
+            logits = (torch.randn(rows, vocab, generator=g, device=b.dev) * 3).to(torch.bfloat16)
+            noise = torch.empty(rows, vocab, device=b.dev).exponential_(generator=g)
+            ones = torch.ones(rows, device=b.dev)
+            temp, top_p, nrows = ones, ones * 0.95, torch.arange(rows, device=b.dev)
+            run = lambda: sampling_mod.sample_rows(logits, temp, top_p, noise, nrows)  # noqa: E731
+            base = lambda: sorted_nucleus(logits, temp, top_p, noise)  # noqa: E731
+            same = torch.equal(run(), base())
+            b.checks[name] = same
+            us, base_us = b.graph_us(run), b.graph_us(base)
+            nbytes = rows * vocab * (2 + 4)
+            roof_us = 1e6 * nbytes / bw
+            b.row("sampling", name, us=us, us_eager=b.eager_us(run), baseline="sort-based torch ops",
+                  baseline_us=base_us, baseline_us_eager=b.eager_us(base), speedup=base_us / us,
+                  bytes_mb=nbytes / 1e6, frac_roofline=roof_us / us, baseline_frac=roof_us / base_us,
+                  check=f"{'ok' if same else 'FAIL'} same picks as the torch ops",
+                  note="one program a row: max, normalizer, race, mass above its winner")
+        except Exception:  # noqa: BLE001
+            b.errors[name] = traceback.format_exc()[-1500:]
+            print(b.errors[name], flush=True)
+
+
 def targets(b: Bench) -> dict:
     def find(section, case):
         return next((r for r in b.rows if r["section"] == section and r["case"] == case), None)
@@ -683,7 +727,7 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="time the committed/default configs only")
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
-    ap.add_argument("--only", default="", help="comma-separated sections: moe,topk,decode,dense,kv,prefill")
+    ap.add_argument("--only", default="", help="comma-separated sections: moe,topk,decode,dense,kv,prefill,sampling")
     args = ap.parse_args()
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
@@ -700,7 +744,7 @@ def main() -> None:
     for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("topk", lambda: bench_topk(b, bw)),
                     ("decode", lambda: bench_decode(b, bw)), ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
                     ("kv", lambda: bench_kv_store(b, bw)),
-                    ("prefill", lambda: bench_prefill(b))):
+                    ("prefill", lambda: bench_prefill(b)), ("sampling", lambda: bench_sampling(b, bw))):
         if only and sec not in only:
             continue
         t0 = time.monotonic()

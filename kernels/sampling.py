@@ -1,0 +1,163 @@
+"""Sampling a token per row of logits, greedy or with temperature and top-p, without sorting.
+
+The fast path draws by an exponential race: with E_i ~ Exp(1) per token, the argmax of
+p_i / E_i over a set of tokens picks token i with probability p_i (renormalized over the set).
+Top-p restricts the race to the nucleus N, the most likely tokens whose mass reaches top_p:
+token i is in N when the tokens strictly more likely than i weigh less than top_p. N is an
+upper set of the row's values, so with the noise drawn, argmax over N of p_i / E_i needs no
+sort:
+- run the race over every token; its winner j beats every token of N;
+- if j is in N (one pass: the mass above it) it is the answer;
+- else every token of N is more likely than j, and the race runs again over those tokens.
+
+The winner is in N with probability at least top_p, so one round (three passes over the row
+with the max and the normalizer) is the norm; each round's winner is strictly more likely
+than the last, and the most likely token is always in N.
+
+Ties: the tokens of the boundary value are all in N or all out of it. A sort-based nucleus
+keeps some of them, in whatever order the sort left them.
+
+One program per row. The noise comes from the caller, so its random streams stay the
+caller's (torch generators, seeded per request where asked).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import check, check_shape
+
+BLOCK = 2048  # tokens a program reads per step
+NUM_WARPS = 8
+MAX_ROUNDS = 64  # a guard: a round's winner only rises, and the most likely token always ends it
+
+
+@triton.jit
+def _race(x_row, n_row, V, t, m, low, BLOCK: tl.constexpr):
+    """(winner, its scaled logit): argmax of exp(y - m) / E over the tokens with y > low,
+    y = x / t; the first index on ties, as torch.argmax."""
+    offs = tl.arange(0, BLOCK)
+    best_s = tl.full([BLOCK], -1.0, tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    best_y = tl.zeros([BLOCK], tl.float32)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + offs
+        live = idx < V
+        y = tl.load(x_row + idx, mask=live, other=float("-inf")).to(tl.float32) / t
+        e = tl.load(n_row + idx, mask=live, other=1.0)
+        s = tl.exp(y - m) / tl.maximum(e, 1.1754943508222875e-38)  # the smallest normal float
+        s = tl.where(live & (y > low), s, -1.0)
+        take = s > best_s  # strict: a lane keeps its earliest index on ties
+        best_s = tl.where(take, s, best_s)
+        best_i = tl.where(take, idx, best_i)
+        best_y = tl.where(take, y, best_y)
+    top = tl.max(best_s, 0)
+    j = tl.min(tl.where(best_s == top, best_i, V), 0)
+    yj = tl.max(tl.where(best_i == j, best_y, float("-inf")), 0)
+    return j, yj
+
+
+@triton.jit
+def _mass_above(x_row, V, t, m, yj, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + offs
+        y = tl.load(x_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / t
+        acc += tl.where(y > yj, tl.exp(y - m), 0.0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _sample_kernel(x_ptr, noise_ptr, nrow_ptr, temp_ptr, topp_ptr, out_ptr, V, s_x, s_n,
+                   BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + r * s_x
+    t = tl.load(temp_ptr + r)
+    offs = tl.arange(0, BLOCK)
+    # the row's max logit and its first index: the greedy answer, and the softmax's shift
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + offs
+        x = tl.load(x_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        take = x > best
+        best = tl.where(take, x, best)
+        best_i = tl.where(take, idx, best_i)
+    xmax = tl.max(best, 0)
+    ans = tl.min(tl.where(best == xmax, best_i, V), 0)
+    if t > 0.0:
+        m = xmax / t
+        tp = tl.load(topp_ptr + r)
+        n_row = noise_ptr + tl.load(nrow_ptr + r).to(tl.int64) * s_n
+        z = tl.sum(tl.zeros([BLOCK], tl.float32), 0)  # the softmax's normalizer
+        if tp < 1.0:
+            acc = tl.zeros([BLOCK], tl.float32)
+            for v0 in range(0, V, BLOCK):
+                idx = v0 + offs
+                y = tl.load(x_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / t
+                acc += tl.exp(y - m)
+            z = tl.sum(acc, 0)
+        low = float("-inf")
+        got = -1
+        rounds = 0
+        while (got < 0) & (rounds < MAX_ROUNDS):
+            j, yj = _race(x_row, n_row, V, t, m, low, BLOCK)
+            if tp >= 1.0:
+                got = j
+            elif _mass_above(x_row, V, t, m, yj, BLOCK) < tp * z:
+                got = j
+            else:
+                low = yj
+            rounds += 1
+        ans = tl.where(got >= 0, got, ans)  # past the guard: the most likely token, in N
+    tl.store(out_ptr + r, ans.to(tl.int64))
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                noise: torch.Tensor, noise_rows: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` [S, V] (float32, bfloat16 or float16; unit-stride V):
+    the argmax where ``temperature`` [S] (float32) is 0, else the exponential race over the
+    row's top-p nucleus (``top_p`` [S] float32 in (0, 1]) of softmax(logits / temperature),
+    with noise row ``noise_rows[i]`` of ``noise`` [R, V] (float32 Exp(1) draws; int
+    ``noise_rows`` [S], unread for greedy rows). Returns int64 [S] on the logits' device."""
+    check(logits, "logits", dims=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    dev = logits.device
+    s, v = logits.shape
+    check(temperature, "temperature", dims=1, dtypes=(torch.float32,), device=dev)
+    check(top_p, "top_p", dims=1, dtypes=(torch.float32,), device=dev)
+    check(noise, "noise", dims=2, dtypes=(torch.float32,), device=dev)
+    check(noise_rows, "noise_rows", dims=1, dtypes=(torch.int32, torch.int64), device=dev)
+    for t, name in ((temperature, "temperature"), (top_p, "top_p"), (noise_rows, "noise_rows")):
+        check_shape(t, name, (s,))
+    check_shape(noise, "noise", (None, v))
+    out = torch.empty(s, dtype=torch.int64, device=dev)
+    if s == 0:
+        return out
+    _sample_kernel[(s,)](logits, noise, noise_rows, temperature, top_p, out, v, logits.stride(0),
+                         noise.stride(0), BLOCK=min(BLOCK, triton.next_power_of_2(v)),
+                         MAX_ROUNDS=MAX_ROUNDS, num_warps=NUM_WARPS)
+    return out
+
+
+def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                     noise: torch.Tensor, noise_rows: torch.Tensor) -> torch.Tensor:
+    """``sample_rows`` in torch: the nucleus from a sort, a token kept when the tokens of
+    strictly greater value weigh less than top_p (tied tokens stand or fall together)."""
+    out = logits.float().argmax(-1)
+    for i in torch.nonzero(temperature > 0).flatten().tolist():
+        y = logits[i].float() / temperature[i]
+        srt, idx = y.sort(descending=True)
+        p = (srt - srt[0]).exp()
+        above = p.cumsum(-1) - p  # the mass before each sorted position...
+        first = torch.ones_like(srt, dtype=torch.bool)
+        first[1:] = srt[1:] != srt[:-1]
+        group = first.cumsum(-1) - 1
+        above = above[first][group]  # ...taken at the first of its ties: strictly greater
+        keep = torch.zeros_like(y, dtype=torch.bool).scatter(0, idx, above < top_p[i] * p.sum())
+        score = torch.where(keep, (y - srt[0]).exp(), -1.0) / noise[noise_rows[i]].clamp_min(
+            torch.finfo(torch.float32).tiny)
+        out[i] = score.argmax()
+    return out
