@@ -23,11 +23,8 @@ import torch
 
 from .models.batch import to_device
 
-try:
-    from lockstep.kernels import _util as _kernels
-    from lockstep.kernels.sampling import sample_rows
-except ImportError:  # no triton (it installs on x86_64 only): the torch ops below serve
-    _kernels = sample_rows = None
+_kernels = sample_rows = None  # the kernel, imported at the first sampled batch (``_load_kernel``)
+_loaded = False
 
 _MIX = 0x9E3779B97F4A7C15
 # Batches without top-k sample in one kernel launch (False: sort-based torch ops, the form
@@ -61,6 +58,7 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     rand = np.flatnonzero(temperature > 0)
     if not len(rand):
         return logits.argmax(dim=-1)
+    _load_kernel()
     fused = SAMPLE_KERNEL and sample_rows is not None and not (top_k[rand] > 0).any() and (
         logits.is_cuda or _kernels.INTERPRET) and logits.stride(-1) == 1
     noise = _noise((len(rand), logits.shape[-1]), rand, seeds, positions, gen, logits.device)
@@ -79,6 +77,21 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     out = logits.argmax(dim=-1)
     out[rows] = picks
     return out
+
+
+def _load_kernel() -> None:
+    """Import the sampling kernel once, on first use: a runtime that never samples on the
+    device (the reference path) does not import triton for it."""
+    global _kernels, sample_rows, _loaded
+    if _loaded:
+        return
+    _loaded = True
+    try:
+        from lockstep.kernels import _util
+        from lockstep.kernels.sampling import sample_rows as kernel
+    except ImportError:  # no triton (it installs on x86_64 only): the torch ops serve
+        return
+    _kernels, sample_rows = _util, kernel
 
 
 def _noise(shape: tuple[int, int], rand: np.ndarray, seeds: np.ndarray, positions: np.ndarray,

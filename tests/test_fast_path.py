@@ -468,6 +468,7 @@ def test_sample_on_device_kernel_draws_what_the_sorting_ops_draw(monkeypatch):
     temp = np.array([0.0, 1.0, 0.8, 0.5, 1.0, 0.0])
     top_p, top_k = np.array([1.0, 1.0, 0.9, 0.3, 0.95, 1.0]), -np.ones(6, np.int64)
     seeds, pos = np.array([-1, 3, -1, 7, -1, -1]), np.arange(6) * 10
+    sampling._load_kernel()
     calls, kernel = [], sampling.sample_rows
     monkeypatch.setattr(sampling, "sample_rows", lambda *a: calls.append(len(a[0])) or kernel(*a))
     got = {}
