@@ -10,9 +10,10 @@ sort:
 - if j is in N (one pass: the mass above it) it is the answer;
 - else every token of N is more likely than j, and the race runs again over those tokens.
 
-The winner is in N with probability at least top_p, so one round (three passes over the row
-with the max and the normalizer) is the norm; each round's winner is strictly more likely
-than the last, and the most likely token is always in N.
+The winner is in N with probability at least top_p, so one round is the norm: four passes
+over the row (the max, the normalizer, the race, the mass above its winner; two without
+top-p). Each round's winner is strictly more likely than the last, and the most likely token
+is always in N.
 
 Ties: the tokens of the boundary value are all in N or all out of it. A sort-based nucleus
 keeps some of them, in whatever order the sort left them.
@@ -44,7 +45,7 @@ def _race(x_row, n_row, V, t, m, low, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     best_s = tl.full([BLOCK], -1.0, tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
-    best_y = tl.zeros([BLOCK], tl.float32)
+    best_y = tl.full([BLOCK], float("-inf"), tl.float32)  # a lane that takes nothing stays out of yj
     for v0 in range(0, V, BLOCK):
         idx = v0 + offs
         live = idx < V
@@ -125,7 +126,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
     the argmax where ``temperature`` [S] (float32) is 0, else the exponential race over the
     row's top-p nucleus (``top_p`` [S] float32 in (0, 1]) of softmax(logits / temperature),
     with noise row ``noise_rows[i]`` of ``noise`` [R, V] (float32 Exp(1) draws; int
-    ``noise_rows`` [S], unread for greedy rows). Returns int64 [S] on the logits' device."""
+    ``noise_rows`` [S], in [0, R) for sampled rows (not checked: that would wait for the
+    device), unread for greedy rows). Returns int64 [S] on the logits' device."""
     check(logits, "logits", dims=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
     dev = logits.device
     s, v = logits.shape

@@ -18,13 +18,15 @@ path picks, but for a boundary value several tokens share (it keeps all of them)
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import numpy as np
 import torch
 
 from .models.batch import to_device
 
-_kernels = sample_rows = None  # the kernel, imported at the first sampled batch (``_load_kernel``)
-_loaded = False
+log = logging.getLogger(__name__)
 
 _MIX = 0x9E3779B97F4A7C15
 # Batches without top-k sample in one kernel launch (False: sort-based torch ops, the form
@@ -58,16 +60,16 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     rand = np.flatnonzero(temperature > 0)
     if not len(rand):
         return logits.argmax(dim=-1)
-    _load_kernel()
-    fused = SAMPLE_KERNEL and sample_rows is not None and not (top_k[rand] > 0).any() and (
-        logits.is_cuda or _kernels.INTERPRET) and logits.stride(-1) == 1
+    kernel = _kernel() if SAMPLE_KERNEL else None
+    fused = kernel is not None and not (top_k[rand] > 0).any() and (logits.is_cuda or kernel[1]) and (
+        logits.stride(-1) == 1)
     noise = _noise((len(rand), logits.shape[-1]), rand, seeds, positions, gen, logits.device)
     if fused:
         dev, rows = logits.device, np.full(len(logits), -1, np.int64)
         rows[rand] = np.arange(len(rand))
         temp = np.where(temperature > 0, temperature, 0.0).astype(np.float32)
-        return sample_rows(logits, to_device(temp, dev), to_device(np.asarray(top_p, np.float32), dev), noise,
-                           to_device(rows, dev))
+        return kernel[0](logits, to_device(temp, dev), to_device(np.asarray(top_p, np.float32), dev), noise,
+                         to_device(rows, dev))
     every = len(rand) == len(logits)
     rows = None if every else to_device(rand, logits.device)  # (a numpy index would copy synchronously)
     probs = _probs(logits if every else logits[rows], temperature[rand], top_p[rand], top_k[rand])
@@ -79,19 +81,33 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     return out
 
 
-def _load_kernel() -> None:
-    """Import the sampling kernel once, on first use: a runtime that never samples on the
-    device (the reference path) does not import triton for it."""
-    global _kernels, sample_rows, _loaded
-    if _loaded:
-        return
-    _loaded = True
+@functools.cache
+def _kernel():
+    """(the sampling kernel's launcher, whether Triton interprets it), imported at the first
+    sampled batch (a runtime that never samples on the device, the reference path, does not
+    import triton for it); None without triton (it installs on x86_64 only)."""
     try:
         from lockstep.kernels import _util
-        from lockstep.kernels.sampling import sample_rows as kernel
-    except ImportError:  # no triton (it installs on x86_64 only): the torch ops serve
+        from lockstep.kernels.sampling import sample_rows
+    except ImportError:
+        return None
+    return sample_rows, _util.INTERPRET
+
+
+def warm_up(vocab_size: int, device) -> None:
+    """Compile the sampling kernel for float32 rows of ``vocab_size`` logits (what the fast
+    path feeds it) on a CUDA device, so that the first sampled batch does not wait for the
+    compile inside a step launched ahead. A failure is logged: that batch compiles it then."""
+    kernel = _kernel() if SAMPLE_KERNEL else None
+    if kernel is None or torch.device(device).type != "cuda":
         return
-    _kernels, sample_rows = _util, kernel
+    try:
+        one = torch.ones(1, device=device)
+        kernel[0](torch.zeros(1, vocab_size, device=device), one, one * 0.5,
+                  torch.ones(1, vocab_size, device=device), torch.zeros(1, dtype=torch.int64, device=device))
+    except Exception as e:  # noqa: BLE001 - the first sampled batch raises it, if it is real
+        log.warning("sampling kernel warm-up failed (%s: %s); the first sampled batch compiles it",
+                    type(e).__name__, e)
 
 
 def _noise(shape: tuple[int, int], rand: np.ndarray, seeds: np.ndarray, positions: np.ndarray,

@@ -44,6 +44,7 @@ from .launched import HostReturn, Launched
 from .models import load_model
 from . import synthetic
 from .models.batch import ForwardBatch, HostBatch
+from . import sampling
 from .sampling import sample, sample_on_device
 
 
@@ -174,6 +175,7 @@ class TorchRuntime:
         capture_len = int(opts.get("capture_len", min(spec.max_model_len, 4096)))
         if capture_len > 0:  # 0: capture each graph when a step first needs it
             runner.capture(capture_len)
+        sampling.warm_up(fast.cfg.vocab_size, self.device)  # no compile inside the first sampled step
         return runner
 
     def _draft_runner(self, spec: RuntimeSpec, own_layers: bool):

@@ -432,8 +432,8 @@ def test_speculation_on_the_fast_path_replays_verify_and_draft_passes_as_graphs(
 
 
 def test_sample_on_device_greedy_seeded_and_distribution(monkeypatch):
-    """The sorting torch ops (a top-k row sends a batch there; the batch of 40,000 rows too,
-    which the kernel would take hours to run in the interpreter)."""
+    """Greedy, seeded and top-k rows and the draws' frequencies, through the sorting torch
+    ops: the kernel would take minutes over 40,000 rows in the interpreter."""
     from lockstep.runtime import sampling
 
     monkeypatch.setattr(sampling, "SAMPLE_KERNEL", False)
@@ -468,9 +468,8 @@ def test_sample_on_device_kernel_draws_what_the_sorting_ops_draw(monkeypatch):
     temp = np.array([0.0, 1.0, 0.8, 0.5, 1.0, 0.0])
     top_p, top_k = np.array([1.0, 1.0, 0.9, 0.3, 0.95, 1.0]), -np.ones(6, np.int64)
     seeds, pos = np.array([-1, 3, -1, 7, -1, -1]), np.arange(6) * 10
-    sampling._load_kernel()
-    calls, kernel = [], sampling.sample_rows
-    monkeypatch.setattr(sampling, "sample_rows", lambda *a: calls.append(len(a[0])) or kernel(*a))
+    calls, (kernel, interpret) = [], sampling._kernel()
+    monkeypatch.setattr(sampling, "_kernel", lambda: (lambda *a: calls.append(len(a[0])) or kernel(*a), interpret))
     got = {}
     for fused in (True, False):
         monkeypatch.setattr(sampling, "SAMPLE_KERNEL", fused)

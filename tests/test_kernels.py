@@ -704,7 +704,7 @@ def test_sample_rows_draws_what_a_sorted_nucleus_draws(dtype):
 def test_sample_rows_follows_the_nucleus_distribution():
     """Top-p 0.7 over [0.5, 0.3, 0.15, 0.05]: the first two tokens (0.8 >= 0.7; 0.5 alone
     is not), drawn as 5/8 and 3/8; a tie at the boundary keeps every tied token."""
-    n, tol = (800, 0.06) if not CUDA else (40000, 0.01)
+    n, tol = (500, 0.07) if not CUDA else (40000, 0.01)
     g = gen(31)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device=DEV)
     logits = probs.log().expand(n, 4).contiguous()
@@ -717,6 +717,22 @@ def test_sample_rows_follows_the_nucleus_distribution():
     tied = torch.tensor([0.4, 0.2, 0.2, 0.2], device=DEV).log().expand(n, 4).contiguous()
     freq = torch.bincount(sample_rows(tied, ones, ones * 0.5, noise, rows), minlength=4).double() / n
     torch.testing.assert_close(freq.cpu(), torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64), atol=tol, rtol=0)
+
+
+def test_sample_rows_reruns_the_race_above_a_losing_winner_and_takes_first_maxima():
+    """A first winner outside the nucleus (token 0, its noise tiny) sends the race above it:
+    the answer is the nucleus' winner, token 1, in a row shorter than the kernel's step (its
+    idle lanes must not stand for the winner's value). -inf logits never win; greedy rows
+    take the first of equal maxima."""
+    logits = torch.tensor([[-1.0, 0.5, -0.5, -0.5, -0.5], [-1.0, 0.5, -0.5, float("-inf"), -0.5],
+                           [0.0, 2.0, 1.0, 2.0, -3.0]], device=DEV)
+    temp, top_p = torch.tensor([1.0, 1.0, 0.0], device=DEV), torch.tensor([0.5, 0.5, 1.0], device=DEV)
+    noise = torch.ones(2, 5, device=DEV)
+    noise[:, 0] = 1e-3
+    rows = torch.tensor([0, 1, -1], device=DEV)
+    want = torch.tensor([1, 1, 1], device=DEV)
+    assert torch.equal(sample_reference(logits, temp, top_p, noise, rows), want)
+    assert torch.equal(sample_rows(logits, temp, top_p, noise, rows), want)
 
 
 def test_sample_rows_rejects_bad_arguments():
