@@ -10,10 +10,10 @@ is the fast path's: the same choices for greedy rows, the same distributions for
 ones, and nothing but the chosen ids ever leaves the device. It draws by an exponential
 race (argmax of p_i / E_i with E_i ~ Exp(1) picks i with probability p_i), one noise row
 per request, so a seeded row's noise comes from a device generator seeded by (seed,
-position) alone: reproducible, but another stream than the reference's CPU draws. Where no
-row asks for top-k, one kernel (``kernels.sampling.sample_rows``) runs the race over the
-top-p nucleus without sorting the rows; with the same noise it picks what the sort-based
-path picks, but for a boundary value several tokens share (it keeps all of them).
+position) alone: reproducible, but another stream than the reference's CPU draws. On the
+GPU one kernel (``kernels.sampling.sample_rows``) runs the race over the top-k tokens' top-p
+nucleus without sorting the rows; with the same noise it picks what the sort-based torch ops
+pick, but for a nucleus boundary value several tokens share (it keeps all of them).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from .models.batch import to_device
 log = logging.getLogger(__name__)
 
 _MIX = 0x9E3779B97F4A7C15
-# Batches without top-k sample in one kernel launch (False: sort-based torch ops, the form
-# before, kept for A/B runs on the GPU).
+# Batches sample in one kernel launch (False: sort-based torch ops, the form before, kept
+# for A/B runs on the GPU).
 SAMPLE_KERNEL = True
 
 
@@ -61,15 +61,16 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     if not len(rand):
         return logits.argmax(dim=-1)
     kernel = _kernel() if SAMPLE_KERNEL else None
-    fused = kernel is not None and not (top_k[rand] > 0).any() and (logits.is_cuda or kernel[1]) and (
+    fused = kernel is not None and (logits.is_cuda or kernel[1]) and (
         logits.stride(-1) == 1)
     noise = _noise((len(rand), logits.shape[-1]), rand, seeds, positions, gen, logits.device)
     if fused:
         dev, rows = logits.device, np.full(len(logits), -1, np.int64)
         rows[rand] = np.arange(len(rand))
         temp = np.where(temperature > 0, temperature, 0.0).astype(np.float32)
-        return kernel[0](logits, to_device(temp, dev), to_device(np.asarray(top_p, np.float32), dev), noise,
-                         to_device(rows, dev))
+        k = np.clip(np.asarray(top_k), 0, np.iinfo(np.int32).max).astype(np.int32)  # <= 0: off
+        return kernel[0](logits, to_device(temp, dev), to_device(np.asarray(top_p, np.float32), dev),
+                         to_device(k, dev), noise, to_device(rows, dev))
     every = len(rand) == len(logits)
     rows = None if every else to_device(rand, logits.device)  # (a numpy index would copy synchronously)
     probs = _probs(logits if every else logits[rows], temperature[rand], top_p[rand], top_k[rand])
@@ -104,6 +105,7 @@ def warm_up(vocab_size: int, device) -> None:
     try:
         one = torch.ones(1, device=device)
         kernel[0](torch.zeros(1, vocab_size, device=device), one, one * 0.5,
+                  torch.full((1,), 50, dtype=torch.int32, device=device),
                   torch.ones(1, vocab_size, device=device), torch.zeros(1, dtype=torch.int64, device=device))
     except Exception as e:  # noqa: BLE001 - the first sampled batch raises it, if it is real
         log.warning("sampling kernel warm-up failed (%s: %s); the first sampled batch compiles it",

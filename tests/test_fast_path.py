@@ -458,9 +458,9 @@ def test_sample_on_device_greedy_seeded_and_distribution(monkeypatch):
 
 
 def test_sample_on_device_kernel_draws_what_the_sorting_ops_draw(monkeypatch):
-    """Without top-k the rows are drawn by one kernel (``kernels.sampling``): from the same
-    generators, the same picks as the sorting torch ops, seeded rows and greedy rows
-    included; a batch with a top-k row takes the torch ops."""
+    """The rows are drawn by one kernel (``kernels.sampling``): from the same generators,
+    the same picks as the sorting torch ops, seeded rows, greedy rows and top-k rows
+    included."""
     from lockstep.runtime import sampling
 
     g0 = torch.Generator(device=DEV).manual_seed(5)
@@ -476,10 +476,12 @@ def test_sample_on_device_kernel_draws_what_the_sorting_ops_draw(monkeypatch):
         got[fused] = sample_on_device(logits, temp, top_p, top_k, seeds, pos, torch.Generator(device=DEV).manual_seed(9))
     assert calls == [6] and torch.equal(got[True], got[False])
     assert got[True][[0, 5]].tolist() == logits[[0, 5]].argmax(-1).tolist()
-    monkeypatch.setattr(sampling, "SAMPLE_KERNEL", True)
-    top_k[2] = 5
-    sample_on_device(logits, temp, top_p, top_k, seeds, pos, torch.Generator(device=DEV).manual_seed(9))
-    assert calls == [6]
+    top_k[[2, 4]] = 5, 400  # 400: more than the vocabulary, every token
+    for fused in (True, False):
+        monkeypatch.setattr(sampling, "SAMPLE_KERNEL", fused)
+        got[fused] = sample_on_device(logits, temp, top_p, top_k, seeds, pos, torch.Generator(device=DEV).manual_seed(9))
+    assert calls == [6, 6] and torch.equal(got[True], got[False])
+    assert got[True][2] in logits[2].topk(5).indices
 
 
 def test_sampled_speculation_on_the_fast_path_draws_what_the_eager_path_draws():

@@ -681,24 +681,28 @@ def _sampling_case(g, s: int, v: int, dtype=torch.float32):
     logits = (torch.randn(s, v, generator=g, device=DEV) * 3).to(dtype)
     temp = torch.tensor([0.0, 1.0, 0.5, 2.0, 1.0, 0.7, 1.3][:s], device=DEV)
     top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 0.05, 0.999, 0.3][:s], device=DEV)
+    top_k = torch.tensor([5, 0, 40, 0, 3, v + 1, 1][:s], device=DEV, dtype=torch.int32)  # 0, >= V: off
     noise = torch.empty(s, v, device=DEV).exponential_(generator=g)
     rows = torch.tensor([-1, 4, 0, 2, 3, 1, 5][:s], device=DEV)  # any noise row per sampled row
-    return logits, temp, top_p, noise, rows
+    return logits, temp, top_p, top_k, noise, rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_sample_rows_draws_what_a_sorted_nucleus_draws(dtype):
-    """Greedy rows take the first max; sampled rows the race over the top-p nucleus, equal
-    to sorting the row for the nucleus, over rows longer than the kernel's step (several
-    steps and a ragged end on CUDA), with a nucleus of one token (top_p 0.05) and, in
-    bf16, many tied values (a boundary value's tokens are all kept or all dropped)."""
+    """Greedy rows take the first max; sampled rows the race over the top-k tokens' top-p
+    nucleus, equal to sorting the row, over rows longer than the kernel's step (several
+    steps and a ragged end on CUDA), with a nucleus of one token (top_p 0.05, top_k 1) and,
+    in bf16, many tied values (a boundary value's tokens are all kept or all dropped)."""
     g = gen(30)
     v = 300 if not CUDA else 102400 + 77
     for trial in range(3 if not CUDA else 20):
-        logits, temp, top_p, noise, rows = _sampling_case(g, 7, v, dtype)
-        want = sample_reference(logits, temp, top_p, noise, rows)
-        assert torch.equal(sample_rows(logits, temp, top_p, noise, rows), want), trial
-    assert want[0] == logits[0].float().argmax()
+        case = _sampling_case(g, 7, v, dtype)
+        want = sample_reference(*case)
+        assert torch.equal(sample_rows(*case), want), trial
+        logits, top_k = case[0], case[3]
+        for i in (2, 4, 6):  # the pick is among the top-k values
+            assert logits[i, want[i]] >= logits[i].float().sort(descending=True).values[top_k[i] - 1]
+    assert want[0] == case[0][0].float().argmax()
 
 
 def test_sample_rows_follows_the_nucleus_distribution():
@@ -708,15 +712,21 @@ def test_sample_rows_follows_the_nucleus_distribution():
     g = gen(31)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05], device=DEV)
     logits = probs.log().expand(n, 4).contiguous()
-    ones = torch.ones(n, device=DEV)
+    ones, no_k = torch.ones(n, device=DEV), torch.zeros(n, device=DEV, dtype=torch.int32)
     noise = torch.empty(n, 4, device=DEV).exponential_(generator=g)
     rows = torch.arange(n, device=DEV)
-    picks = sample_rows(logits, ones, ones * 0.7, noise, rows)
+    picks = sample_rows(logits, ones, ones * 0.7, no_k, noise, rows)
     freq = torch.bincount(picks, minlength=4).double() / n
     torch.testing.assert_close(freq.cpu(), torch.tensor([5 / 8, 3 / 8, 0, 0], dtype=torch.float64), atol=tol, rtol=0)
     tied = torch.tensor([0.4, 0.2, 0.2, 0.2], device=DEV).log().expand(n, 4).contiguous()
-    freq = torch.bincount(sample_rows(tied, ones, ones * 0.5, noise, rows), minlength=4).double() / n
+    freq = torch.bincount(sample_rows(tied, ones, ones * 0.5, no_k, noise, rows), minlength=4).double() / n
     torch.testing.assert_close(freq.cpu(), torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64), atol=tol, rtol=0)
+    # top-k 3 keeps the three tied values with the first (ties at the k-th value stay)...
+    freq = torch.bincount(sample_rows(tied, ones, ones, no_k + 2, noise, rows), minlength=4).double() / n
+    torch.testing.assert_close(freq.cpu(), torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64), atol=tol, rtol=0)
+    # ...top-k 2 of [0.5, 0.3, 0.15, 0.05] the first two, at 5/8 and 3/8
+    freq = torch.bincount(sample_rows(logits, ones, ones, no_k + 2, noise, rows), minlength=4).double() / n
+    torch.testing.assert_close(freq.cpu(), torch.tensor([5 / 8, 3 / 8, 0, 0], dtype=torch.float64), atol=tol, rtol=0)
 
 
 def test_sample_rows_reruns_the_race_above_a_losing_winner_and_takes_first_maxima():
@@ -736,11 +746,13 @@ def test_sample_rows_reruns_the_race_above_a_losing_winner_and_takes_first_maxim
 
 
 def test_sample_rows_rejects_bad_arguments():
-    logits, temp, top_p, noise, rows = _sampling_case(gen(32), 3, 40)
+    logits, temp, top_p, top_k, noise, rows = _sampling_case(gen(32), 3, 40)
     with pytest.raises(ValueError, match="temperature"):
-        sample_rows(logits, temp[:2], top_p, noise, rows)
+        sample_rows(logits, temp[:2], top_p, top_k, noise, rows)
+    with pytest.raises(ValueError, match="top_k"):
+        sample_rows(logits, temp, top_p, top_k.long(), noise, rows)
     with pytest.raises(ValueError, match="noise"):
-        sample_rows(logits, temp, top_p, noise[:, :30], rows)
+        sample_rows(logits, temp, top_p, top_k, noise[:, :30], rows)
     with pytest.raises(ValueError, match="noise_rows"):
-        sample_rows(logits, temp, top_p, noise, rows.float())
-    assert sample_rows(logits[:0], temp[:0], top_p[:0], noise, rows[:0]).shape == (0,)
+        sample_rows(logits, temp, top_p, top_k, noise, rows.float())
+    assert sample_rows(logits[:0], temp[:0], top_p[:0], top_k[:0], noise, rows[:0]).shape == (0,)

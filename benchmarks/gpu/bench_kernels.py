@@ -690,7 +690,8 @@ def bench_sampling(b: Bench, bw: float) -> None:
             noise = torch.empty(rows, vocab, device=b.dev).exponential_(generator=g)
             ones = torch.ones(rows, device=b.dev)
             temp, top_p, nrows = ones, ones * 0.95, torch.arange(rows, device=b.dev)
-            run = lambda: sampling_mod.sample_rows(logits, temp, top_p, noise, nrows)  # noqa: E731
+            no_k = torch.zeros(rows, dtype=torch.int32, device=b.dev)
+            run = lambda: sampling_mod.sample_rows(logits, temp, top_p, no_k, noise, nrows)  # noqa: E731
             base = lambda: sorted_nucleus(logits, temp, top_p, noise)  # noqa: E731
             picks = run()
             same = torch.equal(picks, sampling_mod.sample_reference(logits, temp, top_p, noise, nrows))
