@@ -44,6 +44,13 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens; a runner 
 _PAD = (0, 0, -1, 0, 0)  # token id, position, KV slot, table row, sample slot of a padding token
 
 
+def graph_sizes(sizes, cap: int) -> list[int]:
+    """The token counts a runner captures graphs for: ``sizes`` below ``cap``, then the
+    smallest one at or above it (``cap`` where none is)."""
+    want = sorted({int(s) for s in sizes if s >= 1})
+    return [s for s in want if s < cap] + [min([s for s in want if s >= cap], default=cap)]
+
+
 class FastRunner:
     def __init__(self, fast: FastDeepseek, kv: list, *, max_num_seqs: int, max_blocks: int,
                  max_model_len: int, device: torch.device, graphs: str = "on",
@@ -63,9 +70,7 @@ class FastRunner:
         fast.len_cap = self.len_cap
         self.tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
         # Tokens a decode-rows step may feed: one per sequence, or more with speculation.
-        cap = max(max_tokens, max_num_seqs)
-        want = sorted({int(s) for s in sizes if s >= 1})
-        self.sizes = [s for s in want if s < cap] + [min([s for s in want if s >= cap], default=cap)]
+        self.sizes = graph_sizes(sizes, max(max_tokens, max_num_seqs))
         n = self.sizes[-1]
         pin = device.type == "cuda"
         self._stagings = [torch.zeros(5, n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]

@@ -22,7 +22,9 @@ fused MoE launch; default on), ``launch_ahead`` (default on: see ``launch``),
 ``ep_dispatch`` (expert parallelism: ``padded``, the default on the fast path without a
 draft model, or ``exact``; see ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
-size) as a CUDA graph, all-to-alls included; other steps use exact dispatch. Expert
+size) as a CUDA graph, all-to-alls included; other steps use exact dispatch.
+``ep_exchange`` (padded dispatch's exchanges: ``peer``, copies into the peers' memory, the
+default on GPUs, or ``nccl``, the default on CPU; see ``_attach_peer_exchange``). Expert
 placement options (``eplb_min_stage_steps``, ``eplb_copy_all``): see ``_place_experts``.
 Benchmarks' changes to random weights (``expert_skew``, ``layer_output_scale``): see
 ``runtime.synthetic``.
@@ -120,7 +122,10 @@ class TorchRuntime:
         # Decode steps with padded dispatch (the fast path turns it on by default for DEP; a
         # single rank with expert slots takes it only when asked: tests).
         self.ep_padded = self.placements is not None and dispatch == "padded"
+        self.peer_exchange = None
         self.runner = self._fast_runner(spec)
+        if self.ep_padded and self.runner is None:  # the reference path pads decode steps to their tokens
+            self._attach_peer_exchange(spec, spec.max_num_seqs)
         self.forward_model = self.model if self.runner is None else self.runner.fast
         self.spec = self._speculator(spec)
         draft = self.spec.draft.cfg if self.spec is not None and self.spec.placements is not None else None
@@ -156,6 +161,11 @@ class TorchRuntime:
 
         k = int(opts.get("num_spec_tokens", 3)) if opts.get("draft_model") else 0
         cap = min(spec.max_num_seqs * min(1 + k, DECODE_MAX_NEW), max(spec.max_num_seqs, 1024))  # logits: ~0.4 GB
+        if self.ep_padded:  # before any graph is captured: graphs hold its copies and barriers
+            from .fast_runner import GRAPH_SIZES, graph_sizes
+
+            sizes = graph_sizes(opts.get("cuda_graph_sizes", GRAPH_SIZES), max(cap, spec.max_num_seqs))
+            self._attach_peer_exchange(spec, sizes[-1])
         return self._make_runner(fast, self.kv, spec, graphs, max_tokens=cap,
                                  collective=self._ep_mode if self.ep_padded else None)
 
@@ -278,11 +288,26 @@ class TorchRuntime:
         import torch.distributed as dist
 
         for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-            os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")  # multicast off
+            os.environ[var] = "0" if var == "NCCL_NVLS_ENABLE" else "1"  # multicast off, whatever was set
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=spec.options["dist_init"], rank=spec.rank,
                                 world_size=spec.world_size,
                                 device_id=self.device if self.device.type == "cuda" else None)
+
+    def _attach_peer_exchange(self, spec: RuntimeSpec, pad_tokens: int) -> None:
+        """Runtime option ``ep_exchange``: padded dispatch's all-to-alls as NCCL (Gloo) calls
+        ("nccl"), or as copies into the peers' memory ("peer": symmetric memory over NVLink on
+        GPUs, a shared file on CPU; ``models.peer_exchange``), sized for steps of up to
+        ``pad_tokens`` tokens. The default is "peer" on GPUs, "nccl" on CPU."""
+        how = spec.options.get("ep_exchange", "peer" if self.device.type == "cuda" else "nccl")
+        if how not in ("nccl", "peer"):
+            raise ValueError(f"runtime option ep_exchange must be 'nccl' or 'peer', got {how!r}")
+        if how == "nccl" or self.world == 1:
+            return
+        from .models.expert_parallel import attach_peer_exchange
+
+        self.peer_exchange = attach_peer_exchange(self.placements.layers, pad_tokens,
+                                                  self.model.cfg.num_experts_per_tok, None, self.device)
 
     def _place_experts(self, spec: RuntimeSpec):
         """Physical expert slots: always with expert parallelism, and on one rank when the
@@ -537,6 +562,11 @@ class TorchRuntime:
         if getattr(self, "endpoint", None) is not None:
             self.endpoint.close()
             self.endpoint = None
+        if getattr(self, "peer_exchange", None) is not None:
+            for layer in self.placements.layers:
+                layer.peer = None
+            self.peer_exchange.close()
+            self.peer_exchange = None
         if self.world > 1:
             import torch.distributed as dist
             if dist.is_initialized():

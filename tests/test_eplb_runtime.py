@@ -219,22 +219,65 @@ async def test_dep2_rebalances_mid_generation_with_greedy_tokens_unchanged():
     _check_switch(log, gen=1)
 
 
-@pytest.mark.parametrize("split", ["even", "proportional"])
-async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split):
+@pytest.mark.parametrize("split, exchange", [("even", "nccl"), ("proportional", "nccl"), ("even", "peer")])
+async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split, exchange):
     """Decode steps with padded dispatch (fixed-size all-to-alls, nothing on the host: what a
     CUDA graph holds), prefill steps with exact dispatch, and a placement switched in place
-    mid-generation: greedy tokens unchanged."""
+    mid-generation: greedy tokens unchanged. ``peer``: the exchanges as copies into the
+    peers' memory (a shared file on CPU) and a barrier, not Gloo all-to-alls."""
     ps = E.prompts()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    shm = set(os.listdir("/dev/shm"))
     cfg = attrs.evolve(E.config(tokenizer=None), dep=2,
                        eplb=EplbConfig(redundant_experts=2, window_steps=3, token_split=split),
-                       runtime_options={"ep_dispatch": "padded"})
+                       runtime_options={"ep_dispatch": "padded", "ep_exchange": exchange})
     async with open_engine(cfg) as engine:
         got = await greedy_all(engine, ps, params)
         stats = engine.balancer_statistics()
     for p, g in zip(ps, got):
         assert g == E.reference_greedy(p, params.max_tokens)
     assert stats.generation >= 1
+    assert not {f for f in set(os.listdir("/dev/shm")) - shm if f.startswith("lockstep-ep-")}
+
+
+def _peer_exchange_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from lockstep.runtime.models.peer_exchange import PeerExchange
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ex = PeerExchange(8, [10, 6], world, rank, None, torch.device("cpu"))
+        g = torch.Generator().manual_seed(rank)
+        for step, n in enumerate((8, 3, 8, 1)):  # blocks of any size up to the room, channels alternating
+            c = step % 2
+            send = torch.randint(0, 256, (world * n, ex.row_bytes[c]), generator=g, dtype=torch.uint8)
+            want = torch.empty_like(send)
+            dist.all_to_all_single(want, send)
+            assert torch.equal(ex.exchange(c, send), want), (rank, step)
+        with pytest.raises(ValueError, match="9 rows a block, room for 8"):
+            ex.exchange(0, torch.zeros(world * 9, 10, dtype=torch.uint8))
+        with pytest.raises(ValueError, match="send must be uint8"):
+            ex.exchange(1, torch.zeros(world, 10, dtype=torch.uint8))
+        ex.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_peer_exchange_delivers_what_an_all_to_all_does_and_leaves_no_file():
+    """Three ranks (processes, Gloo): each copies its blocks into the peers' areas of one
+    shared file; every exchange, at any block size, equals all_to_all_single's; the file is
+    gone once the ranks have mapped it."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    before = set(os.listdir("/dev/shm"))
+    tmp.start_processes(_peer_exchange_worker, args=(3, port), nprocs=3, start_method="forkserver")
+    assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("lockstep-ep-")}
 
 
 async def test_dep2_proportional_token_split_keeps_greedy_tokens():

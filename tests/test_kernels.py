@@ -741,8 +741,9 @@ def test_sample_rows_reruns_the_race_above_a_losing_winner_and_takes_first_maxim
     noise[:, 0] = 1e-3
     rows = torch.tensor([0, 1, -1], device=DEV)
     want = torch.tensor([1, 1, 1], device=DEV)
-    assert torch.equal(sample_reference(logits, temp, top_p, noise, rows), want)
-    assert torch.equal(sample_rows(logits, temp, top_p, noise, rows), want)
+    no_k = torch.zeros(3, dtype=torch.int32, device=DEV)
+    assert torch.equal(sample_reference(logits, temp, top_p, no_k, noise, rows), want)
+    assert torch.equal(sample_rows(logits, temp, top_p, no_k, noise, rows), want)
 
 
 def test_sample_rows_rejects_bad_arguments():

@@ -671,30 +671,33 @@ def bench_sampling(b: Bench, bw: float) -> None:
     noise once. The check is against ``sample_reference``: the torch ops keep a sorted part
     of a tied nucleus boundary, the kernel all of it, so their picks may differ there."""
 
-    def sorted_nucleus(logits, temp, top_p, noise):
+    def sorted_nucleus(logits, temp, top_p, noise, k=0):
         """The runtime's torch ops before the kernel (``sampling._probs`` and the race), with
-        device-side parameters so that a CUDA graph can hold them."""
+        device-side parameters so that a CUDA graph can hold them; ``k`` > 0: top-k first."""
         x = logits.float() / temp[:, None]
         srt, idx = x.sort(dim=-1, descending=True)
+        if k:
+            srt[:, k:] = float("-inf")
         p = srt.softmax(dim=-1)
         srt = srt.masked_fill((p.cumsum(dim=-1) - p) >= top_p[:, None], float("-inf"))
         probs = torch.full_like(x, float("-inf")).scatter(1, idx, srt).softmax(dim=-1)
         return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     vocab = 102400 if not b.smoke else 300
-    for rows in ((1, 64, 256) if not b.smoke else (1, 4)):
-        name = f"sample top-p 0.95 rows={rows}"
+    cases = [(rows, k) for k in (0, 50) for rows in ((1, 64, 256) if not b.smoke else (1, 4))]
+    for rows, k in cases:
+        name = f"sample {f'top-k {k} ' if k else ''}top-p 0.95 rows={rows}"
         try:
             g = torch.Generator(device=b.dev).manual_seed(rows)
             logits = torch.randn(rows, vocab, generator=g, device=b.dev) * 3
             noise = torch.empty(rows, vocab, device=b.dev).exponential_(generator=g)
             ones = torch.ones(rows, device=b.dev)
             temp, top_p, nrows = ones, ones * 0.95, torch.arange(rows, device=b.dev)
-            no_k = torch.zeros(rows, dtype=torch.int32, device=b.dev)
-            run = lambda: sampling_mod.sample_rows(logits, temp, top_p, no_k, noise, nrows)  # noqa: E731
-            base = lambda: sorted_nucleus(logits, temp, top_p, noise)  # noqa: E731
+            top_k = torch.full((rows,), k, dtype=torch.int32, device=b.dev)
+            run = lambda: sampling_mod.sample_rows(logits, temp, top_p, top_k, noise, nrows)  # noqa: E731
+            base = lambda: sorted_nucleus(logits, temp, top_p, noise, k)  # noqa: E731
             picks = run()
-            same = torch.equal(picks, sampling_mod.sample_reference(logits, temp, top_p, noise, nrows))
+            same = torch.equal(picks, sampling_mod.sample_reference(logits, temp, top_p, top_k, noise, nrows))
             agree = int((picks == base()).sum())
             b.checks[name] = same
             us, base_us = b.graph_us(run), b.graph_us(base)
@@ -704,7 +707,7 @@ def bench_sampling(b: Bench, bw: float) -> None:
                   baseline_us=base_us, baseline_us_eager=b.eager_us(base), speedup=base_us / us,
                   bytes_mb=nbytes / 1e6, frac_roofline=roof_us / us, baseline_frac=roof_us / base_us,
                   check=f"{'ok' if same else 'FAIL'} as sample_reference",
-                  note=f"one program a row: max, normalizer, race, mass above its winner; "
+                  note=f"one program a row: max, {'4 radix passes, ' if k else ''}normalizer, race, mass above its winner; "
                        f"the torch ops' picks agree on {agree}/{rows} rows")
         except Exception:  # noqa: BLE001
             b.errors[name] = traceback.format_exc()[-1500:]

@@ -178,16 +178,20 @@ def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
 
     levels = [int(x) for x in args.levels.split(",")]
     got = {}
-    for dep in sorted({int(d) for d in args.sweep_deps.split(",")} if args.sweep_deps else {1, gpus}):
+    deps = sorted({int(d) for d in args.sweep_deps.split(",")} if args.sweep_deps else {1, gpus})
+    runs = [(d, x) for d in deps for x in ([None] if d == 1 else args.sweep_exchanges.split(","))]
+    for dep, exchange in runs:
         cmd = [sys.executable, "-u", str(HERE / "bench_dep.py"), "--sweep-one", str(dep), "--levels", args.levels,
                "--layers", str(args.sweep_layers), "--prompt", str(args.prompt), "--output", str(args.output)]
+        if exchange:
+            cmd += ["--exchange", exchange]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
         res = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
         if p.returncode or not res:
             print(f"sweep DEP{dep}: exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}", flush=True)
             continue
-        got[dep] = json.loads(res[-1][len("RESULT "):])
-        print(f"sweep DEP{dep}:", got[dep], flush=True)  # before anything later can fail
+        got[dep, exchange] = json.loads(res[-1][len("RESULT "):])
+        print(f"sweep DEP{dep} {exchange or ''}:", got[dep, exchange], flush=True)  # before anything later can fail
     bw = copy_bandwidth()  # bytes moved per second, as bench_decode's roofline counts them
     try:
         a2a = bench_dep.alltoall(gpus, levels) if gpus > 1 else {}
@@ -195,12 +199,13 @@ def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
         print(f"all-to-all timing failed: {type(e).__name__}: {e}", flush=True)
         a2a = {}
     info["sweep_copy_bandwidth_GBps"] = bw / 1e9
+    info["exchange_probe"] = {str(k): v for k, v in a2a.items()}
     from lockstep.runtime.models import preset
 
     cfg = preset("v2-lite", **({"num_hidden_layers": args.sweep_layers} if args.sweep_layers else {}))
     moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
     out = []
-    for dep, rows in got.items():
+    for (dep, exchange), rows in got.items():
         for r in rows:
             step = r["decode_step_ms"] / 1e3
             row = {"run": f"DEP{dep} sweep", **r, "roofline_ms": 1e3 * r["step_bytes_per_gpu"] / bw,
@@ -209,6 +214,9 @@ def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
                 pad = next((s for s in (1, 2, 4, 8, 16, 32, 64, 128, 256) if s >= r["per_rank"]), r["per_rank"])
                 if str(pad) in a2a or pad in a2a:
                     row["alltoall_ms_per_step"] = 1e3 * moe_layers * a2a.get(pad, a2a.get(str(pad)))
+                for key in ("nccl_graph", "p2p", "p2p_graph"):  # the same exchanges, other ways
+                    if f"{key}_{pad}" in a2a:
+                        row[f"{key}_ms_per_step"] = 1e3 * moe_layers * a2a[f"{key}_{pad}"]
             out.append(row)
             print("sweep:", row, flush=True)
     return out
@@ -236,6 +244,8 @@ def main() -> None:
     ap.add_argument("--levels", default="64,128,256", help="requests per rank of the sweep part")
     ap.add_argument("--sweep-deps", default="", help="DEP sizes of the sweep (default: 1 and every GPU)")
     ap.add_argument("--sweep-layers", type=int, default=0, help="v2-lite layers of the sweep (0: all 27)")
+    ap.add_argument("--sweep-exchanges", default="nccl,peer",
+                    help="DEP-n runs of the sweep, one per runtime option ep_exchange")
     ap.add_argument("--pd-args", default="", help="extra arguments for bench_pd, e.g. '--requests 32'")
     args = ap.parse_args()
     import torch

@@ -8,7 +8,11 @@ except at near-ties (bf16: the pairs' sums run in another order).
 
     python3 check_dep_fast_tokens.py run --dep 1 --out a.json
     python3 check_dep_fast_tokens.py run --dep 2 --dispatch padded --out b.json
-    python3 check_dep_fast_tokens.py compare a.json b.json
+    python3 check_dep_fast_tokens.py run --dep 2 --dispatch padded --exchange nccl --out c.json
+    python3 check_dep_fast_tokens.py compare a.json b.json c.json
+
+Padded dispatch through the peers' memory (``--exchange peer``, the GPU default) must give
+exactly the tokens of the same dispatch through NCCL: the same rows reach the same experts.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ for var, val in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST",
     os.environ[var] = val
 
 
-async def run(dep: int, dispatch: str | None, graphs: bool, device: str = "cuda") -> dict:
+async def run(dep: int, dispatch: str | None, graphs: bool, device: str = "cuda", exchange: str | None = None) -> dict:
     from lockstep.api import open_engine
     from lockstep.engine.config import EngineConfig
     from lockstep.policy.request import SamplingParams
@@ -34,6 +38,8 @@ async def run(dep: int, dispatch: str | None, graphs: bool, device: str = "cuda"
     opts = {"compile": False, "fast": True, "preset_overrides": {"initializer_range": 0.15}, "cuda_graphs": cuda_graphs}
     if dispatch:
         opts["ep_dispatch"] = dispatch
+    if exchange:
+        opts["ep_exchange"] = exchange
     cfg = EngineConfig(model="tiny", device=device, dtype="bfloat16", dep=dep, tokenizer=None, runtime_options=opts)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 500, int(n)).astype(np.int32) for n in rng.integers(4, 200, 16)]
@@ -45,7 +51,7 @@ async def run(dep: int, dispatch: str | None, graphs: bool, device: str = "cuda"
         async with trio.open_nursery() as n:
             for i in range(len(prompts)):
                 n.start_soon(one, i)
-    return {"dep": dep, "dispatch": dispatch, "graphs": graphs, "tokens": out}
+    return {"dep": dep, "dispatch": dispatch, "graphs": graphs, "exchange": exchange, "tokens": out}
 
 
 def compare(a: dict, b: dict) -> dict:
@@ -57,7 +63,8 @@ def compare(a: dict, b: dict) -> dict:
         same += k
         total += len(x)
         whole += k == len(x)
-    return {"a": {k: a[k] for k in ("dep", "dispatch", "graphs")}, "b": {k: b[k] for k in ("dep", "dispatch", "graphs")},
+    keys = ("dep", "dispatch", "graphs", "exchange")
+    return {"a": {k: a.get(k) for k in keys}, "b": {k: b.get(k) for k in keys},
             "tokens_before_first_difference": same, "tokens": total, "sequences_equal": whole,
             "sequences": len(a["tokens"])}
 
@@ -69,13 +76,14 @@ def main() -> None:
     r.add_argument("--dep", type=int, default=1)
     r.add_argument("--dispatch", default=None)
     r.add_argument("--no-graphs", action="store_true")
+    r.add_argument("--exchange", default=None, choices=("nccl", "peer"), help="runtime option ep_exchange")
     r.add_argument("--out", required=True)
     r.add_argument("--device", default="cuda", help="cpu: checks the script (kernels under TRITON_INTERPRET=1)")
     c = sub.add_parser("compare")
     c.add_argument("files", nargs="+")
     args = ap.parse_args()
     if args.cmd == "run":
-        got = trio.run(run, args.dep, args.dispatch, not args.no_graphs, args.device)
+        got = trio.run(run, args.dep, args.dispatch, not args.no_graphs, args.device, args.exchange)
         with open(args.out, "w") as f:
             json.dump(got, f)
         print("wrote", args.out, flush=True)

@@ -27,7 +27,10 @@ Two dispatches:
   of ``pad_tokens * top_k`` rows, enough for all its pairs, whose unused rows carry no
   expert; each row carries the slot it runs through in two extra bytes, so a layer takes two
   exchanges (rows out, results back). No sizes travel and nothing waits on the
-  host, so a decode step, all-to-alls included, replays as one CUDA graph. ``pad_tokens`` must be the same on every rank in a
+  host, so a decode step, all-to-alls included, replays as one CUDA graph. The exchanges
+  run as NCCL (Gloo) all-to-alls, or, with a ``PeerExchange`` attached
+  (``attach_peer_exchange``; runtime option ``ep_exchange`` "peer"), as copies into the
+  peers' memory and a barrier, which cost a fraction of an NCCL call's fixed latency. ``pad_tokens`` must be the same on every rank in a
   step (the runtime sets it from the DP sync's padded token count) and at least the tokens
   this rank feeds. The local experts run as one fused MoE over the received rows (``local``,
   the fast path's kernel) or, on CPU, per expert.
@@ -139,6 +142,7 @@ class ShardedExperts(nn.Module):
             raise ValueError(f"expert dispatch must be one of {DISPATCHES}, got {dispatch!r}")
         self.split, self.dispatch, self.copy_all = split, dispatch, copy_all
         self.pad_tokens = 0  # padded dispatch: tokens every rank's buffers hold this step
+        self.peer = None  # padded dispatch's exchanges through the peers' memory (attach_peer_exchange)
         phy2log = np.asarray(phy2log, dtype=np.int64)
         if len(phy2log) % world:
             raise ValueError(f"{len(phy2log)} expert slots do not split evenly over {world} ranks")
@@ -275,7 +279,8 @@ class ShardedExperts(nn.Module):
         send[:, h:] = 255  # int16 -1
         send[row, :h] = x[token].view(torch.uint8)
         send[row, h:] = (slot - dest * self.k).to(torch.int16)[:, None].view(torch.uint8)
-        recv = self._exchange(send[:-1], None, None)
+        peer = self.peer if self.peer is not None and cap <= self.peer.rows else None
+        recv = self._exchange(send[:-1], None, None) if peer is None else peer.exchange(0, send[:-1])
         rx = recv[:, :h].contiguous().view(x.dtype)
         r_local = recv[:, h:].contiguous().view(torch.int16)[:, 0].to(torch.int64)
         none = len(self.gate_up_proj)  # the storage entry "none": past the end
@@ -287,7 +292,9 @@ class ShardedExperts(nn.Module):
             y = torch.zeros_like(rx)
             rows = (r_entry < none).nonzero(as_tuple=True)[0]
             y[rows] = self._local(rx[rows], r_entry[rows])
-        back = torch.cat([self._exchange(y, None, None), y.new_zeros(1, y.shape[1])])
+        y = y.to(x.dtype).contiguous()
+        back = self._exchange(y, None, None) if peer is None else peer.exchange(1, y.view(torch.uint8)).view(x.dtype)
+        back = torch.cat([back, y.new_zeros(1, y.shape[1])])
         out = torch.zeros_like(x)
         w = torch.where(real, weights.flatten(), 0)
         out.index_add_(0, token, (back[row] * w[:, None]).to(x.dtype))
@@ -324,3 +331,18 @@ def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, 
         mlp.experts = ShardedExperts(mlp.experts, row, rank, world, spare=spare, group=group, split=split,
                                      dispatch=dispatch, copy_all=copy_all)
     return [mlp.experts for mlp in moe]
+
+
+def attach_peer_exchange(layers: list[ShardedExperts], pad_tokens: int, top_k: int, group, device):
+    """One ``PeerExchange`` for all of ``layers`` (they run one at a time), sized for padded
+    steps of up to ``pad_tokens`` tokens a rank of ``top_k`` pairs each; steps padded past
+    that take the process group's all-to-all. A collective: every rank calls it, with the
+    same sizes. Returns the exchange (``close`` it when done)."""
+    from .peer_exchange import PeerExchange
+
+    first = layers[0]
+    h = first.gate_up_proj.shape[2] * first.gate_up_proj.element_size()  # a row of activations
+    ex = PeerExchange(pad_tokens * top_k, [h + 2, h], first.world, first.rank, group, device)
+    for layer in layers:
+        layer.peer = ex
+    return ex
