@@ -23,8 +23,9 @@ fused MoE launch; default on), ``launch_ahead`` (default on: see ``launch``),
 draft model, or ``exact``; see ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
 size) as a CUDA graph, all-to-alls included; other steps use exact dispatch.
-``ep_exchange`` (padded dispatch's exchanges: ``peer``, copies into the peers' memory, the
-default on GPUs, or ``nccl``, the default on CPU; see ``_attach_peer_exchange``). Expert
+``ep_exchange`` (padded dispatch's exchanges: ``direct``, kernels that write and read the
+peers' memory, the default on GPUs; ``peer``, block copies into it; or ``nccl``, the default
+on CPU; see ``_attach_peer_exchange``). Expert
 placement options (``eplb_min_stage_steps``, ``eplb_copy_all``): see ``_place_experts``.
 Benchmarks' changes to random weights (``expert_skew``, ``layer_output_scale``): see
 ``runtime.synthetic``.
@@ -296,18 +297,22 @@ class TorchRuntime:
 
     def _attach_peer_exchange(self, spec: RuntimeSpec, pad_tokens: int) -> None:
         """Runtime option ``ep_exchange``: padded dispatch's all-to-alls as NCCL (Gloo) calls
-        ("nccl"), or as copies into the peers' memory ("peer": symmetric memory over NVLink on
-        GPUs, a shared file on CPU; ``models.peer_exchange``), sized for steps of up to
-        ``pad_tokens`` tokens. The default is "peer" on GPUs, "nccl" on CPU."""
-        how = spec.options.get("ep_exchange", "peer" if self.device.type == "cuda" else "nccl")
-        if how not in ("nccl", "peer"):
-            raise ValueError(f"runtime option ep_exchange must be 'nccl' or 'peer', got {how!r}")
+        ("nccl"); as block copies into the peers' memory and a barrier ("peer": symmetric
+        memory over NVLink on GPUs, a shared file on CPU; ``models.peer_exchange``); or as
+        kernels that write each pair's row straight into its owner's memory and read the
+        results back from there ("direct": ``kernels.ep_dispatch``; Triton, so on CPU only
+        under the interpreter). Sized for steps of up to ``pad_tokens`` tokens. The default is
+        "direct" on GPUs, "nccl" on CPU."""
+        how = spec.options.get("ep_exchange", "direct" if self.device.type == "cuda" else "nccl")
+        if how not in ("nccl", "peer", "direct"):
+            raise ValueError(f"runtime option ep_exchange must be 'nccl', 'peer' or 'direct', got {how!r}")
         if how == "nccl" or self.world == 1:
             return
         from .models.expert_parallel import attach_peer_exchange
 
         self.peer_exchange = attach_peer_exchange(self.placements.layers, pad_tokens,
-                                                  self.model.cfg.num_experts_per_tok, None, self.device)
+                                                  self.model.cfg.num_experts_per_tok, None, self.device,
+                                                  direct=how == "direct")
 
     def _place_experts(self, spec: RuntimeSpec):
         """Physical expert slots: always with expert parallelism, and on one rank when the

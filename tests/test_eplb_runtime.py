@@ -224,7 +224,8 @@ async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split, 
     """Decode steps with padded dispatch (fixed-size all-to-alls, nothing on the host: what a
     CUDA graph holds), prefill steps with exact dispatch, and a placement switched in place
     mid-generation: greedy tokens unchanged. ``peer``: the exchanges as copies into the
-    peers' memory (a shared file on CPU) and a barrier, not Gloo all-to-alls."""
+    peers' memory (a shared file on CPU) and a barrier, not Gloo all-to-alls (``direct``,
+    the kernels: ``test_direct_dispatch_kernels_compute_what_exact_dispatch_does``)."""
     ps = E.prompts()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     shm = set(os.listdir("/dev/shm"))
@@ -262,6 +263,49 @@ def _peer_exchange_worker(rank: int, world: int, port: int) -> None:
         ex.close()
     finally:
         dist.destroy_process_group()
+
+
+def _direct_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from lockstep.runtime.models.expert_parallel import attach_peer_exchange
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        experts = moe_layer().experts.to(torch.float32)
+        x, w, ids = routed(24, seed=rank)
+        x, w = x.float(), w.float()
+        perm = np.array([7, 3, 5, 1, 0, 2, 6, 4])  # 4 slots a rank
+        want = ShardedExperts(experts, perm, rank, world)(x, w, ids)  # exact dispatch, Gloo
+        layer = ShardedExperts(experts, perm, rank, world, dispatch="padded")
+        layer.pad_tokens = 32
+        ex = attach_peer_exchange([layer], 32, ids.shape[1], None, torch.device("cpu"), direct=True)
+        pad = torch.cat([ids, torch.full((4, ids.shape[1]), 8)])  # four padding tokens
+        xp, wp = torch.cat([x, torch.randn(4, x.shape[1])]), torch.cat([w, torch.ones(4, w.shape[1])])
+        for _ in range(2):  # the second layer finds every tag reset
+            got = layer(xp, wp, pad)
+            assert torch.allclose(got[:24], want, rtol=1e-5, atol=1e-6) and not got[24:].any(), rank
+            assert (ex.local(1, ex.rows).view(torch.int32) == -1).all()
+        ex.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_direct_dispatch_kernels_compute_what_exact_dispatch_does(monkeypatch):
+    """Two ranks (processes, Gloo; the Triton kernels interpreted): padded dispatch by
+    kernels that write each pair's row into its owner's area and read the results back from
+    the owners' areas sums what exact dispatch through Gloo's all-to-alls does; padding
+    tokens get nothing, and the tags are reset for the next layer."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp.start_processes(_direct_worker, args=(2, port), nprocs=2, start_method="spawn")
 
 
 def test_peer_exchange_delivers_what_an_all_to_all_does_and_leaves_no_file():

@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--sweep-one", type=int, help="run `sweep` for this DEP size, print its rows as JSON")
     ap.add_argument("--levels", default="64,128,256", help="requests per rank, for --sweep-one")
-    ap.add_argument("--exchange", default=None, choices=("nccl", "peer"), help="runtime option ep_exchange")
+    ap.add_argument("--exchange", default=None, choices=("nccl", "peer", "direct"), help="runtime option ep_exchange")
     args = ap.parse_args()
     if args.sweep_one:
         import json

@@ -244,7 +244,7 @@ def main() -> None:
     ap.add_argument("--levels", default="64,128,256", help="requests per rank of the sweep part")
     ap.add_argument("--sweep-deps", default="", help="DEP sizes of the sweep (default: 1 and every GPU)")
     ap.add_argument("--sweep-layers", type=int, default=0, help="v2-lite layers of the sweep (0: all 27)")
-    ap.add_argument("--sweep-exchanges", default="nccl,peer",
+    ap.add_argument("--sweep-exchanges", default="nccl,peer,direct",
                     help="DEP-n runs of the sweep, one per runtime option ep_exchange")
     ap.add_argument("--pd-args", default="", help="extra arguments for bench_pd, e.g. '--requests 32'")
     args = ap.parse_args()

@@ -76,7 +76,7 @@ def main() -> None:
     r.add_argument("--dep", type=int, default=1)
     r.add_argument("--dispatch", default=None)
     r.add_argument("--no-graphs", action="store_true")
-    r.add_argument("--exchange", default=None, choices=("nccl", "peer"), help="runtime option ep_exchange")
+    r.add_argument("--exchange", default=None, choices=("nccl", "peer", "direct"), help="runtime option ep_exchange")
     r.add_argument("--out", required=True)
     r.add_argument("--device", default="cuda", help="cpu: checks the script (kernels under TRITON_INTERPRET=1)")
     c = sub.add_parser("compare")

@@ -245,6 +245,8 @@ class ShardedExperts(nn.Module):
         else:
             slot = choose_slots(flat, t.log2phy, t.replicas, self.rank)
         if real is not None:
+            if self.peer is not None and self.peer.direct and self.pad_tokens * ids.shape[1] <= self.peer.rows:
+                return self._padded_direct(x, weights, ids.shape[1], slot, real, local)
             return self._padded(x, weights, ids.shape[1], slot, real, local)
         dest = torch.div(slot, self.k, rounding_mode="floor")
         order = torch.argsort(dest, stable=True)
@@ -300,6 +302,34 @@ class ShardedExperts(nn.Module):
         out.index_add_(0, token, (back[row] * w[:, None]).to(x.dtype))
         return out
 
+    def _padded_direct(self, x: torch.Tensor, weights: torch.Tensor, top_k: int, slot: torch.Tensor,
+                       real: torch.Tensor, local) -> torch.Tensor:
+        """Padded dispatch by kernels that write the pairs' rows into their owners' memory and
+        read the results back from there (``kernels.ep_dispatch``): no send buffer, no
+        padding rows moved, two barriers."""
+        from lockstep.kernels.ep_dispatch import combine_rows, dispatch_rows, take_tags
+
+        if x.shape[0] > self.pad_tokens:
+            raise ValueError(f"padded expert dispatch: {x.shape[0]} tokens exceed the step's pad_tokens "
+                             f"{self.pad_tokens}")
+        ex, n, h = self.peer, self.pad_tokens * top_k, x.shape[1]
+        slot = torch.where(real, slot, -1)
+        pos = dispatch_rows(x, slot, top_k, self.k, n, self.rank, ex.bases[0], ex.bases[1])
+        ex.barrier()
+        rx = ex.local(0, n).view(x.dtype)
+        none = len(self.gate_up_proj)
+        entry = take_tags(ex.local(1, n).view(torch.int32)[:, 0], self.tables.store_of, none)
+        if local is not None:
+            ones = torch.ones(len(entry), 1, dtype=torch.float32, device=x.device)
+            y = local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None])
+        else:
+            y = torch.zeros_like(rx)
+            rows = (entry < none).nonzero(as_tuple=True)[0]
+            y[rows] = self._local(rx[rows], entry[rows])
+        ex.local(2, n).view(x.dtype).copy_(y)
+        ex.barrier()
+        return combine_rows(ex.bases[2], slot, pos, weights, self.k, n, self.rank, h, x.dtype)
+
     def _exchange(self, t: torch.Tensor, recv_split: list[int] | None, send_split: list[int] | None) -> torch.Tensor:
         if self.world == 1:  # one rank: every pair is local
             return t
@@ -333,16 +363,24 @@ def shard_experts(model: nn.Module, phy2log: np.ndarray, rank: int, world: int, 
     return [mlp.experts for mlp in moe]
 
 
-def attach_peer_exchange(layers: list[ShardedExperts], pad_tokens: int, top_k: int, group, device):
+def attach_peer_exchange(layers: list[ShardedExperts], pad_tokens: int, top_k: int, group, device, *,
+                         direct: bool = False):
     """One ``PeerExchange`` for all of ``layers`` (they run one at a time), sized for padded
     steps of up to ``pad_tokens`` tokens a rank of ``top_k`` pairs each; steps padded past
-    that take the process group's all-to-all. A collective: every rank calls it, with the
-    same sizes. Returns the exchange (``close`` it when done)."""
+    that take the process group's all-to-all. ``direct``: its areas are laid out for the
+    dispatch and combine kernels (rows, tags, outputs: ``ShardedExperts._padded_direct``),
+    else for block copies (rows with their slots, outputs). A collective: every rank calls
+    it, with the same sizes. Returns the exchange (``close`` it when done)."""
     from .peer_exchange import PeerExchange
 
     first = layers[0]
     h = first.gate_up_proj.shape[2] * first.gate_up_proj.element_size()  # a row of activations
-    ex = PeerExchange(pad_tokens * top_k, [h + 2, h], first.world, first.rank, group, device)
+    rows = pad_tokens * top_k
+    ex = PeerExchange(rows, [h, 4, h] if direct else [h + 2, h], first.world, first.rank, group, device)
+    ex.direct = direct
+    if direct:
+        ex.bases = [ex.addresses(c) for c in range(3)]
+        ex.fill(1, 255)  # every tag -1: no row taken
     for layer in layers:
         layer.peer = ex
     return ex

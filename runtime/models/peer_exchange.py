@@ -46,14 +46,15 @@ class PeerExchange:
             self._offsets.append(total)
             total += -(-world * rows * b // 16) * 16  # each channel's area 16-byte aligned
         self.nbytes = total
+        self.direct = False  # laid out for kernels that address the peers' areas (attach_peer_exchange)
+        self.bases: list[torch.Tensor] = []
         self._map = None
+        self._group = group
         device = torch.device(device)
         if device.type == "cuda":
             from torch.distributed import _symmetric_memory as symm
 
             name = (group if group is not None else dist.group.WORLD).group_name
-            if hasattr(symm, "enable_symm_mem_for_group"):
-                symm.enable_symm_mem_for_group(name)
             buf = symm.empty(total, dtype=torch.uint8, device=device)
             self._handle = symm.rendezvous(buf, name)
             self._peers = [self._handle.get_buffer(r, (total,), torch.uint8) for r in range(world)]
@@ -91,6 +92,29 @@ class PeerExchange:
                     pass
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         return [whole[r * total:(r + 1) * total] for r in range(self.world)]
+
+    def addresses(self, channel: int) -> torch.Tensor:
+        """int64 [world]: where each rank's area of ``channel`` starts, as this process sees
+        it (for kernels that read or write the peers' areas themselves)."""
+        o = self._offsets[channel]
+        dev = self._peers[self.rank].device
+        return torch.tensor([p.data_ptr() + o for p in self._peers], dtype=torch.int64, device=dev)
+
+    def local(self, channel: int, n: int) -> torch.Tensor:
+        """This rank's area of ``channel`` laid out for blocks of ``n`` rows, as bytes."""
+        return self._area(self.rank, channel, n)
+
+    def fill(self, channel: int, value: int) -> None:
+        """Every byte of this rank's whole area of ``channel`` set to ``value``, then a
+        barrier of the process group (set-up: no rank writes another's area before)."""
+        self._area(self.rank, channel, self.rows).fill_(value)
+        if self._peers[self.rank].is_cuda:
+            torch.cuda.current_stream().synchronize()
+        dist.barrier(group=self._group)
+
+    def barrier(self) -> None:
+        """Every rank's writes into the areas so far are visible to every rank after it."""
+        self._barrier()
 
     def _area(self, rank: int, channel: int, n: int) -> torch.Tensor:
         """(world * n, row_bytes) uint8: ``rank``'s receive area of ``channel`` laid out for
