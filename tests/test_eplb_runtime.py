@@ -285,7 +285,9 @@ def _direct_worker(rank: int, world: int, port: int) -> None:
         for _ in range(2):  # the second layer finds every tag reset
             got = layer(xp, wp, pad)
             assert torch.allclose(got[:24], want, rtol=1e-5, atol=1e-6) and not got[24:].any(), rank
+            dist.barrier()  # (the check only: a peer's next layer would write tags again)
             assert (ex.local(1, ex.rows).view(torch.int32) == -1).all()
+            dist.barrier()
         ex.close()
     finally:
         dist.destroy_process_group()

@@ -242,6 +242,8 @@ class ShardedExperts(nn.Module):
             if self.world > 1:
                 dist.all_reduce(total, group=self.group)
             slot = proportional_slots(flat, t.log2phy, t.replicas, self.rank, self.world, total, self.k)
+        elif len(t.phy2log) == self.num_experts:  # one slot per expert: no replica to choose
+            slot = t.log2phy[flat, 0]
         else:
             slot = choose_slots(flat, t.log2phy, t.replicas, self.rank)
         if real is not None:
