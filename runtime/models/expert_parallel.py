@@ -259,9 +259,10 @@ class ShardedExperts(nn.Module):
         rx = self._exchange(x[token], recv_split, send_split)
         local = self._exchange((slot[order] - dest[order] * self.k)[:, None], recv_split, send_split)[:, 0]
         back = self._exchange(self._local(rx, t.store_of[local]), send_split, recv_split)
-        out = torch.zeros_like(x)
-        out.index_add_(0, token, (back * weights.flatten()[order, None]).to(x.dtype))
-        return out
+        acc = torch.promote_types(x.dtype, torch.float32)  # summed in float32 (or wider), rounded once
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)
+        out.index_add_(0, token, back.to(acc) * weights.flatten()[order, None])
+        return out.to(x.dtype)
 
     def _padded(self, x: torch.Tensor, weights: torch.Tensor, top_k: int, slot: torch.Tensor, real: torch.Tensor,
                 local) -> torch.Tensor:
@@ -283,7 +284,9 @@ class ShardedExperts(nn.Module):
         send[:, h:] = 255  # int16 -1
         send[row, :h] = x[token].view(torch.uint8)
         send[row, h:] = (slot - dest * self.k).to(torch.int16)[:, None].view(torch.uint8)
-        peer = self.peer if self.peer is not None and cap <= self.peer.rows else None
+        peer = self.peer if self.peer is not None and not self.peer.direct and cap <= self.peer.rows else None
+        if peer is not None and peer.row_bytes != (h + 2, h):
+            raise ValueError(f"peer exchange rows of {peer.row_bytes} bytes, this layer's {(h + 2, h)}")
         recv = self._exchange(send[:-1], None, None) if peer is None else peer.exchange(0, send[:-1])
         rx = recv[:, :h].contiguous().view(x.dtype)
         r_local = recv[:, h:].contiguous().view(torch.int16)[:, 0].to(torch.int64)
@@ -299,10 +302,12 @@ class ShardedExperts(nn.Module):
         y = y.to(x.dtype).contiguous()
         back = self._exchange(y, None, None) if peer is None else peer.exchange(1, y.view(torch.uint8)).view(x.dtype)
         back = torch.cat([back, y.new_zeros(1, y.shape[1])])
-        out = torch.zeros_like(x)
+        # Summed in float32 and rounded once, as the direct path's combine sums them.
+        acc = torch.promote_types(x.dtype, torch.float32)
+        out = torch.zeros(x.shape, dtype=acc, device=x.device)
         w = torch.where(real, weights.flatten(), 0)
-        out.index_add_(0, token, (back[row] * w[:, None]).to(x.dtype))
-        return out
+        out.index_add_(0, token, back[row].to(acc) * w[:, None])
+        return out.to(x.dtype)
 
     def _padded_direct(self, x: torch.Tensor, weights: torch.Tensor, top_k: int, slot: torch.Tensor,
                        real: torch.Tensor, local) -> torch.Tensor:
@@ -315,6 +320,9 @@ class ShardedExperts(nn.Module):
             raise ValueError(f"padded expert dispatch: {x.shape[0]} tokens exceed the step's pad_tokens "
                              f"{self.pad_tokens}")
         ex, n, h = self.peer, self.pad_tokens * top_k, x.shape[1]
+        if ex.row_bytes != (h * x.element_size(), 4, h * x.element_size()):
+            raise ValueError(f"peer exchange rows of {ex.row_bytes} bytes; {x.dtype} activations of "
+                             f"{h} need {(h * x.element_size(), 4, h * x.element_size())}")
         slot = torch.where(real, slot, -1)
         pos = dispatch_rows(x, slot, top_k, self.k, n, self.rank, ex.bases[0], ex.bases[1])
         ex.barrier()
@@ -376,6 +384,12 @@ def attach_peer_exchange(layers: list[ShardedExperts], pad_tokens: int, top_k: i
     from .peer_exchange import PeerExchange
 
     first = layers[0]
+    if direct and not first.gate_up_proj.is_cuda:
+        from lockstep.kernels import _util  # Triton: on CPU only interpreted
+
+        if not _util.INTERPRET:
+            raise ValueError("ep_exchange 'direct' runs Triton kernels: on CPU only under TRITON_INTERPRET=1 "
+                             "(use 'peer' or 'nccl')")
     h = first.gate_up_proj.shape[2] * first.gate_up_proj.element_size()  # a row of activations
     rows = pad_tokens * top_k
     ex = PeerExchange(rows, [h, 4, h] if direct else [h + 2, h], first.world, first.rank, group, device)

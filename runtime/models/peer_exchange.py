@@ -49,14 +49,15 @@ class PeerExchange:
         self.direct = False  # laid out for kernels that address the peers' areas (attach_peer_exchange)
         self.bases: list[torch.Tensor] = []
         self._map = None
+        self._handle = self._buf = None
         self._group = group
         device = torch.device(device)
         if device.type == "cuda":
             from torch.distributed import _symmetric_memory as symm
 
             name = (group if group is not None else dist.group.WORLD).group_name
-            buf = symm.empty(total, dtype=torch.uint8, device=device)
-            self._handle = symm.rendezvous(buf, name)
+            self._buf = symm.empty(total, dtype=torch.uint8, device=device)
+            self._handle = symm.rendezvous(self._buf, name)
             self._peers = [self._handle.get_buffer(r, (total,), torch.uint8) for r in range(world)]
             self._barrier = lambda: self._handle.barrier(channel=0)
         else:
@@ -70,6 +71,9 @@ class PeerExchange:
         name = [f"/dev/shm/lockstep-ep-{os.getpid()}-{secrets.token_hex(6)}" if self.rank == 0 else None]
         dist.broadcast_object_list(name, src=0, group=group)
         path = name[0]
+        # Every rank makes the same two all-reduces whatever fails, so no rank waits on a
+        # collective that another skipped; the file is gone after the second.
+        error = None
         try:
             if self.rank == 0:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -77,21 +81,40 @@ class PeerExchange:
                     os.ftruncate(fd, total * self.world)
                 finally:
                     os.close(fd)
-            dist.barrier(group=group)
-            fd = os.open(path, os.O_RDWR)
+        except OSError as e:
+            error = e
+        if self._failed(error, group) and error is None:
+            error = RuntimeError(f"peer exchange: rank 0 could not create {path}")
+        if error is None:
             try:
-                self._map = mmap.mmap(fd, total * self.world)
-            finally:
-                os.close(fd)
-        finally:
-            dist.barrier(group=group)
-            if self.rank == 0:
+                fd = os.open(path, os.O_RDWR)
                 try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+                    self._map = mmap.mmap(fd, total * self.world)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                error = e
+        failed = self._failed(error, group)
+        if self.rank == 0:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if failed:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+            raise error or RuntimeError(f"peer exchange: another rank could not map {path}")
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         return [whole[r * total:(r + 1) * total] for r in range(self.world)]
+
+    @staticmethod
+    def _failed(error, group) -> bool:
+        """Whether any rank of ``group`` failed (``error`` is this rank's), as every rank learns
+        it from one all-reduce."""
+        flag = torch.tensor([int(error is not None)])
+        dist.all_reduce(flag, group=group)
+        return bool(flag.item())
 
     def addresses(self, channel: int) -> torch.Tensor:
         """int64 [world]: where each rank's area of ``channel`` starts, as this process sees
@@ -143,7 +166,10 @@ class PeerExchange:
         return self._area(self.rank, channel, rows // self.world)
 
     def close(self) -> None:
-        self._peers = []
+        """Drop every view of the areas (call before the process group goes; graphs that
+        hold their addresses must not replay after)."""
+        self._peers, self.bases = [], []
+        self._handle = self._buf = None
         if self._map is not None:
             try:
                 self._map.close()
