@@ -477,6 +477,10 @@ def test_sample_on_device_kernel_draws_what_the_sorting_ops_draw(monkeypatch):
     assert calls == [6] and torch.equal(got[True], got[False])
     assert got[True][[0, 5]].tolist() == logits[[0, 5]].argmax(-1).tolist()
     top_k[[2, 4]] = 5, 400  # 400: more than the vocabulary, every token
+    monkeypatch.setattr(sampling, "SAMPLE_KERNEL", True)
+    sample_on_device(logits, temp, top_p, top_k, seeds, pos, torch.Generator(device=DEV).manual_seed(9))
+    assert calls == [6]  # a few rows with top-k: the torch ops (the kernel's select is slower there)
+    monkeypatch.setattr(sampling, "TOP_K_KERNEL_MIN_ROWS", 1)
     for fused in (True, False):
         monkeypatch.setattr(sampling, "SAMPLE_KERNEL", fused)
         got[fused] = sample_on_device(logits, temp, top_p, top_k, seeds, pos, torch.Generator(device=DEV).manual_seed(9))

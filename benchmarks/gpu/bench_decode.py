@@ -18,7 +18,7 @@ CUDA graphs for decode steps, sampling on the device.
    step N's tokens are back), and a bare graph replay, against the roofline: all non-expert
    weights, the routed experts the step's tokens select (counted from the step's own expert
    counts), and the KV read. tokens/s and the fraction of roofline take the faster way.
-4. at batch 64, context 1K: a sampled step (temperature 1, top-p 0.95), the fast path without
+4. at batch 64, context 1K: a sampled step (temperature 1, top-p 0.95; and with top-k 50), the fast path without
    graphs, and the reference path.
 5. while time is left, in this order: FP8 expert weights (W8A16) at batch 64 and 256; the
    FP8 KV cache (kv_cache_dtype fp8: e4m3 entries, a float32 scale per token) on the fast path,
@@ -198,9 +198,9 @@ def decode_plan(step_id: int, req_ids: np.ndarray, pos: int, tables: np.ndarray 
                     num_tokens=n, num_padded_tokens=n)
 
 
-def add_requests(rt: TorchRuntime, req_ids, temperature=0.0, top_p=1.0) -> None:
+def add_requests(rt: TorchRuntime, req_ids, temperature=0.0, top_p=1.0, top_k=-1) -> None:
     n = len(req_ids)
-    rt.add_requests(NewRequests([int(r) for r in req_ids], [temperature] * n, [top_p] * n, [-1] * n, [-1] * n))
+    rt.add_requests(NewRequests([int(r) for r in req_ids], [temperature] * n, [top_p] * n, [top_k] * n, [-1] * n))
 
 
 def events_ms(fn, iters: int) -> float:
@@ -293,12 +293,12 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
 # -- 3./4. decode ---------------------------------------------------------------------------------
 
 def time_decode(run: Run, rt: TorchRuntime, batch: int, ctx: int, first_req: int, *, steps: int, warmup: int,
-                temperature=0.0, top_p=1.0, case="greedy", graphs_off=False, expert_bytes=2) -> dict:
+                temperature=0.0, top_p=1.0, case="greedy", graphs_off=False, expert_bytes=2, top_k=-1) -> dict:
     cfg, dev = rt.model.cfg, rt.device
     per = -(-(ctx + warmup + 2 * steps + 2) // BS)
     tables = np.arange(batch * per, dtype=np.int64).reshape(batch, per)
     req_ids = np.arange(first_req, first_req + batch)
-    add_requests(rt, req_ids, temperature, top_p)
+    add_requests(rt, req_ids, temperature, top_p, top_k)
     mode = rt.runner.mode
     if graphs_off:
         rt.runner.mode = "off"
@@ -422,6 +422,8 @@ def bench_decode(run: Run, args, device: str) -> None:
                 f"skipped: they run batch {b64}, above --batches' largest ({max(batches)})"
             b64 = 0
         for case, kw in (("sampled (temperature 1, top-p 0.95)", {"temperature": 1.0, "top_p": 0.95}),
+                         ("sampled (temperature 1, top-k 50, top-p 0.95)",
+                          {"temperature": 1.0, "top_p": 0.95, "top_k": 50}),
                          ("fast path without CUDA graphs", {"graphs_off": True})):
             try:
                 if b64 and run.left() > 25:
