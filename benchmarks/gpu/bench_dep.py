@@ -279,6 +279,114 @@ def alltoall(world: int, sizes: list[int], *, hidden: int = 2048, top_k: int = 6
     return got
 
 
+def _layer_worker(rank: int, world: int, pads: list[int], port: int, results) -> None:
+    """One v2-lite MoE layer (64 experts, hidden 2048, intermediate 1408, top-6, bf16, random
+    weights and routing) through ShardedExperts with padded dispatch, 26 layers captured as
+    one CUDA graph, per exchange; and one GPU's fused MoE over all 64 experts (DEP1)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lockstep.kernels.fused_moe import fused_moe
+    from lockstep.runtime.models.expert_parallel import ShardedExperts, attach_peer_exchange
+
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev)
+    e, h, inter, k = 64, 2048, 1408, 6
+    g = torch.Generator(device=dev).manual_seed(0)  # the same weights on every rank
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(torch.randn(e, 2 * inter, h, generator=g, device=dev).mul_(0.02)
+                                        .to(torch.bfloat16), requires_grad=False)
+    experts.down_proj = nn.Parameter(torch.randn(e, h, inter, generator=g, device=dev).mul_(0.02)
+                                     .to(torch.bfloat16), requires_grad=False)
+
+    def local(x, w13, w2, tw, ti):
+        return fused_moe(x, w13, w2, tw, ti)
+
+    def graph_us(fn) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            for _ in range(26):
+                fn()
+        times = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            dist.barrier()
+            a.record()
+            gr.replay()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3 / 26)
+        return float(np.median(times))
+
+    res = {}
+    gx = torch.Generator(device=dev).manual_seed(1 + rank)
+    for pad in pads:
+        x = torch.randn(pad, h, generator=gx, device=dev).to(torch.bfloat16)
+        ids = torch.rand(pad, e, generator=gx, device=dev).topk(k, dim=1).indices
+        w = torch.rand(pad, k, generator=gx, device=dev).softmax(dim=1)
+        res[f"dep1_fused_moe_{pad}"] = graph_us(lambda: fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids))
+        outs = {}
+        from lockstep.kernels import ep_dispatch
+
+        for how in ("nccl", "peer", "direct", "direct_unaligned"):
+            ep_dispatch.ALIGNED = how != "direct_unaligned"
+            layer = ShardedExperts(experts, np.arange(e), rank, world, dispatch="padded")
+            layer.pad_tokens = pad
+            ex = None if how == "nccl" else attach_peer_exchange([layer], pad, k, None, dev,
+                                                                 direct=how.startswith("direct"))
+            outs[how] = layer(x, w, ids, local=local)
+            res[f"{how}_{pad}"] = graph_us(lambda: layer(x, w, ids, local=local))
+            if ex is not None:
+                ex.close()
+        want = fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids).float()
+        for how, got in outs.items():
+            res[f"{how}_max_err_{pad}"] = float((got.float() - want).abs().max())
+        res[f"scale_{pad}"] = float(want.abs().max())
+    if rank == 0:
+        results.put(res)
+    dist.destroy_process_group()
+
+
+def layer_probe(world: int, pads: list[int]) -> dict:
+    """Microseconds per MoE layer (see ``_layer_worker``), keyed by exchange and pad."""
+    import queue
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_layer_worker, args=(r, world, pads, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            got = q.get(timeout=2)
+            break
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("the layer probe's workers ended without a result") from None
+    for p in procs:
+        p.join(timeout=60)
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", action="store_true")
@@ -289,7 +397,14 @@ def main() -> None:
     ap.add_argument("--sweep-one", type=int, help="run `sweep` for this DEP size, print its rows as JSON")
     ap.add_argument("--levels", default="64,128,256", help="requests per rank, for --sweep-one")
     ap.add_argument("--exchange", default=None, choices=("nccl", "peer", "direct"), help="runtime option ep_exchange")
+    ap.add_argument("--layer-probe", action="store_true",
+                    help="time one MoE layer's padded dispatch per exchange on 2 GPUs (pads: --levels)")
     args = ap.parse_args()
+    if args.layer_probe:
+        import json
+
+        print("LAYER " + json.dumps(layer_probe(2, [int(x) for x in args.levels.split(",")])), flush=True)
+        return
     if args.sweep_one:
         import json
 
