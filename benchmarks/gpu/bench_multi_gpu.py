@@ -109,13 +109,13 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
                                 balancedness=evaluate(placement, load, pol.topo))
 
         def plan(load):
-            current = pol.placement
+            current, began = pol.placement, time.perf_counter()
             new = inner_plan(load)
             if dep == 1 and swaps:
                 new = swapped(load, new)
             plans.append({"before": float(evaluate(current, load, pol.topo).mean),
                           "planned": float(new.balancedness.mean), "moves": len(new.moves),
-                          "gen_running": int(pol.gen)})
+                          "gen_running": int(pol.gen), "began": began, "planned_s": time.perf_counter() - began})
             return new
 
         def adopt(new):
@@ -132,6 +132,8 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
         tokens = await complete_all(engine, prompts, params)
         wall = time.perf_counter() - t0
         stats = engine.balancer_statistics()
+    for p in plans:  # when each plan began, from the start of the timed run (s)
+        p["began"] -= t0
     # Step phases on rank 0: before the first new placement was handed out, while any is
     # staged (handed out, not yet running), and the other steps after the first switch.
     first_hand = min(handed.values(), default=float("inf"))
@@ -164,7 +166,7 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
             "balancedness_next_window": plans[1]["before"] if len(plans) > 1 else float("nan"),
             "generations": stats.generation if stats else 0, "moved_experts": stats.moved_experts if stats else 0,
             "switches": len(lag), "expert_copies": copied, "copied_gb": copied * expert_bytes / 1e9,
-            "switch_s_median": float(np.median(lag)) if lag else float("nan"), "plans": plans}
+            "switch_s_median": float(np.median(lag)) if lag else float("nan"), "wall_s": wall, "plans": plans}
 
 
 def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
