@@ -392,10 +392,14 @@ def _swap_hot_and_cold(policy: Rebalancer, pairs: int = 2) -> list[np.ndarray]:
     placement in use with the slots of each layer's ``pairs`` hottest and coldest experts
     swapped (what ``bench_multi_gpu.py --dep 1`` does). Returns the list the placements
     handed out are appended to (phy2log, in generation order)."""
-    inner, inner_adopt, handed = policy.plan, policy.adopt, []
+    inner_take, inner_adopt, handed, loads = policy.take_window, policy.adopt, [], []
 
-    def swapped(load):
-        new, old = inner(load), policy.placement.phy2log
+    def take_window():  # the load the planner (another process) plans for
+        loads.append(inner_take())
+        return loads[-1]
+
+    def swapped(load, new):
+        old = policy.placement.phy2log
         assert not len(new.moves)
         p2l = old.copy()
         for row, w in zip(p2l, load):
@@ -405,11 +409,12 @@ def _swap_hot_and_cold(policy: Rebalancer, pairs: int = 2) -> list[np.ndarray]:
         return attrs.evolve(new, placement=Placement.from_phy2log(p2l, policy.topo.experts), moves=moves(old, p2l))
 
     def adopt(new):
+        new = swapped(loads[-1], new)
         gen = inner_adopt(new)
         if gen is not None:
             handed.append(new.placement.phy2log)
         return gen
-    policy.plan, policy.adopt = swapped, adopt
+    policy.take_window, policy.adopt = take_window, adopt
     return handed
 
 

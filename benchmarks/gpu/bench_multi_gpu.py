@@ -93,7 +93,8 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
         s0.on_result = lambda p, r: steps.append((time.perf_counter(), p.placement_gen, p.num_reqs, r.gpu_s,
                                                   s0.placement_status().forwarded))
         pol = policy_holder.policy
-        inner_plan, inner_adopt = pol.plan, pol.adopt
+        inner_take, inner_adopt = pol.take_window, pol.adopt
+        windows = []  # (load, when it was taken): the planner runs in another process
 
         def swapped(load, new):
             """One rank: the current placement with the slots of the ``swaps`` hottest and
@@ -108,24 +109,25 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
             return attrs.evolve(new, placement=placement, moves=moves(pol.placement.phy2log, p2l),
                                 balancedness=evaluate(placement, load, pol.topo))
 
-        def plan(load):
-            current, began = pol.placement, time.perf_counter()
-            new = inner_plan(load)
+        def take_window():
+            windows.append((inner_take(), time.perf_counter()))
+            return windows[-1][0]
+
+        def adopt(new):
+            load, began = windows[-1]
+            current = pol.placement
             if dep == 1 and swaps:
                 new = swapped(load, new)
             plans.append({"before": float(evaluate(current, load, pol.topo).mean),
                           "planned": float(new.balancedness.mean), "moves": len(new.moves),
                           "gen_running": int(pol.gen), "began": began, "planned_s": time.perf_counter() - began})
-            return new
-
-        def adopt(new):
-            old = pol.placement.phy2log
+            old = current.phy2log
             gen = inner_adopt(new)
             if gen is not None:
                 handed[gen] = time.perf_counter()
                 copies[gen] = expert_copies(old, new.placement.phy2log, dep, copy_all=dep == 1)
             return gen
-        pol.plan, pol.adopt = plan, adopt
+        pol.take_window, pol.adopt = take_window, adopt
         await engine.complete(prompts[0][:8], SamplingParams(max_tokens=2))  # warm up
         steps.clear()
         t0 = time.perf_counter()

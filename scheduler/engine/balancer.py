@@ -3,15 +3,19 @@
 One per DEP instance (and one for a single rank that balances its experts). Each Scheduler
 sends every step's expert counts without waiting (``Loads``: an unbounded mailbox, one
 message per rank per step, drained as they come); the policy (``Rebalancer``) sums them over
-a window and says when to plan; the planner runs in a worker thread, so no step waits on
-it. A new placement goes to every rank's Scheduler, which hands it to its runtime with the
+a window and says when to plan; the planner runs in a worker process, so no step waits on
+it and it never waits for the engine's interpreter lock (in a thread of the engine process,
+an 11 ms plan took 1.2 s on two H200s decoding 1.6 ms steps:
+``benchmarks/results/2026-11-30-h200x2-session13.md``). A new placement goes to every rank's Scheduler, which hands it to its runtime with the
 next plan; the runtimes copy the weights in the background, and the ranks switch together
 once the DP sync says every one of them has it ready.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from concurrent.futures import ProcessPoolExecutor
 from typing import Callable
 
 import attrs
@@ -19,7 +23,7 @@ import numpy as np
 import trio
 
 from lockstep.policy.eplb import Topology
-from lockstep.policy.rebalance import EplbConfig, Rebalancer
+from lockstep.policy.rebalance import EplbConfig, Rebalancer, plan_placement, warm_up
 from lockstep.runtime.base import Ready
 
 
@@ -54,8 +58,25 @@ class Balancer:
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
         self.policy: Rebalancer | None = None
         self.draft_policy: Rebalancer | None = None  # a speculative draft's sharded experts
+        self._pool: ProcessPoolExecutor | None = None  # the planner's process, while running
 
     async def run(self, ready: Ready, deliver: list[Deliver], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self._run(ready, deliver, task_status)
+        finally:
+            if self._pool is not None:  # the planner process goes with the actor
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(functools.partial(self._pool.shutdown, wait=True,
+                                                                    cancel_futures=True))
+                self._pool = None
+
+    async def _run(self, ready: Ready, deliver: list[Deliver], task_status) -> None:
+        from .runtime_client import forkserver_context
+
+        # One worker, forked from the runtimes' forkserver, started now (and its imports
+        # made) so that the first plan does not wait for them.
+        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=forkserver_context())
+        self._pool.submit(warm_up)
         e, n = ready.num_experts, len(deliver)
         self.policy = Rebalancer(self.config, Topology(e, e + self.config.redundant_experts, n), ready.moe_layers)
         if ready.draft_num_experts:  # the draft's own planner: moves its experts between ranks
@@ -80,7 +101,11 @@ class Balancer:
                     await self._rebalance(policy, model, deliver)
 
     async def _rebalance(self, policy: Rebalancer, model: str, deliver: list[Deliver]) -> None:
-        plan = await trio.to_thread.run_sync(policy.plan, policy.take_window())
+        future = self._pool.submit(plan_placement, *policy.plan_args(policy.take_window()))
+        try:
+            plan = await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+        finally:
+            future.cancel()
         gen = policy.adopt(plan)
         if gen is not None:
             for d in deliver:

@@ -2,8 +2,9 @@
 the DEP ranks, the placement in use, and the generation in flight.
 
 Sans-I/O: the engine's balancer actor (``lockstep.engine.balancer``) feeds it each rank's
-per-step expert counts and runs ``plan`` (in a worker thread: at full scale it takes tens of
-milliseconds) when ``due``; a simulator can drive the same object. A new generation goes
+per-step expert counts and runs ``plan_placement(*plan_args(window))`` (in a worker process:
+at full scale it takes tens of milliseconds, and a thread of the busy engine process waited
+for the interpreter lock for a second) when ``due``; a simulator can drive the same object. A new generation goes
 out only once the previous one runs on every rank, so a runtime stages one placement at a
 time. Generations only grow, also across a group restart (the runtimes then start again at
 the initial placement, generation 0).
@@ -42,6 +43,16 @@ class EplbConfig:
     token_split: str = attrs.field(default="even", validator=lambda i, a, v: _one_of(a, v, ("even", "proportional")))
 
 
+def plan_placement(load: np.ndarray, topo: Topology, current: Placement, incremental: bool, eps: float) -> Plan:
+    """``eplb.plan`` with the balancer's settings: a module-level function, so that a worker
+    process can run it."""
+    return plan(load, topo, current, incremental=incremental, eps=eps)
+
+
+def warm_up() -> None:
+    """Nothing: a worker process that runs it has imported this module (and the planner's)."""
+
+
 class Rebalancer:
     def __init__(self, config: EplbConfig, topo: Topology, moe_layers: Sequence[int]):
         self.config, self.topo = config, topo
@@ -77,10 +88,15 @@ class Rebalancer:
         self._clear_window()
         return window
 
+    def plan_args(self, load: np.ndarray) -> tuple:
+        """What ``plan_placement`` needs to plan for ``load`` from the placement in use (all
+        of it picklable: the engine plans in another process)."""
+        c = self.config
+        return load, self.topo, self.placement, c.incremental, c.eps
+
     def plan(self, load: np.ndarray) -> Plan:
         """Pure (any thread): a placement for ``load``, from the one in use."""
-        c = self.config
-        return plan(load, self.topo, self.placement, incremental=c.incremental, eps=c.eps)
+        return plan_placement(*self.plan_args(load))
 
     def adopt(self, new: Plan) -> int | None:
         """Make ``new`` the next generation and return its number; None when it moves
