@@ -130,7 +130,8 @@ async def sweep(dep: int, layers: int, levels: list[int], prompt: int, output: i
         steps, sync = [], []
         # decode-only steps: each request feeds one token
         engine.schedulers[0].on_result = lambda p, r: p.num_tokens == p.num_reqs and steps.append((p.num_reqs,
-                                                                                                     r.gpu_s))
+                                                                                                     r.gpu_s,
+                                                                                                     time.perf_counter()))
         time_sync(engine, sync)
         rng = np.random.default_rng(1)
         await engine.complete(rng.integers(10, 500, 8).astype(np.int32), SamplingParams(max_tokens=2))  # warm up
@@ -141,11 +142,15 @@ async def sweep(dep: int, layers: int, levels: list[int], prompt: int, output: i
             t = time.perf_counter()
             tokens = await complete_all(engine, prompts, params)
             wall = time.perf_counter() - t
-            full = max((k for k, _ in steps), default=0)
-            decode = [g for k, g in steps if k >= 0.95 * full]  # the router may give a rank a few more or fewer
+            full = max((k for k, _, _ in steps), default=0)
+            decode = [g for k, g, _ in steps if k >= 0.95 * full]  # the router may give a rank a few more or fewer
             step = float(np.median(decode)) if decode else float("nan")
+            # Wall time between consecutive full decode steps' results on rank 0: above the
+            # step itself where the host (engine or runtime) holds the GPU up.
+            gaps = [b[2] - a[2] for a, b in zip(steps, steps[1:]) if min(a[0], b[0]) >= 0.95 * full]
             rows.append({"dep": dep, "exchange": (exchange or "default") if dep > 1 else "-", "per_rank": c, "requests": c * dep, "layers": layers or 27,
                          "decode_step_ms": 1e3 * step, "decode_tokens_per_s_per_gpu": full / step,
+                         "step_gap_ms": 1e3 * float(np.median(gaps)) if gaps else float("nan"),
                          "output_tokens_per_s_per_gpu": tokens / wall / dep,
                          "sync_ms_per_step": 1e3 * float(np.median(sync)) if sync else 0.0,
                          "step_bytes_per_gpu": rank_bytes(layers, dep, full, prompt + output // 2)})

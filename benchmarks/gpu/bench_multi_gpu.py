@@ -150,6 +150,8 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
         return (1e3 * float(np.median(v)) if v else float("nan")), len(v)
 
     during = lambda t: any(a <= t < b for a, b in staged)  # noqa: E731
+    # Wall time between consecutive full-batch steps' results on rank 0 (host included).
+    gaps = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if min(a[2], b[2]) == full]
     before, n_before = ms(lambda t, g: t < first_hand)
     dur, n_dur = ms(lambda t, g: during(t))
     first_switch = switched.get(1, float("inf"))
@@ -168,7 +170,8 @@ async def rebalance(dep: int, layers: int, per_rank: int, prompt: int, output: i
             "balancedness_next_window": plans[1]["before"] if len(plans) > 1 else float("nan"),
             "generations": stats.generation if stats else 0, "moved_experts": stats.moved_experts if stats else 0,
             "switches": len(lag), "expert_copies": copied, "copied_gb": copied * expert_bytes / 1e9,
-            "switch_s_median": float(np.median(lag)) if lag else float("nan"), "wall_s": wall, "plans": plans}
+            "switch_s_median": float(np.median(lag)) if lag else float("nan"), "wall_s": wall,
+            "step_gap_ms": 1e3 * float(np.median(gaps)) if gaps else float("nan"), "plans": plans}
 
 
 def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
