@@ -33,6 +33,7 @@ Benchmarks' changes to random weights (``expert_skew``, ``layer_output_scale``):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -50,6 +51,8 @@ from .models.batch import ForwardBatch, HostBatch
 from . import sampling
 from .sampling import sample, sample_on_device
 
+log = logging.getLogger(__name__)
+
 
 def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
     """Log-probabilities under the model's own distribution (before temperature and
@@ -64,6 +67,21 @@ def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+
+
+def exchange_for(asked: str | None, device_type: str, hosts: list) -> str:
+    """Padded dispatch's exchange (runtime option ``ep_exchange``, ``asked``; None: the
+    default) for ranks on ``hosts`` (one entry a rank): through the peers' memory only where
+    every rank is on one host; asked for across hosts, refused."""
+    how = asked or ("direct" if device_type == "cuda" else "nccl")
+    if how not in ("nccl", "peer", "direct"):
+        raise ValueError(f"runtime option ep_exchange must be 'nccl', 'peer' or 'direct', got {how!r}")
+    if how != "nccl" and len(set(hosts)) > 1:
+        if asked:
+            raise ValueError(f"runtime option ep_exchange {how!r} needs every DEP rank on one host; these ranks "
+                             f"run on {len(set(hosts))} hosts: use 'nccl'")
+        return "nccl"
+    return how
 
 
 class TorchRuntime:
@@ -303,10 +321,18 @@ class TorchRuntime:
         results back from there ("direct": ``kernels.ep_dispatch``; Triton, so on CPU only
         under the interpreter). Sized for steps of up to ``pad_tokens`` tokens. The default is
         "direct" on GPUs, "nccl" on CPU."""
-        how = spec.options.get("ep_exchange", "direct" if self.device.type == "cuda" else "nccl")
-        if how not in ("nccl", "peer", "direct"):
-            raise ValueError(f"runtime option ep_exchange must be 'nccl', 'peer' or 'direct', got {how!r}")
-        if how == "nccl" or self.world == 1:
+        asked = spec.options.get("ep_exchange")
+        if exchange_for(asked, self.device.type, ["here"]) == "nccl" or self.world == 1:
+            return
+        import torch.distributed as dist
+
+        from .models.peer_exchange import host_id
+
+        hosts = [None] * self.world  # the peers' memory is reachable only on one host
+        dist.all_gather_object(hosts, host_id())
+        how = exchange_for(asked, self.device.type, hosts)
+        if how == "nccl":
+            log.info("DEP ranks on %d hosts: expert exchange through NCCL", len(set(hosts)))
             return
         from .models.expert_parallel import attach_peer_exchange
 

@@ -310,6 +310,19 @@ def test_direct_dispatch_kernels_compute_what_exact_dispatch_does(monkeypatch):
     tmp.start_processes(_direct_worker, args=(2, port), nprocs=2, start_method="spawn")
 
 
+def test_the_exchange_through_peers_memory_is_chosen_only_on_one_host():
+    from lockstep.runtime.torch_runtime import exchange_for
+
+    assert exchange_for(None, "cuda", ["a", "a"]) == "direct"
+    assert exchange_for(None, "cpu", ["a", "a"]) == "nccl"
+    assert exchange_for(None, "cuda", ["a", "b"]) == "nccl"  # the default falls back
+    assert exchange_for("peer", "cpu", ["a", "a"]) == "peer"
+    with pytest.raises(ValueError, match="ep_exchange 'direct' needs every DEP rank on one host.*2 hosts"):
+        exchange_for("direct", "cuda", ["a", "b", "a"])
+    with pytest.raises(ValueError, match="ep_exchange must be 'nccl', 'peer' or 'direct', got 'shm'"):
+        exchange_for("shm", "cuda", ["a"])
+
+
 def test_peer_exchange_delivers_what_an_all_to_all_does_and_leaves_no_file():
     """Three ranks (processes, Gloo): each copies its blocks into the peers' areas of one
     shared file; every exchange, at any block size, equals all_to_all_single's; the file is

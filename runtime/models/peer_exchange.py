@@ -29,10 +29,22 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import socket
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def host_id() -> str:
+    """This machine, as the ranks of a group compare it: the host name and the kernel's boot
+    id (two containers may share a name, not a boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 class PeerExchange:
