@@ -15,7 +15,7 @@ A MoE layer of a DEP rank with padded dispatch, in three launches and two barrie
    fused MoE over the received rows, their outputs copied into this rank's output area.
 3. (barrier) ``combine_rows``: one program per token (and slice of the hidden size) reads
    its pairs' outputs from the owners' output areas and sums them, weighted, in float32,
-   rounded once to the activations' dtype.
+   rounded once to the activations' dtype (float64 activations: summed in float64).
 
 Which row a pair takes depends on the order the programs reach the counter, so the rows'
 places vary from run to run; a row's math does not depend on its place, so the outputs do
@@ -32,6 +32,7 @@ import triton.language as tl
 from ._util import check
 
 BLOCK_H = 1024
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # activations
 # The areas start 16-byte aligned: telling the compiler so (tl.multiple_of on the addresses
 # before they become pointers) lets it move a row in 16-byte accesses; off: A/B runs.
 ALIGNED = True
@@ -80,19 +81,19 @@ def _take_tags_kernel(tags_ptr, store_ptr, entry_ptr, R, none, BLOCK: tl.constex
 
 @triton.jit
 def _combine_kernel(y_base, slot_ptr, pos_ptr, w_ptr, out_ptr, K, k_local, n, rank, H, s_w, s_out,
-                    BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                    BLOCK: tl.constexpr, ALIGNED: tl.constexpr, ACC: tl.constexpr):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = offs < H
-    acc = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK], ACC)
     for j in range(K):
         s = tl.load(slot_ptr + t * K + j)
         if s >= 0:
             d = s // k_local
             row = (rank * n + tl.load(pos_ptr + t * K + j)).to(tl.int64)
             src = _peer(y_base, d, out_ptr.dtype.element_ty, ALIGNED)
-            v = tl.load(src + row * H + offs, mask=live, other=0.0).to(tl.float32)
-            acc += v * tl.load(w_ptr + t * s_w + j).to(tl.float32)
+            v = tl.load(src + row * H + offs, mask=live, other=0.0).to(ACC)
+            acc += v * tl.load(w_ptr + t * s_w + j).to(ACC)
     tl.store(out_ptr + t.to(tl.int64) * s_out + offs, acc.to(out_ptr.dtype.element_ty), mask=live)
 
 
@@ -103,7 +104,7 @@ def dispatch_rows(x: torch.Tensor, slot: torch.Tensor, top_k: int, k_local: int,
     rank * n + (its place) of that rank's rows area (addresses ``rows_base`` [world] int64,
     rows of H in x's dtype) and its local slot into the same row of its tags area
     (``tags_base``, int32). Returns each pair's place (int32 [T * top_k], -1 for none)."""
-    check(x, "x", dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    check(x, "x", dims=2, dtypes=DTYPES)
     t, h = x.shape
     if slot.shape != (t * top_k,):
         raise ValueError(f"slot must be [{t * top_k}] (tokens * top_k), got {tuple(slot.shape)}")
@@ -134,12 +135,15 @@ def combine_rows(y_base: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor, we
                  k_local: int, n: int, rank: int, h: int, dtype: torch.dtype) -> torch.Tensor:
     """out[t] = sum_j weights[t, j] * (row rank * n + pos of pair (t, j) in the output area of
     the rank owning its slot; addresses ``y_base`` [world] int64, rows of ``h`` ``dtype``),
-    over the pairs with a slot, summed in float32. Returns [T, h] ``dtype``."""
+    over the pairs with a slot, summed in float32 (float64 for float64). Returns [T, h] ``dtype``."""
     t, k = weights.shape
-    check(weights, "weights", dims=2, dtypes=(torch.float32, torch.bfloat16, torch.float16))
+    check(weights, "weights", dims=2, dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.float64))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
     out = torch.empty(t, h, dtype=dtype, device=weights.device)
     if t:
         block = min(BLOCK_H, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, block))](y_base, slot, pos, weights, out, k, k_local, n, rank, h,
-                                                   weights.stride(0), out.stride(0), BLOCK=block, ALIGNED=ALIGNED)
+                                                   weights.stride(0), out.stride(0), BLOCK=block, ALIGNED=ALIGNED,
+                                                   ACC=tl.float64 if dtype == torch.float64 else tl.float32)
     return out

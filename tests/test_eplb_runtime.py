@@ -14,6 +14,10 @@ import pytest
 import torch
 import trio
 
+# The runtimes that run the dispatch kernels (ep_exchange "direct") interpret them on CPU;
+# set before any runtime process starts (their forkserver keeps the environment it began with).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from lockstep.api import open_engine
 from lockstep.engine.config import EngineConfig
 from lockstep.engine.runtime_client import RuntimeDied
@@ -219,13 +223,15 @@ async def test_dep2_rebalances_mid_generation_with_greedy_tokens_unchanged():
     _check_switch(log, gen=1)
 
 
-@pytest.mark.parametrize("split, exchange", [("even", "nccl"), ("proportional", "nccl"), ("even", "peer")])
+@pytest.mark.parametrize("split, exchange", [("even", "nccl"), ("proportional", "nccl"), ("even", "peer"),
+                                             ("proportional", "direct")])
 async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split, exchange):
     """Decode steps with padded dispatch (fixed-size all-to-alls, nothing on the host: what a
     CUDA graph holds), prefill steps with exact dispatch, and a placement switched in place
     mid-generation: greedy tokens unchanged. ``peer``: the exchanges as copies into the
-    peers' memory (a shared file on CPU) and a barrier, not Gloo all-to-alls (``direct``,
-    the kernels: ``test_direct_dispatch_kernels_compute_what_exact_dispatch_does``)."""
+    peers' memory (a shared file on CPU) and a barrier, not Gloo all-to-alls; ``direct``:
+    the dispatch and combine kernels (``kernels.ep_dispatch``, interpreted), dummy steps and
+    the switch included."""
     ps = E.prompts()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     shm = set(os.listdir("/dev/shm"))
