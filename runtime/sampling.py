@@ -28,11 +28,13 @@ from .models.batch import to_device
 
 log = logging.getLogger(__name__)
 
-# The kernel's top-k is a radix select, four passes over a row by one program: at one row of
-# 102,400 logits it took 309 us on the H200 against the sorting torch ops' 201, at 64 rows 351
-# against 1,067 (raw/2026-11-30-h200x2-session13-bench_sampling.txt). Batches of fewer rows
-# than this with a top-k row take the torch ops.
-TOP_K_KERNEL_MIN_ROWS = 16
+# The kernel's top-k is a radix select, four passes over a row by one program, so its time
+# hardly grows with the rows: at one row of 102,400 logits it took 309 us on the H200 against
+# the sorting torch ops' 201, at 64 rows 351 against 1,067
+# (raw/2026-11-30-h200x2-session13-bench_sampling.txt); the two lines cross near 9 rows (an
+# interpolation, not measured). Batches of fewer sampled rows than this with a top-k row
+# take the torch ops.
+TOP_K_KERNEL_MIN_ROWS = 8
 
 _MIX = 0x9E3779B97F4A7C15
 # Batches sample in one kernel launch (False: sort-based torch ops, the form before, kept
@@ -67,7 +69,8 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     if not len(rand):
         return logits.argmax(dim=-1)
     kernel = _kernel() if SAMPLE_KERNEL else None
-    few_top_k = len(logits) < TOP_K_KERNEL_MIN_ROWS and bool((top_k[rand] > 0).any())
+    k = top_k[rand]  # a sampled row's top-k (0 < k < V) makes the kernel select: slow for a few rows
+    few_top_k = len(rand) < TOP_K_KERNEL_MIN_ROWS and bool(((k > 0) & (k < logits.shape[-1])).any())
     fused = kernel is not None and not few_top_k and (logits.is_cuda or kernel[1]) and (
         logits.stride(-1) == 1)
     noise = _noise((len(rand), logits.shape[-1]), rand, seeds, positions, gen, logits.device)

@@ -16,7 +16,8 @@ import trio
 
 # The runtimes that run the dispatch kernels (ep_exchange "direct") interpret them on CPU;
 # set before any runtime process starts (their forkserver keeps the environment it began with).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lockstep.api import open_engine
 from lockstep.engine.config import EngineConfig

@@ -52,6 +52,39 @@ class BalancerStats:
 Deliver = Callable[..., None]  # (generation, phy2log, model): to one rank's Scheduler
 
 
+SHUTDOWN_S = 10.0  # how long the planner process may take to finish at exit before it is killed
+
+
+def _watch_parent() -> None:
+    """In the planner process: exit when the engine's process does. It is forked from the
+    forkserver, which only exits once the engine has gone, so a killed engine would leave it
+    waiting for work."""
+    import multiprocessing.connection
+    import os
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+
+    def wait() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+    threading.Thread(target=wait, name="lockstep-planner-watch", daemon=True).start()
+
+
+def _start_planner() -> ProcessPoolExecutor:
+    from .runtime_client import forkserver_context
+
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=forkserver_context(), initializer=_watch_parent)
+    try:
+        pool.submit(warm_up).result()  # the process is up and has imported the planner
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    return pool
+
+
 class Balancer:
     def __init__(self, config: EplbConfig):
         self.config = config
@@ -65,18 +98,22 @@ class Balancer:
             await self._run(ready, deliver, task_status)
         finally:
             if self._pool is not None:  # the planner process goes with the actor
+                pool, self._pool, done = self._pool, None, False
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(functools.partial(self._pool.shutdown, wait=True,
-                                                                    cancel_futures=True))
-                self._pool = None
+                    with trio.move_on_after(SHUTDOWN_S):
+                        await trio.to_thread.run_sync(functools.partial(pool.shutdown, wait=True,
+                                                                        cancel_futures=True),
+                                                      abandon_on_cancel=True)
+                        done = True
+                if not done:  # stuck: there is no public way to kill the pool's process
+                    for proc in list((pool._processes or {}).values()):
+                        proc.kill()
 
     async def _run(self, ready: Ready, deliver: list[Deliver], task_status) -> None:
-        from .runtime_client import forkserver_context
-
-        # One worker, forked from the runtimes' forkserver, started now (and its imports
-        # made) so that the first plan does not wait for them.
-        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=forkserver_context())
-        self._pool.submit(warm_up)
+        # One worker, forked from the runtimes' forkserver (off the trio thread: the server
+        # may still have to start), up with its imports made before the actor reports started,
+        # so that the first plan does not wait for them.
+        self._pool = await trio.to_thread.run_sync(_start_planner)
         e, n = ready.num_experts, len(deliver)
         self.policy = Rebalancer(self.config, Topology(e, e + self.config.redundant_experts, n), ready.moe_layers)
         if ready.draft_num_experts:  # the draft's own planner: moves its experts between ranks
@@ -106,6 +143,8 @@ class Balancer:
             plan = await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
         finally:
             future.cancel()
+        for a in (plan.placement.phy2log, plan.placement.log2phy, plan.placement.replicas):
+            a.setflags(write=False)  # read-only as built (a process round trip made them writable)
         gen = policy.adopt(plan)
         if gen is not None:
             for d in deliver:
