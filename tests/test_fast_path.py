@@ -332,7 +332,7 @@ def test_fast_path_with_expert_slots_computes_through_them():
     calls = []
     layer = next(lw.moe.experts for lw in fast.runner.fast.layers if lw.moe is not None)
     inner = layer.forward
-    layer.forward = lambda *a: calls.append(1) or inner(*a)
+    layer.forward = lambda *a, **kw: calls.append(1) or inner(*a, **kw)
     e = fast.model.cfg.n_routed_experts
     moved = np.stack([np.roll(np.arange(e), 3)] * len(fast.moe_layers))  # every expert in another slot
     for rt in (ref, fast):

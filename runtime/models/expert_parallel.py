@@ -224,12 +224,13 @@ class ShardedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, local=None) -> torch.Tensor:
         """The routed experts' output for ``x`` (tokens, hidden) with ``weights`` and ``ids``
         (tokens, top_k); ids outside [0, experts) (padding tokens) choose nothing. ``local``:
-        padded dispatch's fused kernel (x, gate_up, down, weights, ids) for this rank's rows."""
+        a fused kernel (x, gate_up, down, weights, ids) that runs this rank's received rows
+        through their experts in one go (else a loop over the experts, a host sync each)."""
         t = self.tables
         if self.dispatch == "exact" and ids.numel() and int(ids.max()) >= self.num_experts:
             keep = (ids < self.num_experts).all(1)  # padding tokens (exact dispatch syncs anyway)
             out = torch.zeros_like(x)
-            out[keep] = self.forward(x[keep], weights[keep], ids[keep])
+            out[keep] = self.forward(x[keep], weights[keep], ids[keep], local)
             return out
         flat = ids.flatten()
         real = None
@@ -257,8 +258,14 @@ class ShardedExperts(nn.Module):
         recv_n = self._exchange(send_n, None, None)
         send_split, recv_split = send_n.tolist(), recv_n.tolist()
         rx = self._exchange(x[token], recv_split, send_split)
-        local = self._exchange((slot[order] - dest[order] * self.k)[:, None], recv_split, send_split)[:, 0]
-        back = self._exchange(self._local(rx, t.store_of[local]), send_split, recv_split)
+        r_slot = self._exchange((slot[order] - dest[order] * self.k)[:, None], recv_split, send_split)[:, 0]
+        entry = t.store_of[r_slot]
+        if local is None or not len(entry):
+            y = self._local(rx, entry)
+        else:
+            ones = torch.ones(len(entry), 1, dtype=torch.float32, device=x.device)
+            y = local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None])
+        back = self._exchange(y.to(x.dtype), send_split, recv_split)
         acc = torch.promote_types(x.dtype, torch.float32)  # summed in float32 (or wider), rounded once
         out = torch.zeros(x.shape, dtype=acc, device=x.device)
         out.index_add_(0, token, back.to(acc) * weights.flatten()[order, None])

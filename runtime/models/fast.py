@@ -502,9 +502,7 @@ class FastDeepseek:
                 ids = routed
         chosen.append(routed)
         if not self.use_fused_moe:  # expert parallelism: this rank's slots, all-to-alls
-            if getattr(moe.experts, "dispatch", None) == "padded":
-                return moe.experts(h, weights, ids, local=self._fused_moe)
-            return moe.experts(h, weights, ids)
+            return moe.experts(h, weights, ids, local=self._fused_moe)
         if fuse:
             w13, w2, e = lw.with_shared
             n = w13.shape[0]
