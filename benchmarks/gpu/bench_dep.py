@@ -255,6 +255,13 @@ def alltoall(world: int, sizes: list[int], *, hidden: int = 2048, top_k: int = 6
     pad); keys ``p2p_<pad>``: the same exchanges as copies into the peers' memory
     (``PeerExchange``), ``p2p_same_<pad>`` whether they delivered what NCCL delivered;
     ``<variant>_graph_<pad>``: per layer, 26 layers replayed as one CUDA graph."""
+    return _on_ranks(world, _a2a_worker, (sizes, hidden, top_k), "the all-to-all workers")
+
+
+def _on_ranks(world: int, worker, args: tuple, what: str) -> dict:
+    """Run ``worker(rank, world, *args, port, queue)`` in ``world`` spawned processes (one GPU
+    each, NCCL over a free loopback port); rank 0's report."""
+    import queue
     import socket
 
     import torch.multiprocessing as tmp
@@ -264,11 +271,9 @@ def alltoall(world: int, sizes: list[int], *, hidden: int = 2048, top_k: int = 6
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_a2a_worker, args=(r, world, sizes, hidden, top_k, port, q)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, *args, port, q)) for r in range(world)]
     for p in procs:
         p.start()
-    import queue
-
     deadline = time.monotonic() + 300
     while True:  # until rank 0 reports, or every worker is gone (a failure) or time is up
         try:
@@ -278,7 +283,7 @@ def alltoall(world: int, sizes: list[int], *, hidden: int = 2048, top_k: int = 6
             if not any(p.is_alive() for p in procs) or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
-                raise RuntimeError("the all-to-all workers ended without a result") from None
+                raise RuntimeError(f"{what} ended without a result") from None
     for p in procs:
         p.join(timeout=60)
     return got
@@ -364,32 +369,7 @@ def _layer_worker(rank: int, world: int, pads: list[int], port: int, results) ->
 
 def layer_probe(world: int, pads: list[int]) -> dict:
     """Microseconds per MoE layer (see ``_layer_worker``), keyed by exchange and pad."""
-    import queue
-    import socket
-
-    import torch.multiprocessing as tmp
-
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_layer_worker, args=(r, world, pads, port, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            got = q.get(timeout=2)
-            break
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs) or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError("the layer probe's workers ended without a result") from None
-    for p in procs:
-        p.join(timeout=60)
-    return got
+    return _on_ranks(world, _layer_worker, (pads,), "the layer probe's workers")
 
 
 def main() -> None:

@@ -259,12 +259,7 @@ class ShardedExperts(nn.Module):
         send_split, recv_split = send_n.tolist(), recv_n.tolist()
         rx = self._exchange(x[token], recv_split, send_split)
         r_slot = self._exchange((slot[order] - dest[order] * self.k)[:, None], recv_split, send_split)[:, 0]
-        entry = t.store_of[r_slot]
-        if local is None or not len(entry):
-            y = self._local(rx, entry)
-        else:
-            ones = torch.ones(len(entry), 1, dtype=torch.float32, device=x.device)
-            y = local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None])
+        y = self._run_experts(rx, t.store_of[r_slot], local)
         back = self._exchange(y.to(x.dtype), send_split, recv_split)
         acc = torch.promote_types(x.dtype, torch.float32)  # summed in float32 (or wider), rounded once
         out = torch.zeros(x.shape, dtype=acc, device=x.device)
@@ -299,14 +294,7 @@ class ShardedExperts(nn.Module):
         r_local = recv[:, h:].contiguous().view(torch.int16)[:, 0].to(torch.int64)
         none = len(self.gate_up_proj)  # the storage entry "none": past the end
         r_entry = torch.where(r_local >= 0, self.tables.store_of[r_local.clamp(min=0)], none)
-        if local is not None:
-            ones = torch.ones(len(r_entry), 1, dtype=torch.float32, device=x.device)
-            y = local(rx, self.gate_up_proj, self.down_proj, ones, r_entry[:, None])
-        else:
-            y = torch.zeros_like(rx)
-            rows = (r_entry < none).nonzero(as_tuple=True)[0]
-            y[rows] = self._local(rx[rows], r_entry[rows])
-        y = y.to(x.dtype).contiguous()
+        y = self._run_experts(rx, r_entry, local).to(x.dtype).contiguous()
         back = self._exchange(y, None, None) if peer is None else peer.exchange(1, y.view(torch.uint8)).view(x.dtype)
         back = torch.cat([back, y.new_zeros(1, y.shape[1])])
         # Summed in float32 and rounded once, as the direct path's combine sums them.
@@ -334,16 +322,8 @@ class ShardedExperts(nn.Module):
         pos = dispatch_rows(x, slot, top_k, self.k, n, self.rank, ex.bases[0], ex.bases[1])
         ex.barrier()
         rx = ex.local(0, n).view(x.dtype)
-        none = len(self.gate_up_proj)
-        entry = take_tags(ex.local(1, n).view(torch.int32)[:, 0], self.tables.store_of, none)
-        if local is not None:
-            ones = torch.ones(len(entry), 1, dtype=torch.float32, device=x.device)
-            y = local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None])
-        else:
-            y = torch.zeros_like(rx)
-            rows = (entry < none).nonzero(as_tuple=True)[0]
-            y[rows] = self._local(rx[rows], entry[rows])
-        ex.local(2, n).view(x.dtype).copy_(y)
+        entry = take_tags(ex.local(1, n).view(torch.int32)[:, 0], self.tables.store_of, len(self.gate_up_proj))
+        ex.local(2, n).view(x.dtype).copy_(self._run_experts(rx, entry, local))
         ex.barrier()
         return combine_rows(ex.bases[2], slot, pos, weights, self.k, n, self.rank, h, x.dtype)
 
@@ -353,6 +333,19 @@ class ShardedExperts(nn.Module):
         out = t.new_empty(t.shape if recv_split is None else (sum(recv_split), *t.shape[1:]))
         dist.all_to_all_single(out, t.contiguous(), recv_split, send_split, group=self.group)
         return out
+
+    def _run_experts(self, rx: torch.Tensor, entry: torch.Tensor, local) -> torch.Tensor:
+        """Each received row through the expert in its storage entry, unweighted; an entry
+        past the last (no pair took the row) gives a zero row (or, through ``local``, one
+        nobody reads). ``local``: one fused kernel for all of them, else a loop over the
+        experts (a host sync each)."""
+        if local is not None:
+            ones = torch.ones(len(entry), 1, dtype=torch.float32, device=rx.device)
+            return local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None])
+        y = torch.zeros_like(rx)
+        rows = (entry < len(self.gate_up_proj)).nonzero(as_tuple=True)[0]
+        y[rows] = self._local(rx[rows], entry[rows])
+        return y
 
     def _local(self, x: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
         """Each received row through the expert in its storage entry, unweighted."""
