@@ -1,12 +1,13 @@
 """All-to-all by writing into the peers' memory: padded expert dispatch without NCCL calls.
 
-A padded exchange moves a fixed-size block from every rank to every rank. NCCL's
-all-to-all does that in one call, but a call costs 55-80 us on two H200s whatever its size
-(``benchmarks/results/2026-11-30-h200-session8.md``: 1.5 MB would cross NVLink in 4 us).
-Here each rank instead copies its block for rank d straight into rank d's receive area (the
-block of this rank there), then all ranks meet at a barrier, after which every receive area
-is complete: world copies and one barrier, each a few microseconds, all capturable in a
-CUDA graph.
+A padded exchange moves a fixed-size block from every rank to every rank. Here each rank
+copies its block for rank d straight into rank d's receive area (the block of this rank
+there), then all ranks meet at a barrier, after which every receive area is complete: world
+copies and one barrier, all capturable in a CUDA graph. On two H200s a layer's two such
+exchanges took 43 us at 64 tokens a rank and 74 at 256, against NCCL's 44 and 102 inside a
+CUDA graph (``benchmarks/results/2026-11-30-h200x2-session13.md``). The larger gain is the
+direct mode (``direct``: areas for rows, tags and outputs, written and read by the kernels
+of ``kernels.ep_dispatch``), which also drops the send buffer and the ops around it.
 
 Each channel has its own receive area per rank: ``world`` blocks of up to ``rows`` rows of
 ``row_bytes[c]`` bytes. A step's block size (``n`` rows, the same on every rank) sets the
