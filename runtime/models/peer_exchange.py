@@ -18,6 +18,9 @@ Reuse is safe with one barrier per exchange as long as a rank reads channel c's 
 before it enters the barrier of the next exchange on another channel, and the channels
 alternate (dispatch on 0, combine on 1, dispatch on 0...): a peer writes channel 0 again
 only after passing the combine barrier, which this rank enters after reading channel 0.
+In the direct mode a layer has two barriers: a rank reads its rows and tags (and resets the
+tags) before the second, and its peers read its outputs before the first barrier of the next
+layer, so no area is rewritten before it has been read.
 
 On CUDA the areas are PyTorch symmetric memory (``torch.distributed._symmetric_memory``:
 peer mappings over NVLink, a barrier kernel with release / acquire semantics across the
