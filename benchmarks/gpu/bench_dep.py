@@ -129,9 +129,8 @@ async def sweep(dep: int, layers: int, levels: list[int], prompt: int, output: i
     async with open_engine(cfg) as engine:
         steps, sync = [], []
         # decode-only steps: each request feeds one token
-        engine.schedulers[0].on_result = lambda p, r: p.num_tokens == p.num_reqs and steps.append((p.num_reqs,
-                                                                                                     r.gpu_s,
-                                                                                                     time.perf_counter()))
+        engine.schedulers[0].on_result = lambda p, r: p.num_tokens == p.num_reqs and steps.append(
+            (p.num_reqs, r.gpu_s, time.perf_counter()))
         time_sync(engine, sync)
         rng = np.random.default_rng(1)
         await engine.complete(rng.integers(10, 500, 8).astype(np.int32), SamplingParams(max_tokens=2))  # warm up
@@ -148,7 +147,8 @@ async def sweep(dep: int, layers: int, levels: list[int], prompt: int, output: i
             # Wall time between consecutive full decode steps' results on rank 0: above the
             # step itself where the host (engine or runtime) holds the GPU up.
             gaps = [b[2] - a[2] for a, b in zip(steps, steps[1:]) if min(a[0], b[0]) >= 0.95 * full]
-            rows.append({"dep": dep, "exchange": (exchange or "default") if dep > 1 else "-", "per_rank": c, "requests": c * dep, "layers": layers or 27,
+            rows.append({"dep": dep, "exchange": (exchange or "default") if dep > 1 else "-", "per_rank": c,
+                         "requests": c * dep, "layers": layers or 27,
                          "decode_step_ms": 1e3 * step, "decode_tokens_per_s_per_gpu": full / step,
                          "step_gap_ms": 1e3 * float(np.median(gaps)) if gaps else float("nan"),
                          "output_tokens_per_s_per_gpu": tokens / wall / dep,
@@ -174,6 +174,43 @@ def rank_bytes(layers: int, dep: int, batch: int, ctx: int) -> float:
     return step_bytes(cfg, batch, ctx, touched)
 
 
+def _timed_s(run, iters: int, per: int = 1) -> float:
+    """Median seconds of ``run()`` over ``iters`` runs (divided by ``per``), every rank of the
+    process group starting each run together (CUDA events)."""
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        a.record()
+        run()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / per)
+    return float(np.median(times))
+
+
+def _graph_s(fn, *, layers: int = 26, warmup: int = 1) -> float:
+    """Seconds per call of ``fn``, ``layers`` calls captured as one CUDA graph (as a decode
+    step holds a MoE layer's each), after ``warmup`` calls on a side stream."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            fn()
+    return _timed_s(graph.replay, 10, layers)
+
+
 def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int, port: int, results) -> None:
     import torch
     import torch.distributed as dist
@@ -195,7 +232,8 @@ def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int
         try:  # the same two exchanges as copies into the peers' memory and a barrier each
             from lockstep.runtime.models.peer_exchange import PeerExchange
 
-            ex = PeerExchange(rows // world, [send.shape[1], x.shape[1] * 2], world, rank, None, torch.device("cuda", rank))
+            ex = PeerExchange(rows // world, [send.shape[1], x.shape[1] * 2], world, rank, None,
+                              torch.device("cuda", rank))
 
             def p2p():
                 ex.exchange(0, send)
@@ -211,37 +249,9 @@ def _a2a_worker(rank: int, world: int, sizes: list[int], hidden: int, top_k: int
         for name, layer in variants.items():
             for _ in range(5):
                 layer()
-            times = []
-            for _ in range(30):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                dist.barrier()
-                a.record()
-                layer()
-                b.record()
-                torch.cuda.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            res[pad if name == "nccl" else f"{name}_{pad}"] = float(np.median(times))
+            res[pad if name == "nccl" else f"{name}_{pad}"] = _timed_s(layer, 30)
             try:  # 26 layers' exchanges in one CUDA graph, as the decode step holds them
-                g = torch.cuda.CUDAGraph()
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    layer()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                with torch.cuda.graph(g):
-                    for _ in range(26):
-                        layer()
-                times = []
-                for _ in range(10):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    dist.barrier()
-                    a.record()
-                    g.replay()
-                    b.record()
-                    torch.cuda.synchronize()
-                    times.append(a.elapsed_time(b) / 1e3 / 26)
-                res[f"{name}_graph_{pad}"] = float(np.median(times))
+                res[f"{name}_graph_{pad}"] = _graph_s(layer, warmup=1)
             except Exception as e:  # noqa: BLE001
                 res[f"{name}_graph_error_{pad}"] = f"{type(e).__name__}: {e}"[:500]
     if rank == 0:
@@ -316,27 +326,7 @@ def _layer_worker(rank: int, world: int, pads: list[int], port: int, results) ->
         return fused_moe(x, w13, w2, tw, ti)
 
     def graph_us(fn) -> float:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        gr = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(gr):
-            for _ in range(26):
-                fn()
-        times = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            dist.barrier()
-            a.record()
-            gr.replay()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e3 / 26)
-        return float(np.median(times))
+        return 1e6 * _graph_s(fn, warmup=3)
 
     res = {}
     gx = torch.Generator(device=dev).manual_seed(1 + rank)
