@@ -40,7 +40,9 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # TILE: elements per scan step; SAMPLE: sampled keys per row (in PIECES runs); Z: the floor's
 # margin in standard deviations; BINS: histogram bins per row (4096: ~2.5 candidates a bin
 # at the k-th key of a Gaussian row of 128K); CAND: the select program's register tile (a
-# floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round.
+# floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round;
+# WALK (optional, default the module's): the largest k-th bin resolved by walking its keys
+# (two reductions a key) rather than by bisection (one reduction a round of WAYS).
 TOPK_CONFIGS: dict[int, dict] = {
     1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 2, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
     64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
@@ -453,7 +455,7 @@ def _topk_select(x: torch.Tensor, k: int, cfg: dict, vals: torch.Tensor,
     chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist = _scan(x, k, cfg)
     _topk_select_kernel[(r,)](x, cnt, ckey, cidx, hist, info, scr, vals, inds, x.stride(0), n, k,
                               chunk, n_chunks, LOG_C=(next_pow2(n_chunks) - 1).bit_length(),
-                              LOG_NB=log_nb, CAND=cfg["CAND"], WALK=WALK, SMALL=SMALL,
+                              LOG_NB=log_nb, CAND=cfg["CAND"], WALK=cfg.get("WALK", WALK), SMALL=SMALL,
                               WAYS=cfg["WAYS"],
                               num_warps=cfg["select_warps"])
 

@@ -371,16 +371,18 @@ def test_topk_random_rows_match_torch():
     assert torch.equal(idx.long(), want)
 
 
-@pytest.mark.parametrize("cand, rows", [(512, 9), (1024, 2)])
-def test_topk_select_hard_rows(cand, rows):
+@pytest.mark.parametrize("cand, rows, walk", [(512, 9, None), (1024, 2, None), (512, 9, 0)])
+def test_topk_select_hard_rows(cand, rows, walk):
     """Every way through the select program: candidates in registers as a chunk tile or by
     search (sorted rows), the k-th key's bin walked or bisected (ties, clusters), and the
     tiled path for too many candidates (ties) or too few (a misleading sample); with the
-    larger tile the tied rows' candidates fit in registers."""
+    larger tile the tied rows' candidates fit in registers. ``walk`` 0: every bin bisected."""
     if CUDA and rows < 9:
         pytest.skip("the interpreter-sized tile: on CUDA the default config takes every path")
     n, k = (30000, 2048) if CUDA else (1000, 64)
     cfg = {} if CUDA else {**TINY_TOPK, "CAND": cand}
+    if walk is not None:
+        cfg = {**cfg, "WALK": walk, "WAYS": 16}
     full = {**topk_config(9), **cfg}
     x = _hard_rows(gen(9), n, min(full["SAMPLE"], n), full["PIECES"])
     _assert_topk(x[:rows], k, cfg or None)

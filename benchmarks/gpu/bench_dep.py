@@ -299,7 +299,20 @@ def _on_ranks(world: int, worker, args: tuple, what: str) -> dict:
     return got
 
 
-def _layer_worker(rank: int, world: int, pads: list[int], port: int, results) -> None:
+def _kernel_table(fn, calls: int = 20) -> str:
+    """torch.profiler's CUDA kernel table over ``calls`` eager calls of fn (after one more)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+
+
+def _layer_worker(rank: int, world: int, pads: list[int], profile: bool, port: int, results) -> None:
     """One v2-lite MoE layer (64 experts, hidden 2048, intermediate 1408, top-6, bf16, random
     weights and routing) through ShardedExperts with padded dispatch, 26 layers captured as
     one CUDA graph, per exchange; and one GPU's fused MoE over all 64 experts (DEP1)."""
@@ -335,6 +348,9 @@ def _layer_worker(rank: int, world: int, pads: list[int], port: int, results) ->
         ids = torch.rand(pad, e, generator=gx, device=dev).topk(k, dim=1).indices
         w = torch.rand(pad, k, generator=gx, device=dev).softmax(dim=1)
         res[f"dep1_fused_moe_{pad}"] = graph_us(lambda: fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids))
+        if profile:
+            res[f"profile_dep1_{pad}"] = _kernel_table(
+                lambda: fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids))
         outs = {}
         from lockstep.kernels import ep_dispatch
 
@@ -346,6 +362,8 @@ def _layer_worker(rank: int, world: int, pads: list[int], port: int, results) ->
                                                                  direct=how.startswith("direct"))
             outs[how] = layer(x, w, ids, local=local)
             res[f"{how}_{pad}"] = graph_us(lambda: layer(x, w, ids, local=local))
+            if profile and how == "direct":  # where a layer's time goes, kernel by kernel (eager)
+                res[f"profile_{how}_{pad}"] = _kernel_table(lambda: layer(x, w, ids, local=local))
             if ex is not None:
                 ex.close()
         want = fused_moe(x, experts.gate_up_proj, experts.down_proj, w, ids).float()
@@ -357,9 +375,10 @@ def _layer_worker(rank: int, world: int, pads: list[int], port: int, results) ->
     dist.destroy_process_group()
 
 
-def layer_probe(world: int, pads: list[int]) -> dict:
-    """Microseconds per MoE layer (see ``_layer_worker``), keyed by exchange and pad."""
-    return _on_ranks(world, _layer_worker, (pads,), "the layer probe's workers")
+def layer_probe(world: int, pads: list[int], profile: bool = False) -> dict:
+    """Microseconds per MoE layer (see ``_layer_worker``), keyed by exchange and pad;
+    ``profile``: also the kernel tables of the direct exchange's layer and of DEP1's."""
+    return _on_ranks(world, _layer_worker, (pads, profile), "the layer probe's workers")
 
 
 def main() -> None:
@@ -374,11 +393,16 @@ def main() -> None:
     ap.add_argument("--exchange", default=None, choices=("nccl", "peer", "direct"), help="runtime option ep_exchange")
     ap.add_argument("--layer-probe", action="store_true",
                     help="time one MoE layer's padded dispatch per exchange on 2 GPUs (pads: --levels)")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --layer-probe: print the kernel tables of the direct exchange and DEP1")
     args = ap.parse_args()
     if args.layer_probe:
         import json
 
-        print("LAYER " + json.dumps(layer_probe(2, [int(x) for x in args.levels.split(",")])), flush=True)
+        got = layer_probe(2, [int(x) for x in args.levels.split(",")], args.profile)
+        for key in [k for k in got if k.startswith("profile_")]:
+            print(f"== {key}\n{got.pop(key)}", flush=True)
+        print("LAYER " + json.dumps(got), flush=True)
         return
     if args.sweep_one:
         import json

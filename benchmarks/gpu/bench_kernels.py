@@ -343,6 +343,12 @@ def topk_candidates(rows: int, smoke: bool) -> list[dict]:
         out.append({**base, "TILE": tile, "num_warps": warps, "PROGRAMS_PER_SM": per_sm})
     out.append({**base, "SAMPLE": 2048, "Z": 5.0})
     out.append({**base, "select_warps": 8})
+    # the select program's ways of finding the k-th key in its bin, on the committed scan
+    committed = topk_mod.topk_config(rows)
+    for extra in ({"WALK": 0, "WAYS": 16}, {"WALK": 0, "WAYS": 64}, {"WALK": 4, "WAYS": 16},
+                  {"select_warps": 32}, {"select_warps": 8, "WALK": 0, "WAYS": 16},
+                  {"SAMPLE": 2048, "Z": 4.0}, {"BINS": 8192}, {"BINS": 8192, "WALK": 0, "WAYS": 16}):
+        out.append({**committed, **extra})
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
