@@ -174,6 +174,10 @@ class TorchRuntime:
         # Exact expert dispatch syncs the host inside every MoE layer: no graphs there.
         graphs = opts.get("cuda_graphs", "on" if cuda and (self.placements is None or self.ep_padded) else "off")
         graphs = {True: "on", False: "off"}.get(graphs, graphs)
+        if graphs == "on" and self.placements is not None and not self.ep_padded:
+            # Capturing would fail on one rank mid-collective and leave its peers waiting.
+            raise ValueError("runtime option cuda_graphs 'on' does not run with ep_dispatch 'exact' (it syncs "
+                             "the host inside every MoE layer): use ep_dispatch 'padded' or cuda_graphs 'off'")
         # With a draft, a verify feeds 1 + k tokens a request: graphs sized for them (up to
         # the most tokens a sequence may feed and still replay one).
         from .models.fast import DECODE_MAX_NEW

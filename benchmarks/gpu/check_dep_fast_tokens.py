@@ -35,6 +35,8 @@ async def run(dep: int, dispatch: str | None, graphs: bool, device: str = "cuda"
     from lockstep.policy.request import SamplingParams
 
     cuda_graphs = ("on" if device == "cuda" else "padded") if graphs else "off"  # CPU: the graph path, no graphs
+    if dispatch == "exact" and dep > 1 and cuda_graphs == "on":
+        cuda_graphs = "off"  # exact dispatch syncs the host in every MoE layer: no capture (refused)
     opts = {"compile": False, "fast": True, "preset_overrides": {"initializer_range": 0.15}, "cuda_graphs": cuda_graphs}
     if dispatch:
         opts["ep_dispatch"] = dispatch
