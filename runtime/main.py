@@ -2,8 +2,11 @@
 
 Started by the engine's RuntimeClient from a forkserver that already imported torch, with
 one end of a socketpair. Over that socket come the two rings (SCM_RIGHTS); the socket then
-only tells the runtime that the engine is gone (EOF), so a runtime never outlives it.
-A runtime that raises sends a ``Failure`` with the traceback and exits.
+only tells the runtime that the engine is gone (EOF), so a runtime never outlives it: the
+serving loop returns when it sees that, and a watcher thread ends the process outright if
+the main thread has not finished ``ORPHAN_GRACE_S`` later (it may be stuck in a load or in
+a collective with a peer that died with the engine). A runtime that raises sends a
+``Failure`` with the traceback and exits.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import select
 import signal
 import socket
+import threading
 import traceback
 from collections import deque
 
@@ -29,6 +33,7 @@ _FORGET = msgspec.msgpack.Decoder(Forget)
 _PLACEMENT = msgspec.msgpack.Decoder(NewPlacement)
 _CONNECT = msgspec.msgpack.Decoder(KVConnect)
 _PULL = msgspec.msgpack.Decoder(KVPull)
+ORPHAN_GRACE_S = 10.0  # the engine gone: how long the main thread has to wind down by itself
 
 
 def run(sock: socket.socket, spec_bytes: bytes) -> None:
@@ -38,6 +43,8 @@ def run(sock: socket.socket, spec_bytes: bytes) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     inbox, outbox = recv_ring(sock), recv_ring(sock)
     runtime = None
+    done = threading.Event()
+    threading.Thread(target=_watch_engine, args=(sock, done), name="lockstep-engine-watch", daemon=True).start()
     try:
         spec = msgspec.msgpack.decode(spec_bytes, type=RuntimeSpec)
         runtime = create(spec.runtime)
@@ -49,11 +56,27 @@ def run(sock: socket.socket, spec_bytes: bytes) -> None:
         finally:
             raise
     finally:
-        if runtime is not None:
-            runtime.shutdown()
-        inbox.close()
-        outbox.close()
-        sock.close()
+        try:
+            if runtime is not None:
+                runtime.shutdown()
+            inbox.close()
+            outbox.close()
+        finally:
+            done.set()  # before the socket closes under the watcher
+            sock.close()
+
+
+def _watch_engine(sock: socket.socket, done: threading.Event) -> None:
+    """End the process if the engine is gone and the main thread, ``ORPHAN_GRACE_S`` later,
+    has still not finished (blocked where it never looks at the socket)."""
+    try:
+        while not done.wait(0.5):
+            if _peer_gone(sock):
+                if not done.wait(ORPHAN_GRACE_S):
+                    os._exit(70)
+                return
+    except (OSError, ValueError):  # the socket closed as the main thread finished
+        return
 
 
 def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
