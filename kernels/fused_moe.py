@@ -81,8 +81,9 @@ def moe_config(e: int, h: int, i: int, fp8: bool, tokens: int, top_k: int) -> di
     bucket = max([b for b in TOKEN_BUCKETS if b <= tokens], default=1)
     kind = "fp8" if fp8 else "bf16"
     found = MOE_CONFIGS.get((e, h, i, kind, bucket))
-    if found is None:
-        near = sorted((abs(k[0] - e), k) for k in MOE_CONFIGS if k[1:] == (h, i, kind, bucket))
+    if found is None:  # within a quarter of the count: a rank's half of the experts is not near
+        near = sorted((abs(k[0] - e), k) for k in MOE_CONFIGS
+                      if k[1:] == (h, i, kind, bucket) and 4 * abs(k[0] - e) <= max(k[0], e))
         found = MOE_CONFIGS[near[0][1]] if near else None
     return found or default_moe_config(tokens, top_k, e)
 
@@ -359,7 +360,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
               w_gate_up_scale: torch.Tensor | None = None,
               w_down_scale: torch.Tensor | None = None, config: dict | None = None,
-              reduce: bool = True) -> torch.Tensor:
+              reduce: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, j].
 
     x [T, H] bf16/fp16; w_gate_up [E, 2I, H] and w_down [E, H, I] in x's dtype, or e4m3fn with
@@ -368,7 +369,9 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 
     ``reduce=False`` returns the weighted terms [T, k, H] unsummed, for a caller that sums
     them in its next step (one launch fewer): the rows of ids outside [0, E) are left
-    unwritten, so that sum must mask them (``moe_sum_reference``).
+    unwritten, so that sum must mask them (``moe_sum_reference``). ``out`` (with
+    ``reduce=False``): where those terms go, [T, k, H] contiguous or, with k = 1, [T, H] rows
+    of any stride (an expert-parallel rank's receive area: no copy afterwards).
 
     Up to PAIR_BLOCKS_MAX_TOKENS tokens (one) the pairs run a block each, in pair order, with
     no alignment launch: a token's experts are distinct, so no weight is read twice."""
@@ -376,8 +379,10 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     t, h = x.shape
     e, inter = w_gate_up.shape[0], w_down.shape[2]
     k = topk_ids.shape[1]
+    if out is not None:
+        _check_out(out, t, k, h, x, reduce)
     if t == 0:
-        return torch.empty_like(x) if reduce else x.new_empty(0, k, h)
+        return torch.empty_like(x) if reduce else (out if out is not None else x.new_empty(0, k, h))
     cfg = config or moe_config(e, h, inter, quant, t, k)
     bm, up, down = cfg["BLOCK_M"], cfg["up"], cfg["down"]
     if quant and (QBLOCK % up["BLOCK_K"] or QBLOCK % down["BLOCK_K"]):
@@ -392,7 +397,10 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         sorted_ids, blk_expert, total = moe_align(topk_ids, e, bm)
         blocks = blk_expert.numel()
     act = torch.empty(n_pairs, inter, dtype=x.dtype, device=x.device)
-    y = torch.empty(n_pairs, h, dtype=x.dtype, device=x.device)
+    if out is None:
+        y = torch.empty(n_pairs, h, dtype=x.dtype, device=x.device)
+    else:
+        y = out if out.dim() == 2 else out.view(n_pairs, h)
     s13 = w_gate_up_scale if quant else topk_weights.view(1, 1, -1)  # unused pointer otherwise
     s2 = w_down_scale if quant else topk_weights.view(1, 1, -1)
     _moe_up_kernel[(blocks, triton.cdiv(inter, up["BLOCK_N"]))](
@@ -409,12 +417,26 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         EVEN_K=inter % down["BLOCK_K"] == 0, PAIRS=pairs, num_warps=down["num_warps"],
         num_stages=down["num_stages"])
     if not reduce:
-        return y.view(t, k, h)
+        return out if out is not None else y.view(t, k, h)
     out = torch.empty_like(x)
     block = min(1024, next_pow2(h))
     _moe_sum_kernel[(t, triton.cdiv(h, block))](y, topk_ids, out, k, h, e, y.stride(0),
                                                 out.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+def _check_out(out: torch.Tensor, t: int, k: int, h: int, x: torch.Tensor, reduce: bool) -> None:
+    if reduce:
+        raise ValueError("fused_moe: out= takes the unsummed terms; pass reduce=False with it")
+    if out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(f"fused_moe: out must be {x.dtype} on {x.device}, got {out.dtype} on {out.device}")
+    if out.dim() == 2:
+        if k != 1 or tuple(out.shape) != (t, h) or out.stride(1) != 1:
+            raise ValueError(f"fused_moe: a 2-D out needs k = 1 and shape ({t}, {h}) with unit-stride rows; "
+                             f"got k = {k}, shape {tuple(out.shape)}, strides {out.stride()}")
+    elif tuple(out.shape) != (t, k, h) or not out.is_contiguous():
+        raise ValueError(f"fused_moe: out must be a contiguous ({t}, {k}, {h}) tensor (or ({t}, {h}) with "
+                         f"k = 1), got shape {tuple(out.shape)}")
 
 
 # -- references --------------------------------------------------------------------------------
@@ -453,13 +475,18 @@ def dequantize_fp8_blockwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tens
 def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                         w_gate_up_scale: torch.Tensor | None = None,
-                        w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        w_down_scale: torch.Tensor | None = None, reduce: bool = True,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-expert loop in float32; the activation is rounded to x's dtype between the GEMMs,
-    as the kernel stores it."""
+    as the kernel stores it. ``reduce`` and ``out`` as in ``fused_moe`` (unsummed terms: the
+    rows of ids outside [0, E) left as they are, zeros in a new tensor)."""
+    if out is not None:
+        _check_out(out, x.shape[0], topk_ids.shape[1], x.shape[1], x, reduce)
     if w_gate_up.dtype == FP8:
         w_gate_up = dequantize_fp8_blockwise(w_gate_up, w_gate_up_scale)
         w_down = dequantize_fp8_blockwise(w_down, w_down_scale)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    terms = None if reduce else torch.zeros(*topk_ids.shape, x.shape[1], dtype=x.dtype, device=x.device)
     for e in topk_ids.unique().tolist():
         if not 0 <= e < w_gate_up.shape[0]:
             continue
@@ -467,5 +494,15 @@ def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
         gate, up = (x[tok].float() @ w_gate_up[e].float().T).chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(x.dtype).float()
         y = act @ w_down[e].float().T * topk_weights[tok, slot, None]
-        out.index_add_(0, tok, y)
-    return out.to(x.dtype)
+        if reduce:
+            acc.index_add_(0, tok, y)
+        else:
+            terms[tok, slot] = y.to(x.dtype)
+    if reduce:
+        return acc.to(x.dtype)
+    if out is None:
+        return terms
+    ok = (topk_ids >= 0) & (topk_ids < w_gate_up.shape[0])
+    dest = out.view(out.shape[0], 1, -1) if out.dim() == 2 else out
+    dest[ok] = terms[ok]
+    return out

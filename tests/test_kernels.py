@@ -309,6 +309,27 @@ def test_fused_moe_unsummed_terms_sum_to_the_output():
     assert torch.equal(moe_sum_reference(terms, ids, w13.shape[0]), out)
 
 
+def test_fused_moe_writes_one_term_rows_into_a_strided_out():
+    """k = 1 (an expert-parallel rank's received rows): the terms go straight into ``out``
+    (rows of a wider area), the rows of ids outside [0, E) untouched; as the reference does."""
+    t, e, h, inter = (70, 16, 512, 384) if CUDA else (6, 4, 256, 160)
+    x, w13, w2, _, ids = _moe_case(gen(10), t, e, h, inter, 1)
+    ids[1, 0] = e  # a receive row no pair took
+    ones = torch.ones(t, 1, dtype=torch.float32, device=DEV)
+    cfg = None if CUDA else TINY_MOE
+    for fn in (fused_moe, fused_moe_reference):
+        area = torch.full((t, h + 64), 7.0, dtype=x.dtype, device=DEV)  # rows wider than h
+        got = fn(x, w13, w2, ones, ids, reduce=False, out=area[:, :h], **({"config": cfg} if fn is fused_moe else {}))
+        assert got.data_ptr() == area.data_ptr()
+        assert (area[:, h:] == 7).all() and (area[1, :h] == 7).all()
+        live = ids[:, 0] < e
+        close(area[:, :h][live], fused_moe_reference(x, w13, w2, ones, ids)[live])
+    with pytest.raises(ValueError, match="pass reduce=False"):
+        fused_moe(x, w13, w2, ones, ids, out=area[:, :h])
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_moe(x, w13, w2, ones, ids, reduce=False, out=area[:, None, :h])
+
+
 @NEEDS_CUDA
 @pytest.mark.parametrize("t", [1, 64, 256])
 def test_fused_moe_v2_lite_layer(t):

@@ -335,8 +335,8 @@ def _layer_worker(rank: int, world: int, pads: list[int], profile: bool, port: i
     experts.down_proj = nn.Parameter(torch.randn(e, h, inter, generator=g, device=dev).mul_(0.02)
                                      .to(torch.bfloat16), requires_grad=False)
 
-    def local(x, w13, w2, tw, ti):
-        return fused_moe(x, w13, w2, tw, ti)
+    def local(x, w13, w2, tw, ti, **kw):
+        return fused_moe(x, w13, w2, tw, ti, **kw)
 
     def graph_us(fn) -> float:
         return 1e6 * _graph_s(fn, warmup=3)

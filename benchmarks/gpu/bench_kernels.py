@@ -328,6 +328,59 @@ def bench_moe(b: Bench, bw: float) -> None:
                 print(b.errors[name], flush=True)
 
 
+def bench_moe_ep(b: Bench, bw: float) -> None:
+    """The fused MoE as a DEP2 rank runs it over the rows the direct exchange delivered:
+    half of v2-lite's experts, pad x 6 receive rows, one term a row (k = 1, weight 1), about
+    half of the rows taken by pairs (the rest name no expert and are skipped), the terms
+    written straight into the exchange's output rows (``out=``, ``reduce=False``). Tuned as
+    ``MOE_CONFIGS[(32, ...)]`` keyed by its row count; timed against the same call summing
+    through the last launch and copying, as it ran before."""
+    e_all, h, inter = (64, 2048, 1408) if not b.smoke else (8, 256, 128)
+    e = e_all // 2
+    g = torch.Generator(device=b.dev).manual_seed(3)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g, device=b.dev) * h ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, generator=g, device=b.dev) * inter ** -0.5).to(torch.bfloat16)
+    for pad in ((64, 256) if not b.smoke else (8,)):
+        n = pad * 6
+        name = f"moe bf16 DEP2 rank, pad {pad} ({n} receive rows)"
+        try:
+            x = torch.randn(n, h, generator=g, device=b.dev).to(torch.bfloat16)
+            real = n // 2
+            ids = torch.full((n, 1), e, dtype=torch.int64, device=b.dev)
+            ids[:real, 0] = torch.randint(0, e, (real,), generator=g, device=b.dev)
+            ones = torch.ones(n, 1, dtype=torch.float32, device=b.dev)
+            area = torch.empty(n, h, dtype=torch.bfloat16, device=b.dev)
+            key = (e, h, inter, "bf16", max(t for t in moe_mod.TOKEN_BUCKETS if t <= n))
+            # what ran before (session 13): the nearest expert count's entry, or the default
+            old_cfg = moe_mod.MOE_CONFIGS.get((e_all, *key[1:])) or moe_mod.default_moe_config(n, 1, e)
+            tune = lambda c: moe_mod.fused_moe(x, w13, w2, ones, ids, config=c, reduce=False, out=area)  # noqa: E731
+            cands = moe_candidates(moe_mod.moe_config(e, h, inter, False, n, 1), n, real / e, False, b.smoke)
+            cfg, _ = b.autotune(f"fused_moe.MOE_CONFIGS[{key}]",
+                                cands + ([old_cfg] if old_cfg not in cands and not b.smoke else []), tune)
+            if not b.smoke:
+                for part in ("down", "up"):
+                    cfg, _ = b.autotune(f"MoE {key}: {part} tiles apart",
+                                        moe_part_candidates(cfg, part, False, b.smoke), tune)
+                    del b.configs[f"MoE {key}: {part} tiles apart"]
+                b.configs[f"fused_moe.MOE_CONFIGS[{key}]"] = cfg
+            run = lambda: moe_mod.fused_moe(x, w13, w2, ones, ids, config=cfg, reduce=False, out=area)  # noqa: E731
+            run()
+            live = ids[:, 0] < e
+            check = b.check(name, area[live], moe_mod.fused_moe_reference(x, w13, w2, ones, ids)[live])
+            before = lambda: area.copy_(moe_mod.fused_moe(x, w13, w2, ones, ids, config=old_cfg))  # noqa: E731
+            us, us_before = b.graph_us(run), b.graph_us(before)
+            distinct = int(ids[live].unique().numel())
+            nbytes = distinct * 3 * h * inter * 2 + 2 * real * h * 2
+            roof_us = 1e6 * nbytes / bw
+            b.row("fused_moe", name, us=us, us_eager=b.eager_us(run), bytes_mb=nbytes / 1e6,
+                  frac_roofline=roof_us / us, baseline="session 13: its config, summed by a last launch, then copied",
+                  baseline_us=us_before, speedup=us_before / us, check=check,
+                  note=f"{distinct} of {e} experts touched, {real} rows taken; roofline {roof_us:.1f} us")
+        except Exception:  # noqa: BLE001 - recorded; the next shape still runs
+            b.errors[name] = traceback.format_exc()[-1500:]
+            print(b.errors[name], flush=True)
+
+
 # -- 3. top-k --------------------------------------------------------------------------------------
 
 def topk_candidates(rows: int, smoke: bool) -> list[dict]:
@@ -744,7 +797,7 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="time the committed/default configs only")
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
-    ap.add_argument("--only", default="", help="comma-separated sections: moe,topk,decode,dense,kv,prefill,sampling")
+    ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,decode,dense,kv,prefill,sampling")
     args = ap.parse_args()
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
@@ -758,7 +811,8 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         b.errors["copy"] = traceback.format_exc()[-1500:]
         bw = 4.19e12
-    for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("topk", lambda: bench_topk(b, bw)),
+    for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("moe_ep", lambda: bench_moe_ep(b, bw)),
+                    ("topk", lambda: bench_topk(b, bw)),
                     ("decode", lambda: bench_decode(b, bw)), ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
                     ("kv", lambda: bench_kv_store(b, bw)),
                     ("prefill", lambda: bench_prefill(b)), ("sampling", lambda: bench_sampling(b, bw))):

@@ -323,7 +323,7 @@ class ShardedExperts(nn.Module):
         ex.barrier()
         rx = ex.local(0, n).view(x.dtype)
         entry = take_tags(ex.local(1, n).view(torch.int32)[:, 0], self.tables.store_of, len(self.gate_up_proj))
-        ex.local(2, n).view(x.dtype).copy_(self._run_experts(rx, entry, local))
+        self._run_experts(rx, entry, local, out=ex.local(2, n).view(x.dtype))  # where the owners read them
         ex.barrier()
         return combine_rows(ex.bases[2], slot, pos, weights, self.k, n, self.rank, h, x.dtype)
 
@@ -334,15 +334,18 @@ class ShardedExperts(nn.Module):
         dist.all_to_all_single(out, t.contiguous(), recv_split, send_split, group=self.group)
         return out
 
-    def _run_experts(self, rx: torch.Tensor, entry: torch.Tensor, local) -> torch.Tensor:
-        """Each received row through the expert in its storage entry, unweighted; an entry
-        past the last (no pair took the row) gives a zero row (or, through ``local``, one
-        nobody reads). ``local``: one fused kernel for all of them, else a loop over the
-        experts (a host sync each)."""
+    def _run_experts(self, rx: torch.Tensor, entry: torch.Tensor, local, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """Each received row through the expert in its storage entry, unweighted, into
+        ``out`` if given; an entry past the last (no pair took the row) gives a zero row (or,
+        through ``local``, one left unwritten: nobody reads it). ``local``: one fused kernel
+        for all of them (one term a row, so nothing to sum: its terms are the rows), else a
+        loop over the experts (a host sync each)."""
         if local is not None:
             ones = torch.ones(len(entry), 1, dtype=torch.float32, device=rx.device)
-            return local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None])
-        y = torch.zeros_like(rx)
+            y = local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None], reduce=False, out=out)
+            return y if out is not None else y.view(rx.shape)
+        y = torch.zeros_like(rx) if out is None else out.zero_()
         rows = (entry < len(self.gate_up_proj)).nonzero(as_tuple=True)[0]
         y[rows] = self._local(rx[rows], entry[rows])
         return y
