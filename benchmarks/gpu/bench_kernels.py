@@ -330,8 +330,9 @@ def bench_moe(b: Bench, bw: float) -> None:
 
 def bench_moe_ep(b: Bench, bw: float) -> None:
     """The fused MoE as a DEP2 rank runs it over the rows the direct exchange delivered:
-    half of v2-lite's experts, pad x 6 receive rows, one term a row (k = 1, weight 1), about
-    half of the rows taken by pairs (the rest name no expert and are skipped), the terms
+    half of v2-lite's experts, a block of pad x 6 receive rows per source rank, one term a
+    row (k = 1, weight 1), half of all rows taken by pairs (each rank sends half its pairs
+    here; the rest of the rows name no expert and are skipped), the terms
     written straight into the exchange's output rows (``out=``, ``reduce=False``). Tuned as
     ``MOE_CONFIGS[(32, ...)]`` keyed by its row count; timed against the same call summing
     through the last launch and copying, as it ran before."""
@@ -341,11 +342,11 @@ def bench_moe_ep(b: Bench, bw: float) -> None:
     w13 = (torch.randn(e, 2 * inter, h, generator=g, device=b.dev) * h ** -0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, h, inter, generator=g, device=b.dev) * inter ** -0.5).to(torch.bfloat16)
     for pad in ((256, 64) if not b.smoke else (8,)):
-        n = pad * 6
+        n = 2 * pad * 6
         name = f"moe bf16 DEP2 rank, pad {pad} ({n} receive rows)"
         try:
             x = torch.randn(n, h, generator=g, device=b.dev).to(torch.bfloat16)
-            real = n // 2
+            real = n // 2  # (at the front: the kernels sort rows by expert, so where is moot)
             ids = torch.full((n, 1), e, dtype=torch.int64, device=b.dev)
             ids[:real, 0] = torch.randint(0, e, (real,), generator=g, device=b.dev)
             ones = torch.ones(n, 1, dtype=torch.float32, device=b.dev)
