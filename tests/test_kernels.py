@@ -337,6 +337,19 @@ def test_fused_moe_v2_lite_layer(t):
     close(fused_moe(x, w13, w2, weights, ids), fused_moe_reference(x, w13, w2, weights, ids))
 
 
+def test_moe_config_falls_back_only_to_a_near_expert_count(monkeypatch):
+    """A table entry serves other expert counts within a quarter of its own (shared experts
+    fused as extra slots), not a DEP rank's half of the experts, nor the reverse."""
+    from lockstep.kernels import fused_moe as fm
+
+    mine = {"BLOCK_M": 64, "up": {}, "down": {}}
+    monkeypatch.setattr(fm, "MOE_CONFIGS", {(64, 2048, 1408, "bf16", 256): mine})
+    assert fm.moe_config(64, 2048, 1408, False, 300, 6) is mine
+    assert fm.moe_config(66, 2048, 1408, False, 300, 6) is mine
+    assert fm.moe_config(32, 2048, 1408, False, 300, 1) == fm.default_moe_config(300, 1, 32)
+    assert fm.moe_config(64, 2048, 1408, True, 300, 6) == fm.default_moe_config(300, 6, 64)  # fp8: no entry
+
+
 def test_fused_moe_rejects_bad_arguments():
     x, w13, w2, weights, ids = _moe_case(gen(7), 3, 4, 64, 32, 2)
     with pytest.raises(ValueError, match="w_down"):
