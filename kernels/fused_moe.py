@@ -59,6 +59,12 @@ MOE_CONFIGS: dict[tuple, dict] = {
     # up and down tuned apart (2026-11-30, session 10): 308 -> 300 us a layer at 256 tokens
     (64, 2048, 1408, 'bf16', 256): {'BLOCK_M': 32, 'up': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3}},
     (64, 2048, 1408, 'fp8', 256): {'BLOCK_M': 32, 'up': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
+    # A DEP2 rank's half of the experts over the direct exchange's receive rows (one term a
+    # row, half of the rows taken; bench_kernels.py --only moe_ep, 2026-11-30, session 14):
+    # pads 64 and 256 give 768 and 3,072 rows. 165.6 -> 151.8 and 186.5 -> 164.6 us a layer
+    # (with the sum launch and the copy gone).
+    (32, 2048, 1408, 'bf16', 512): {'BLOCK_M': 16, 'up': {'BLOCK_N': 64, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 128, 'num_warps': 4, 'num_stages': 3}},
+    (32, 2048, 1408, 'bf16', 1024): {'BLOCK_M': 64, 'up': {'BLOCK_N': 64, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 3}, 'down': {'BLOCK_N': 128, 'BLOCK_K': 64, 'num_warps': 4, 'num_stages': 4}},
 }
 
 
