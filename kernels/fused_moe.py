@@ -377,7 +377,8 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     them in its next step (one launch fewer): the rows of ids outside [0, E) are left
     unwritten, so that sum must mask them (``moe_sum_reference``). ``out`` (with
     ``reduce=False``): where those terms go, [T, k, H] contiguous or, with k = 1, [T, H] rows
-    of any stride (an expert-parallel rank's receive area: no copy afterwards).
+    of any stride (an expert-parallel rank's receive area: no copy afterwards); it is what
+    is returned then, in its own shape.
 
     Up to PAIR_BLOCKS_MAX_TOKENS tokens (one) the pairs run a block each, in pair order, with
     no alignment launch: a token's experts are distinct, so no weight is read twice."""
@@ -437,9 +438,9 @@ def _check_out(out: torch.Tensor, t: int, k: int, h: int, x: torch.Tensor, reduc
     if out.dtype != x.dtype or out.device != x.device:
         raise ValueError(f"fused_moe: out must be {x.dtype} on {x.device}, got {out.dtype} on {out.device}")
     if out.dim() == 2:
-        if k != 1 or tuple(out.shape) != (t, h) or out.stride(1) != 1:
-            raise ValueError(f"fused_moe: a 2-D out needs k = 1 and shape ({t}, {h}) with unit-stride rows; "
-                             f"got k = {k}, shape {tuple(out.shape)}, strides {out.stride()}")
+        if k != 1 or tuple(out.shape) != (t, h) or out.stride(1) != 1 or (t > 1 and out.stride(0) < h):
+            raise ValueError(f"fused_moe: a 2-D out needs k = 1 and shape ({t}, {h}) with unit-stride rows "
+                             f"that do not overlap; got k = {k}, shape {tuple(out.shape)}, strides {out.stride()}")
     elif tuple(out.shape) != (t, k, h) or not out.is_contiguous():
         raise ValueError(f"fused_moe: out must be a contiguous ({t}, {k}, {h}) tensor (or ({t}, {h}) with "
                          f"k = 1), got shape {tuple(out.shape)}")
@@ -482,17 +483,19 @@ def fused_moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
                         w_gate_up_scale: torch.Tensor | None = None,
                         w_down_scale: torch.Tensor | None = None, reduce: bool = True,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Per-expert loop in float32; the activation is rounded to x's dtype between the GEMMs,
     as the kernel stores it. ``reduce`` and ``out`` as in ``fused_moe`` (unsummed terms: the
-    rows of ids outside [0, E) left as they are, zeros in a new tensor)."""
+    rows of ids outside [0, E) left as they are, NaN in a new tensor, so that a caller that
+    reads them, as it must not, sees it); ``config`` (the kernel's tiles) is not used."""
     if out is not None:
         _check_out(out, x.shape[0], topk_ids.shape[1], x.shape[1], x, reduce)
     if w_gate_up.dtype == FP8:
         w_gate_up = dequantize_fp8_blockwise(w_gate_up, w_gate_up_scale)
         w_down = dequantize_fp8_blockwise(w_down, w_down_scale)
     acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    terms = None if reduce else torch.zeros(*topk_ids.shape, x.shape[1], dtype=x.dtype, device=x.device)
+    terms = None if reduce else torch.full((*topk_ids.shape, x.shape[1]), float("nan"), dtype=x.dtype,
+                                           device=x.device)
     for e in topk_ids.unique().tolist():
         if not 0 <= e < w_gate_up.shape[0]:
             continue

@@ -97,6 +97,26 @@ def test_padded_dispatch_computes_what_exact_dispatch_does(split):
         layer(xp, wp, pad)
 
 
+def test_received_rows_take_the_tiles_of_the_served_experts_not_of_the_storage_entries():
+    """Spare storage for rebalancing holds no slot: the fused kernel's config is looked up
+    for the experts the rank serves (a DEP rank's tuned entries), with its rows and k = 1."""
+    from lockstep.kernels.fused_moe import fused_moe_reference, moe_config
+
+    x, w, ids = routed()
+    layer = ShardedExperts(moe_layer().experts, np.array([7, 3, 5, 1, 0, 2, 6, 4]), rank=0, world=1, spare=8)
+    seen = []
+
+    def local(rx, w13, w2, tw, ti, **kw):
+        seen.append((kw["config"], len(rx), w13.shape[0]))
+        return fused_moe_reference(rx, w13, w2, tw, ti, **kw)
+
+    want = layer(x, w, ids)
+    assert torch.allclose(layer(x, w, ids, local=local), want, rtol=1e-5, atol=1e-6)
+    (cfg, rows, entries), = seen
+    g, d = layer.gate_up_proj, layer.down_proj
+    assert entries == 16 and cfg == moe_config(8, g.shape[2], d.shape[2], False, rows, 1)
+
+
 # -- staging and switching ----------------------------------------------------------------------
 def test_a_staged_placement_switches_only_when_ready_and_keeps_the_math():
     x, w, ids = routed()
@@ -289,8 +309,15 @@ def _direct_worker(rank: int, world: int, port: int) -> None:
         ex = attach_peer_exchange([layer], 32, ids.shape[1], None, torch.device("cpu"), direct=True)
         pad = torch.cat([ids, torch.full((4, ids.shape[1]), 8)])  # four padding tokens
         xp, wp = torch.cat([x, torch.randn(4, x.shape[1])]), torch.cat([w, torch.ones(4, w.shape[1])])
-        for _ in range(2):  # the second layer finds every tag reset
-            got = layer(xp, wp, pad)
+        from lockstep.kernels.fused_moe import fused_moe_reference
+
+        # The second layer finds every tag reset; the third runs the experts through a fused
+        # kernel's reference, which writes only the taken rows of an output area full of NaN.
+        for local in (None, None, fused_moe_reference):
+            if local is not None:
+                ex.local(2, ex.rows).fill_(255)  # all-ones bytes: float32 NaN
+                dist.barrier()
+            got = layer(xp, wp, pad, local=local)
             assert torch.allclose(got[:24], want, rtol=1e-5, atol=1e-6) and not got[24:].any(), rank
             dist.barrier()  # (the check only: a peer's next layer would write tags again)
             assert (ex.local(1, ex.rows).view(torch.int32) == -1).all()
@@ -304,7 +331,8 @@ def test_direct_dispatch_kernels_compute_what_exact_dispatch_does(monkeypatch):
     """Two ranks (processes, Gloo; the Triton kernels interpreted): padded dispatch by
     kernels that write each pair's row into its owner's area and read the results back from
     the owners' areas sums what exact dispatch through Gloo's all-to-alls does; padding
-    tokens get nothing, and the tags are reset for the next layer."""
+    tokens get nothing, the tags are reset for the next layer, and rows no pair took are
+    never read."""
     import socket
 
     import torch.multiprocessing as tmp

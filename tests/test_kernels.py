@@ -348,6 +348,10 @@ def test_moe_config_falls_back_only_to_a_near_expert_count(monkeypatch):
     assert fm.moe_config(66, 2048, 1408, False, 300, 6) is mine
     assert fm.moe_config(32, 2048, 1408, False, 300, 1) == fm.default_moe_config(300, 1, 32)
     assert fm.moe_config(64, 2048, 1408, True, 300, 6) == fm.default_moe_config(300, 6, 64)  # fp8: no entry
+    monkeypatch.undo()  # the committed table: one GPU's 64 experts (+2 shared slots) and a DEP2 rank's 32
+    for rows in (600, 3000):
+        got = fm.moe_config(66, 2048, 1408, False, rows, 6)
+        assert got not in [v for key, v in fm.MOE_CONFIGS.items() if key[0] == 32]
 
 
 def test_fused_moe_rejects_bad_arguments():

@@ -342,8 +342,14 @@ class ShardedExperts(nn.Module):
         for all of them (one term a row, so nothing to sum: its terms are the rows), else a
         loop over the experts (a host sync each)."""
         if local is not None:
+            from lockstep.kernels.fused_moe import moe_config
+
             ones = torch.ones(len(entry), 1, dtype=torch.float32, device=rx.device)
-            y = local(rx, self.gate_up_proj, self.down_proj, ones, entry[:, None], reduce=False, out=out)
+            # Tiles for the experts this rank serves, not its storage entries (spares for
+            # rebalancing hold no slot): what a DEP rank's received rows were tuned as.
+            g = self.gate_up_proj
+            cfg = moe_config(self.k, g.shape[2], self.down_proj.shape[2], False, len(rx), 1)
+            y = local(rx, g, self.down_proj, ones, entry[:, None], reduce=False, out=out, config=cfg)
             return y if out is not None else y.view(rx.shape)
         y = torch.zeros_like(rx) if out is None else out.zero_()
         rows = (entry < len(self.gate_up_proj)).nonzero(as_tuple=True)[0]
