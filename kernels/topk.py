@@ -42,7 +42,9 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # at the k-th key of a Gaussian row of 128K); CAND: the select program's register tile (a
 # floor with Z = 6 keeps ~5,300 of 128K, ~3,600 of 32K); WAYS: thresholds per bisection round;
 # WALK (optional, default the module's): the largest k-th bin resolved by walking its keys
-# (two reductions a key) rather than by bisection (one reduction a round of WAYS).
+# (two reductions a key) rather than by bisection (one reduction a round of WAYS);
+# SCAN_STAGES (optional, 0 by default): > 0 lets the compiler pipeline the scan's loads, that
+# many tiles deep, instead of the one-tile prefetch written out.
 TOPK_CONFIGS: dict[int, dict] = {
     1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 2, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
     64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
@@ -141,30 +143,39 @@ def _topk_floor_kernel(x_ptr, hist_ptr, info_ptr, s_xr, n, k, SAMPLE: tl.constex
 
 @triton.jit(do_not_specialize=["n_chunks"])
 def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_xr, n, chunk,
-                      n_chunks, TILE: tl.constexpr, LOG_NB: tl.constexpr):
+                      n_chunks, TILE: tl.constexpr, LOG_NB: tl.constexpr, STAGES: tl.constexpr):
     c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, n)
     region = row * n + lo  # this chunk's region: chunk-length slots
     hist = hist_ptr + row * (1 << LOG_NB)
-    # The first tile's load is issued before the floor's, and each later tile's load before
-    # the tile ahead of it is compacted (without that, ncu found the scan waiting on its
-    # loads). A chunk is whole tiles, so only the row's end needs an element mask (`< n`,
-    # which the compiler can see is vector-aligned when n is: `< hi` would cost 4-byte
-    # loads); the chunk's end masks a whole prefetch at once.
     x_row = x_ptr + row * s_xr
-    offs = lo + tl.arange(0, TILE)
-    x = tl.load(x_row + offs, mask=offs < n, other=0.0)
-    floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
-    shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
     kept = 0
-    for t0 in range(lo, hi, TILE):
-        offs = t0 + tl.arange(0, TILE)
-        ahead = offs + TILE
-        x_next = tl.load(x_row + ahead, mask=(ahead < n) & (t0 + TILE < hi), other=0.0)
-        kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region, kept,
-                        LOG_NB, TILE)
-        x = x_next
+    if STAGES > 0:  # the compiler's software pipeline, STAGES tiles in flight (a config key)
+        floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
+        shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
+        for t0 in tl.range(lo, hi, TILE, num_stages=STAGES):
+            offs = t0 + tl.arange(0, TILE)
+            x = tl.load(x_row + offs, mask=offs < n, other=0.0)
+            kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region,
+                            kept, LOG_NB, TILE)
+    else:
+        # The first tile's load is issued before the floor's, and each later tile's load
+        # before the tile ahead of it is compacted (without that, ncu found the scan waiting
+        # on its loads). A chunk is whole tiles, so only the row's end needs an element mask
+        # (`< n`, which the compiler can see is vector-aligned when n is: `< hi` would cost
+        # 4-byte loads); the chunk's end masks a whole prefetch at once.
+        offs = lo + tl.arange(0, TILE)
+        x = tl.load(x_row + offs, mask=offs < n, other=0.0)
+        floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
+        shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
+        for t0 in range(lo, hi, TILE):
+            offs = t0 + tl.arange(0, TILE)
+            ahead = offs + TILE
+            x_next = tl.load(x_row + ahead, mask=(ahead < n) & (t0 + TILE < hi), other=0.0)
+            kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region,
+                            kept, LOG_NB, TILE)
+            x = x_next
     tl.store(cnt_ptr + row * n_chunks + c, kept)
 
 
@@ -426,7 +437,7 @@ def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
                              PIECES=min(cfg["PIECES"], sample), Z=cfg["Z"], LOG_NB=log_nb,
                              ZERO=min(1024, 1 << log_nb), num_warps=4)
     _topk_scan_kernel[(n_chunks, r)](x, cnt, ckey, cidx, hist, info, x.stride(0), n, chunk,
-                                     n_chunks, TILE=tile, LOG_NB=log_nb,
+                                     n_chunks, TILE=tile, LOG_NB=log_nb, STAGES=cfg.get("SCAN_STAGES", 0),
                                      num_warps=cfg["num_warps"])
     return chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist
 

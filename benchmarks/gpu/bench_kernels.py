@@ -401,7 +401,9 @@ def topk_candidates(rows: int, smoke: bool) -> list[dict]:
     committed = topk_mod.topk_config(rows)
     for extra in ({"WALK": 0, "WAYS": 16}, {"WALK": 0, "WAYS": 64}, {"WALK": 4, "WAYS": 16},
                   {"select_warps": 32}, {"select_warps": 8, "WALK": 0, "WAYS": 16},
-                  {"SAMPLE": 2048, "Z": 4.0}, {"BINS": 8192}, {"BINS": 8192, "WALK": 0, "WAYS": 16}):
+                  {"SAMPLE": 2048, "Z": 4.0}, {"BINS": 8192}, {"BINS": 8192, "WALK": 0, "WAYS": 16},
+                  {"SCAN_STAGES": 2}, {"SCAN_STAGES": 3}, {"SCAN_STAGES": 4},
+                  {"SCAN_STAGES": 3, "PROGRAMS_PER_SM": 2}, {"SCAN_STAGES": 3, "TILE": 2048}):
         out.append({**committed, **extra})
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
