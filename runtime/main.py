@@ -5,8 +5,9 @@ one end of a socketpair. Over that socket come the two rings (SCM_RIGHTS); the s
 only tells the runtime that the engine is gone (EOF), so a runtime never outlives it: the
 serving loop returns when it sees that, and a watcher thread ends the process outright if
 the main thread has not finished ``ORPHAN_GRACE_S`` later (it may be stuck in a load or in
-a collective with a peer that died with the engine). A runtime that raises sends a
-``Failure`` with the traceback and exits.
+a collective with a peer that died with the engine), first removing the files it tracked
+(``runtime.leftovers``). A runtime that raises sends a ``Failure`` with the traceback and
+exits.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import msgspec
 
 from lockstep.transports.shm_ring import Ring, recv_ring
 from lockstep.transports.step_codec import decode_frame, encode
+
+from . import leftovers
 
 from .base import (FAILURE, FORGET, KV_CONNECT, KV_PULL, NEW_PLACEMENT, NEW_REQUESTS, PLAN, READY, SHUTDOWN,
                    Forget, Failure, KVConnect, KVPull, NewPlacement, NewRequests, RuntimeSpec, create)
@@ -73,6 +76,7 @@ def _watch_engine(sock: socket.socket, done: threading.Event) -> None:
         while not done.wait(0.5):
             if _peer_gone(sock):
                 if not done.wait(ORPHAN_GRACE_S):
+                    leftovers.remove_all()  # what the stuck thread's finally blocks would remove
                     os._exit(70)
                 return
     except (OSError, ValueError):  # the socket closed as the main thread finished

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import leftovers
+
 
 def host_id() -> str:
     """This machine, as the ranks of a group compare it: the host name and the kernel's boot
@@ -93,6 +95,7 @@ class PeerExchange:
         try:
             if self.rank == 0:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                leftovers.track(path)  # removed even if this process is ended mid-set-up
                 try:
                     os.ftruncate(fd, total * self.world)
                 finally:
@@ -116,6 +119,7 @@ class PeerExchange:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+            leftovers.untrack(path)
         if failed:
             if self._map is not None:
                 self._map.close()
