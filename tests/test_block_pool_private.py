@@ -69,6 +69,23 @@ def test_unindexed_blocks_are_evicted_and_offloaded_alike(host):
         assert list(pools[0].host._lru.items()) == list(pools[1].host._lru.items())
 
 
+def test_a_hint_does_not_find_a_block_reused_and_published_unhashed():
+    """A request's hint names a block it found once; evicted and taken by a private request
+    that publishes it unhashed, the block is hashed again but keeps its old hash. The hint
+    must not find it (found by hypothesis: a readmitted request attended to another's KV)."""
+    pool = BlockPool(2)
+    a = pool.allocate(1)
+    pool.cache(a, H(0))
+    hint = pool.match_prefix(H(0))
+    assert hint == a
+    pool.free(a)
+    b = pool.allocate(2)  # the unhashed block first, then the cached one: evicted
+    assert a[0] in b
+    pool.cache_unhashed([a[0]])  # a private owner's block, its hash given only if preempted
+    pool.check_integrity()
+    assert pool.match_prefix(H(0), hint) == []
+
+
 def test_unindexed_blocks_are_not_found_until_indexed():
     pool = BlockPool(8)
     a = pool.allocate(4)

@@ -113,7 +113,9 @@ class BlockPool:
         found: list[int] = []
         if hint:
             h = np.asarray(hint[: len(hashes)], dtype=np.int64)
-            ok = self._hashed[h] & (self._hash[h] == hashes[: len(h)]).all(axis=1)
+            # Found only as the table would find it: an unindexed block's hash may be stale
+            # (published unhashed by a later owner, it keeps the one it had), so it must not count.
+            ok = self._hashed[h] & ~self._unindexed[h] & (self._hash[h] == hashes[: len(h)]).all(axis=1)
             found = hint[: len(h) if ok.all() else int(np.argmin(ok))]
         table, n = self._table, len(found)
         if n < len(hashes) and hashes.item(n, 0) not in table:  # the usual miss: no slice to convert
