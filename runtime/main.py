@@ -26,7 +26,6 @@ from lockstep.transports.shm_ring import Ring, recv_ring
 from lockstep.transports.step_codec import decode_frame, encode
 
 from . import leftovers
-
 from .base import (FAILURE, FORGET, KV_CONNECT, KV_PULL, NEW_PLACEMENT, NEW_REQUESTS, PLAN, READY, SHUTDOWN,
                    Forget, Failure, KVConnect, KVPull, NewPlacement, NewRequests, RuntimeSpec, create)
 
