@@ -23,7 +23,62 @@ from .mla_decode import LOG2E, gather_entries
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py (2026-11-29: 4K new tokens on a 32K
 # prefix in 6.0 ms, 683K tokens/s).
-PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+# SPLIT: 1 walks the key blocks every row sees whole without masks, then the rest masked;
+# 0 masks every block (as before it existed).
+PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "SPLIT": 0}
+
+
+@triton.jit
+def _load_tile(ptrs, rmask, cmask, MASK_R: tl.constexpr, MASK_C: tl.constexpr):
+    """A 2-D load masked only where a mask can be false: a dimension that fills its padded
+    width and a key block wholly inside the sequence load without one, so the compiler can
+    vectorize them."""
+    if MASK_R and MASK_C:
+        x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
+    elif MASK_R:
+        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    elif MASK_C:
+        x = tl.load(ptrs, mask=cmask[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _attn_block(acc, m, den, qn, qr, kn_ptr, kp_ptr, v_ptr, k0, k_len, n0, last, h,
+                s_knt, s_knh, s_kpt, s_vt, s_vh, sm_scale_log2,
+                DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, DN_P: tl.constexpr,
+                DR_P: tl.constexpr, DV_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """One key block folded into (acc, m, den). MASKED: the block may hold keys past the
+    sequence or, causal, past a row's own position; unmasked blocks are seen whole by
+    every row, so no score is -inf and no row lacks a key."""
+    dn, dr, dv = tl.arange(0, DN_P), tl.arange(0, DR_P), tl.arange(0, DV_P)
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cm = cols < k_len
+    krow = (k0 + cols).to(tl.int64)
+    kn = _load_tile(kn_ptr + (krow * s_knt + h * s_knh)[:, None] + dn[None, :], cm, dn < DN,
+                    MASKED, DN != DN_P).to(DOT)
+    kr = _load_tile(kp_ptr + (krow * s_kpt)[:, None] + dr[None, :], cm, dr < DR,
+                    MASKED, DR != DR_P).to(DOT)
+    s = (tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))) * sm_scale_log2
+    if MASKED:
+        ok = cm[None, :]
+        if CAUSAL:
+            ok = ok & (cols[None, :] <= last[:, None])
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_use = m_new
+    alpha = tl.exp2(m - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    den = den * alpha + tl.sum(p, 1)
+    v = _load_tile(v_ptr + (krow * s_vt + h * s_vh)[:, None] + dv[None, :], cm, dv < DV,
+                   MASKED, DV != DV_P).to(DOT)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
+    return acc, m_new, den
 
 
 @triton.jit
@@ -32,7 +87,7 @@ def _mla_attn_kernel(q_ptr, kn_ptr, kp_ptr, v_ptr, cuq_ptr, cuk_ptr, o_ptr, lse_
                      s_lt, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr,
                      DN_P: tl.constexpr, DR_P: tl.constexpr, DV_P: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     MERGE: tl.constexpr):
+                     MERGE: tl.constexpr, SPLIT: tl.constexpr):
     mt, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(cuq_ptr + b)
     q_len = tl.load(cuq_ptr + b + 1) - q0
@@ -50,33 +105,24 @@ def _mla_attn_kernel(q_ptr, kn_ptr, kp_ptr, v_ptr, cuq_ptr, cuk_ptr, o_ptr, lse_
                  other=0.0).to(DOT)
     last = k_len - q_len + rows  # a causal query's own position among the keys
     hi = k_len
+    full = k_len // BLOCK_N * BLOCK_N  # key blocks wholly inside the sequence
     if CAUSAL:
         hi = tl.minimum(k_len, k_len - q_len + (mt + 1) * BLOCK_M)
+        # keys every row of the tile sees: up to its first row's own position
+        full = (k_len - q_len + mt * BLOCK_M) // BLOCK_N * BLOCK_N
+    if not SPLIT:
+        full = 0
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
-        cols = n0 + tl.arange(0, BLOCK_N)
-        cm = cols < k_len
-        krow = (k0 + cols).to(tl.int64)
-        kn = tl.load(kn_ptr + (krow * s_knt + h * s_knh)[:, None] + dn[None, :],
-                     mask=cm[:, None] & (dn < DN)[None, :], other=0.0).to(DOT)
-        kr = tl.load(kp_ptr + (krow * s_kpt)[:, None] + dr[None, :],
-                     mask=cm[:, None] & (dr < DR)[None, :], other=0.0).to(DOT)
-        s = (tl.dot(qn, tl.trans(kn)) + tl.dot(qr, tl.trans(kr))) * sm_scale_log2
-        ok = cm[None, :]
-        if CAUSAL:
-            ok = ok & (cols[None, :] <= last[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        alpha = tl.exp2(m - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        den = den * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + (krow * s_vt + h * s_vh)[:, None] + dv[None, :],
-                    mask=cm[:, None] & (dv < DV)[None, :], other=0.0).to(DOT)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT), v)
-        m = m_new
+    for n0 in range(0, full, BLOCK_N):
+        acc, m, den = _attn_block(acc, m, den, qn, qr, kn_ptr, kp_ptr, v_ptr, k0, k_len, n0, last, h,
+                                  s_knt, s_knh, s_kpt, s_vt, s_vh, sm_scale_log2, DN, DR, DV,
+                                  DN_P, DR_P, DV_P, BLOCK_N, CAUSAL, False)
+    for n0 in range(full, hi, BLOCK_N):
+        acc, m, den = _attn_block(acc, m, den, qn, qr, kn_ptr, kp_ptr, v_ptr, k0, k_len, n0, last, h,
+                                  s_knt, s_knh, s_kpt, s_vt, s_vh, sm_scale_log2, DN, DR, DV,
+                                  DN_P, DR_P, DV_P, BLOCK_N, CAUSAL, True)
     some = den > 0.0
     lse = tl.where(some, m + tl.log2(tl.where(some, den, 1.0)), float("-inf"))
     out = acc / tl.where(some, den, 1.0)[:, None]
@@ -144,7 +190,7 @@ def mla_attention(q: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: 
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), lse.stride(0),
         DN=dn, DR=dr, DV=dv, DN_P=next_pow2(dn), DR_P=next_pow2(dr), DV_P=next_pow2(dv),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, MERGE=merge,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SPLIT=bool(cfg.get("SPLIT", 0)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
 

@@ -466,15 +466,18 @@ def test_topk_rejects_bad_arguments():
 
 # -- MLA prefill ---------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("split", [False, True], ids=["masked", "split"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_mla_prefill_matches_reference(fp8):
+def test_mla_prefill_matches_reference(fp8, split):
+    """split: key blocks every row sees whole are walked without masks, the rest masked."""
     g = gen(12)
     if CUDA:
-        h, dn, dr, dv, dl, bs, chunk, cfg = 16, 128, 64, 128, 512, 64, 1024, None
+        h, dn, dr, dv, dl, bs, chunk = 16, 128, 64, 128, 512, 64, 1024
+        cfg = {"SPLIT": int(split)}
         new, prefix = [77, 300, 1], [1500, 0, 700]
-    else:
-        h, dn, dr, dv, dl, bs, chunk = 2, 16, 16, 16, 32, 4, 8
-        cfg = {"BLOCK_M": 16, "BLOCK_N": 16}
+    else:  # key blocks of 4: whole blocks in both the causal pass and the prefix chunks
+        h, dn, dr, dv, dl, bs, chunk = 2, 16, 16, 16, 32, 4, 16
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 4 if split else 16, "SPLIT": int(split)}
         new, prefix = [5, 19], [10, 0]
     t = sum(new)
     cu = torch.tensor([0] + new, device=DEV).cumsum(0).to(torch.int32)
