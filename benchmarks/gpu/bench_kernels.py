@@ -390,7 +390,13 @@ def topk_candidates(rows: int, smoke: bool) -> list[dict]:
         return [{"CHUNK": 256, "TILE": 128, "SAMPLE": 64, "PIECES": 8, "BINS": 256, "CAND": 512,
                  "select_warps": 4, "FINISH_TILE": 256}]
     base = dict(topk_mod.DEFAULT_CONFIG)
-    out = [topk_mod.topk_config(rows)]
+    committed = topk_mod.topk_config(rows)
+    out = [committed]
+    # the scan's loads pipelined by the compiler (first: tuning stops at the deadline)
+    for extra in ({"SCAN_STAGES": 2}, {"SCAN_STAGES": 3}, {"SCAN_STAGES": 4},
+                  {"SCAN_STAGES": 3, "PROGRAMS_PER_SM": 2}, {"SCAN_STAGES": 3, "TILE": 2048},
+                  {"SCAN_STAGES": 2, "TILE": 2048, "num_warps": 8}, {"BINS": 8192}):
+        out.append({**committed, **extra})
     for tile, warps, per_sm in ((2048, 4, 8), (4096, 8, 4), (4096, 8, 2), (1024, 4, 8),
                                 (2048, 8, 4), (512, 4, 8), (1024, 4, 4), (2048, 4, 4),
                                 (1024, 8, 4), (2048, 8, 2), (512, 4, 16)):
@@ -398,12 +404,9 @@ def topk_candidates(rows: int, smoke: bool) -> list[dict]:
     out.append({**base, "SAMPLE": 2048, "Z": 5.0})
     out.append({**base, "select_warps": 8})
     # the select program's ways of finding the k-th key in its bin, on the committed scan
-    committed = topk_mod.topk_config(rows)
     for extra in ({"WALK": 0, "WAYS": 16}, {"WALK": 0, "WAYS": 64}, {"WALK": 4, "WAYS": 16},
                   {"select_warps": 32}, {"select_warps": 8, "WALK": 0, "WAYS": 16},
-                  {"SAMPLE": 2048, "Z": 4.0}, {"BINS": 8192}, {"BINS": 8192, "WALK": 0, "WAYS": 16},
-                  {"SCAN_STAGES": 2}, {"SCAN_STAGES": 3}, {"SCAN_STAGES": 4},
-                  {"SCAN_STAGES": 3, "PROGRAMS_PER_SM": 2}, {"SCAN_STAGES": 3, "TILE": 2048}):
+                  {"SAMPLE": 2048, "Z": 4.0}, {"BINS": 8192, "WALK": 0, "WAYS": 16}):
         out.append({**committed, **extra})
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
