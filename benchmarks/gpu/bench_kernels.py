@@ -440,10 +440,12 @@ def topk_row(b: Bench, name: str, x: torch.Tensor, k: int, cfg: dict, torch_us: 
                f"torch sorted {t_sorted:.1f} us, unsorted {t_unsorted:.1f} us{split}")
 
 
-def bench_topk(b: Bench, bw: float) -> None:
+def bench_topk(b: Bench, bw: float, only_rows: set[int] | None = None) -> None:
     """Each case: the default (select) path tuned, then the four-launch threshold path with its
-    committed config, both against torch.topk."""
+    committed config, both against torch.topk. only_rows: the cases of these row counts."""
     cases = ((1, 131072), (64, 131072), (64, 32768)) if not b.smoke else ((1, 3000), (4, 3000))
+    if only_rows:
+        cases = tuple(c for c in cases if c[0] in only_rows)
     k = 2048 if not b.smoke else 100
     for rows, n in cases:
         name = f"topk k={k} rows={rows} n={n}"
@@ -838,6 +840,7 @@ def main() -> None:
     ap.add_argument("--no-tune", action="store_true", help="time the committed/default configs only")
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
+    ap.add_argument("--topk-rows", default="", help="comma-separated row counts: top-k's cases of those only")
     ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,decode,dense,kv,prefill,sampling")
     args = ap.parse_args()
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
@@ -853,7 +856,7 @@ def main() -> None:
         b.errors["copy"] = traceback.format_exc()[-1500:]
         bw = 4.19e12
     for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("moe_ep", lambda: bench_moe_ep(b, bw)),
-                    ("topk", lambda: bench_topk(b, bw)),
+                    ("topk", lambda: bench_topk(b, bw, {int(r) for r in args.topk_rows.split(",") if r})),
                     ("decode", lambda: bench_decode(b, bw)), ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
                     ("kv", lambda: bench_kv_store(b, bw)),
                     ("prefill", lambda: bench_prefill(b)), ("sampling", lambda: bench_sampling(b, bw))):
