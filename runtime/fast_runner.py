@@ -36,11 +36,14 @@ import numpy as np
 import torch
 
 from .models.batch import HostBatch, to_device
-from .models.fast import DECODE_MAX_NEW, AttnPlan, FastDeepseek, FastInputs, len_bucket
+from .models.fast import DECODE_MAX_NEW, AttnPlan, FastDeepseek, FastInputs, Step, len_bucket
 
 log = logging.getLogger(__name__)
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens; a runner keeps those up to its capacity
+# Token counts of the prefill steps replayed piecewise (``PrefillGraphs``); longer steps run
+# eagerly, where the host's ~50 us a launch is small against their kernels.
+PREFILL_GRAPH_SIZES = (256, 512, 1024, 2048)
 _PAD = (0, 0, -1, 0, 0)  # token id, position, KV slot, table row, sample slot of a padding token
 
 
@@ -54,7 +57,8 @@ def graph_sizes(sizes, cap: int) -> list[int]:
 class FastRunner:
     def __init__(self, fast: FastDeepseek, kv: list, *, max_num_seqs: int, max_blocks: int,
                  max_model_len: int, device: torch.device, graphs: str = "on",
-                 sizes: tuple[int, ...] = GRAPH_SIZES, collective=None, max_tokens: int = 0):
+                 sizes: tuple[int, ...] = GRAPH_SIZES, collective=None, max_tokens: int = 0,
+                 prefill_sizes: tuple[int, ...] | None = None):
         if graphs not in ("on", "off", "padded"):
             raise ValueError(f"cuda_graphs must be on, off or padded, got {graphs!r}")
         if graphs == "on" and device.type != "cuda":
@@ -83,6 +87,14 @@ class FastRunner:
         self._pool = None
         self.graph_errors: dict[tuple[int, int], str] = {}
         self.replays = self.eager_steps = 0  # replays: graph steps (padded ones without a graph)
+        # Prefill steps as CUDA graphs between their attention cores: not with expert
+        # parallelism (a rank's collectives must match its peers', step by step).
+        # ``prefill_sizes`` None: PREFILL_GRAPH_SIZES with graphs "on", none otherwise.
+        if prefill_sizes is None:
+            prefill_sizes = PREFILL_GRAPH_SIZES if graphs == "on" else ()
+        self.prefill = None
+        if graphs != "off" and collective is None and fast.use_fused_moe and prefill_sizes:
+            self.prefill = PrefillGraphs(self, sorted({int(x) for x in prefill_sizes}))
 
     # -- block tables -------------------------------------------------------------------------
     def update_tables(self, rows: np.ndarray, cols: np.ndarray, block_ids: np.ndarray) -> None:
@@ -107,6 +119,10 @@ class FastRunner:
                 key = self._captured(key)
             if key is not None and key not in self.graph_errors:
                 return self._replay(hb, key)
+        if self.prefill is not None and pad_to == 0 and t <= self.prefill.sizes[-1]:
+            got = self.prefill.forward(hb)
+            if got is not None:
+                return got
         self.eager_steps += 1
         return self._eager(hb)
 
@@ -215,13 +231,15 @@ class FastRunner:
 
     def capture(self, max_len: int) -> None:
         """Capture every size for contexts up to ``max_len`` (largest first, so the shared
-        memory pool is sized by the first)."""
+        memory pool is sized by the first), then the prefill steps' pieces."""
         if self.mode != "on":
             return
         bound = len_bucket(max_len, self.len_cap)
         for size in reversed(self.sizes):
             if (size, bound) not in self._graphs:
                 self._capture((size, bound))
+        if self.prefill is not None:
+            self.prefill.capture()
 
     def _capture(self, key: tuple[int, int]):
         """Warm up (compiles happen here, outside the capture), then capture on padding-only
@@ -259,6 +277,184 @@ class FastRunner:
     def statistics(self) -> dict:
         """Plain values (JSON-ready): graphs as "tokens x context bound"."""
         name = "{}x{}".format
-        return {"graphs": [name(*k) for k in sorted(self._graphs)],
-                "graph_errors": {name(*k): v for k, v in self.graph_errors.items()},
-                "replays": self.replays, "eager_steps": self.eager_steps, "compile_errors": self.fast.ops.errors()}
+        out = {"graphs": [name(*k) for k in sorted(self._graphs)],
+               "graph_errors": {name(*k): v for k, v in self.graph_errors.items()},
+               "replays": self.replays, "eager_steps": self.eager_steps, "compile_errors": self.fast.ops.errors()}
+        if self.prefill is not None:
+            out["prefill_graphs"] = sorted(self.prefill.graphs)
+            out["prefill_graph_errors"] = dict(self.prefill.errors)
+            out["prefill_replays"] = self.prefill.replays
+        return out
+
+
+class PrefillGraphs:
+    """Prefill steps (some sequence feeds more than ``DECODE_MAX_NEW`` tokens) of up to
+    ``sizes[-1]`` tokens, padded to the next size and run as one CUDA graph per piece between
+    the layers' attention cores, which run eagerly on the real tokens (where each sequence's
+    prefix lies changes every step; nothing else does, for a given token count).
+
+    Piece 0 is the embedding and the first layer's ``attn_in``; piece i (0 < i < L) the
+    output projection and FFN of layer i - 1, then layer i's ``attn_in``; piece L the last
+    layer's, the final norm and the expert counts. Each core reads the piece before's
+    outputs and writes the values into one static buffer the next piece reads. The logits
+    of the sampled rows are one eager GEMM on the last piece's output. Eagerly a 256-token
+    prefill chunk of v2-lite makes ~670 launches at ~50 us of host time each (the GPU waits
+    two-thirds of the step); replayed, 28 graphs and the cores' ~8 launches a layer.
+
+    Padding tokens (KV slot -1) store nothing and choose no expert (``Step.valid``, made
+    inside piece 0 as the rope's cos and sin are). Mode "padded" (the CPU tests) runs the
+    pieces without capturing them, on the same buffers and padding."""
+
+    def __init__(self, runner: FastRunner, sizes: list[int]):
+        self.runner, self.fast, self.sizes = runner, runner.fast, sizes
+        n, dev = sizes[-1], runner.device
+        pin = dev.type == "cuda"
+        # ids, positions, KV slots, table rows, then the sample rows and their slots
+        self._stagings = [torch.zeros(6, n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._copied: list = [None, None]
+        self._turn = 0
+        self._static = torch.zeros(6, n, dtype=torch.int64, device=dev)
+        cfg = self.fast.cfg
+        self._vals = torch.zeros(n, cfg.num_attention_heads, cfg.v_head_dim, dtype=self.fast.model.dtype,
+                                 device=dev)
+        self.graphs: dict[int, list] = {}  # size -> [(graph, outputs)] per piece
+        self._held: dict[int, list] = {}
+        self.errors: dict[int, str] = {}
+        self.replays = 0
+
+    def _inputs(self, size: int) -> FastInputs:
+        s = self._static[:, :size]
+        none = AttnPlan(0, None, 0, 0, None, None, None, 0, [])  # the pieces hold no attention
+        return FastInputs(s[0], s[1], s[2], self.runner.tables, s[3], none, padded=True, last=self.runner.last)
+
+    def _pieces(self, size: int):
+        """The pieces' functions for ``size`` tokens: piece j takes the outputs of piece
+        j - 1 (piece 0 nothing) and returns its own."""
+        fast, kv, vals = self.fast, self.runner.kv, self._vals[:size]
+        inp = self._inputs(size)
+        state: dict = {}
+
+        def first(_):
+            step = state["step"] = Step(inp, fast, kv)  # its cos, sin and valid: made in the graph
+            state["chosen"] = []
+            x, h = fast.embed(inp)
+            return (x, *fast.attn_in(h, fast.layers[0], 0, inp.slot_mapping, step))
+
+        def middle(i):
+            def piece(prev):
+                step = state["step"]
+                x, h = fast.ffn(i - 1, prev[0], fast.attn_out(vals, fast.layers[i - 1], _PREFILL), step,
+                                state["chosen"])
+                return (x, *fast.attn_in(h, fast.layers[i], i, inp.slot_mapping, step))
+            return piece
+
+        def last(prev):
+            n = len(fast.layers) - 1
+            x, h = fast.ffn(n, prev[0], fast.attn_out(vals, fast.layers[n], _PREFILL), state["step"],
+                            state["chosen"])
+            return h, fast._counts(state["chosen"], size, x.device)
+
+        return [first] + [middle(i) for i in range(1, len(fast.layers))] + [last]
+
+    def _run(self, size: int, core) -> tuple:
+        """All pieces in order, ``core(i, outputs of piece i)`` between them; with graphs
+        captured for ``size``, replays."""
+        got = self.graphs.get(size)
+        if got is not None:
+            graph, out = got[0]
+            graph.replay()
+            for i, (graph, nxt) in enumerate(got[1:]):
+                core(i, out)
+                graph.replay()
+                out = nxt
+            return out
+        out = None
+        for i, piece in enumerate(self._pieces(size)):
+            if i:
+                core(i - 1, out)
+            out = piece(out)
+        return out
+
+    def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step through the pieces, or None where it does not go this way (its size
+        failed to capture, or it decodes only)."""
+        t = len(hb.input_ids)
+        if self.runner._decode_rows(hb):
+            return None
+        size = next(s for s in self.sizes if s >= t)
+        if self.runner.mode == "on" and size not in self.graphs and size not in self.errors:
+            self.capture([size])  # before staging: capture clobbers the inputs
+        if size in self.errors or (self.runner.mode == "on" and size not in self.graphs):
+            return None
+        rows = np.repeat(hb.rows, hb.num_new)
+        s = len(hb.sample_index)
+        self._turn ^= 1
+        done = self._copied[self._turn]
+        if done is not None and not done.query():
+            done.synchronize()
+        st = self._stagings[self._turn].numpy()
+        st[0, :t], st[1, :t], st[2, :t], st[3, :t] = hb.input_ids, hb.positions, hb.slot_mapping, rows
+        st[:4, t:size] = np.array(_PAD[:4], dtype=np.int64)[:, None]
+        st[4, :s], st[5, :s] = hb.sample_index, rows[hb.sample_index]
+        self._static[:, :size].copy_(self._stagings[self._turn][:, :size], non_blocking=True)
+        if self.runner.device.type == "cuda":
+            ev = self._copied[self._turn] or torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.runner.device))
+            self._copied[self._turn] = ev
+        st_dev = self._static
+        plan = AttnPlan.build(hb.num_new, hb.seq_lens, hb.rows, self.runner.len_cap, self.runner.device)
+        inp = FastInputs(st_dev[0, :t], st_dev[1, :t], st_dev[2, :t], self.runner.tables, st_dev[3, :t], plan)
+        step = Step(inp, self.fast, self.runner.kv, rope=False)
+        vals = self._vals
+
+        def core(i: int, out) -> None:
+            _, q_nope, q_pe, latent, k_pe = out
+            vals[:t].copy_(self.fast.attn_core(q_nope[:t], q_pe[:t], latent[:t], k_pe[:t], i, inp, step))
+
+        with torch.inference_mode():
+            h, counts = self._run(size, core)
+            logits = self.fast._linear(h[st_dev[4, :s]], self.fast.model.lm_head.weight).float()
+        self.runner._sample_slots = st_dev[5, :s]
+        self.replays += 1
+        return logits, counts
+
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Every size's pieces (or ``sizes``'), largest first, in the runner's graph pool: each
+        piece warmed up (compiled) on padding, then captured on the outputs of the piece
+        captured before."""
+        r = self.runner
+        for size in sorted(self.sizes if sizes is None else sizes, reverse=True):
+            if size in self.graphs or size in self.errors:
+                continue
+            self._static[:4, :size] = torch.tensor(_PAD[:4], device=r.device)[:, None]
+            pieces = self._pieces(size)
+            try:
+                side = torch.cuda.Stream(r.device)
+                side.wait_stream(torch.cuda.current_stream(r.device))
+                with torch.cuda.stream(side), torch.inference_mode():
+                    for _ in range(2):
+                        out = None
+                        for piece in pieces:
+                            out = piece(out)
+                torch.cuda.current_stream(r.device).wait_stream(side)
+                if r._pool is None:
+                    r._pool = torch.cuda.graph_pool_handle()
+                got, out = [], None
+                with torch.inference_mode():
+                    for piece in pieces:
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=r._pool):
+                            out = piece(out)
+                        got.append((graph, out))
+            except Exception as e:  # noqa: BLE001 - recorded; steps of this size then run eagerly
+                self.errors[size] = f"{type(e).__name__}: {e}"
+                log.warning("prefill graph capture for %d tokens failed: %s", size, self.errors[size])
+                continue
+            # The pieces' closures hold what later pieces read (the step's valid, cos and
+            # sin, the expert ids): kept, so no later capture in the pool takes their memory.
+            self.graphs[size] = got
+            self._held[size] = pieces
+
+
+# A prefill step's plan, as far as its output projections ask (``attn_out``).
+_PREFILL = AttnPlan(0, None, 0, 1, None, None, None, 0, [])

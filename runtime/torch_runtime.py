@@ -15,6 +15,8 @@ samples on the device; only the sampled ids and expert counts cross to the host.
 can be launched ahead (``launch``/``finish``): the runtime process starts step N+1 before it
 waits for step N's tokens, which the device already holds. Options:
 ``fast`` (bool), ``cuda_graphs`` (on/off/padded), ``cuda_graph_sizes`` (list),
+``prefill_graph_sizes`` (token counts of prefill steps replayed as graphs between their
+attention cores, ``fast_runner.PrefillGraphs``; default 256-2048 with graphs on, [] for none),
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
 block-scaled expert weights for fused MoE), ``fuse_shared`` (the shared experts inside the
@@ -202,7 +204,7 @@ class TorchRuntime:
         runner = FastRunner(fast, kv, max_num_seqs=spec.max_num_seqs, max_blocks=self.tables.shape[1],
                             max_model_len=spec.max_model_len, device=self.device, graphs=graphs,
                             sizes=tuple(opts.get("cuda_graph_sizes", GRAPH_SIZES)), collective=collective,
-                            max_tokens=max_tokens)
+                            max_tokens=max_tokens, prefill_sizes=opts.get("prefill_graph_sizes"))
         if tables is not None:
             runner.tables = tables  # before any capture: graphs bake in its address
         capture_len = int(opts.get("capture_len", min(spec.max_model_len, 4096)))

@@ -315,6 +315,36 @@ def test_runtime_fast_path_follows_the_reference_path(kv):
         assert float(((eb - ea).abs() / top).max()) < 0.1  # an e4m3 step at the top (448) is 32: 1/14
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8"], ids=["bf16_cache", "fp8_cache"])
+def test_prefill_steps_through_pieces_compute_what_the_eager_forward_does(kv):
+    """Prefill and mixed steps padded to a prefill graph size and run piece by piece between
+    their attention cores (``PrefillGraphs``; on the CPU mode "padded": its buffers and
+    padding without capturing; on CUDA captured and replayed) give the eager fast path's
+    logits, expert counts and cache entries."""
+    eager = _runtime(fast=True, cuda_graphs="padded", compile=False, kv_cache_dtype=kv, prefill_graph_sizes=[])
+    pieces = _runtime(fast=True, cuda_graphs="on" if DEV == "cuda" else "padded", compile=False,
+                      kv_cache_dtype=kv, prefill_graph_sizes=[20, 32])
+    assert eager.runner.prefill is None and pieces.runner.prefill is not None
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7], list(range(40, 75))]
+    want, got = _drive([eager, pieces], prompts)
+    pf = pieces.runner.prefill
+    assert pf.replays >= 3 and not pf.errors  # 24-token chunks pad to 32, a 20-token one runs at 20
+    if DEV == "cuda":
+        assert sorted(pf.graphs) == [20, 32]
+    sampled = [(a, b) for a, b in zip(want, got) if len(a.token_ids)]
+    err = max(float(np.abs(b.logprobs - a.logprobs).max()) for a, b in sampled)
+    assert err < 2e-2
+    for a, b in zip(want, got):
+        assert np.array_equal(a.expert_counts, b.expert_counts)
+        if len(a.token_ids):  # equal wherever the margin is clear of the logits' difference
+            clear = a.top_logprobs[:, 0] - a.top_logprobs[:, 1] > 2 * err
+            assert np.array_equal(a.token_ids[clear], b.token_ids[clear])
+    for a, b in zip(eager.kv, pieces.kv):
+        ea, eb = _entries(a), _entries(b)
+        assert torch.equal(ea == 0, eb == 0)  # padding stored nothing
+        assert float((eb - ea).abs().max()) <= 0.02 * float(ea.abs().max())
+
+
 def _entries(layer_cache) -> torch.Tensor:
     """A layer's cache entries in float32 (dequantized when FP8)."""
     return layer_cache[:] if isinstance(layer_cache, FP8Cache) else layer_cache.float()

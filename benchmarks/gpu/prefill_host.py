@@ -5,6 +5,8 @@ for Python: launchers, the compiled steps' wrappers, host copies, or a sync.
 
     python3 benchmarks/gpu/prefill_host.py [--json] [--syncs] [--cprofile]
 
+Prefill steps of up to 2,048 tokens replay as CUDA graphs between their attention cores
+(``fast_runner.PrefillGraphs``); --no-prefill-graphs runs them wholly eagerly, as before.
 --syncs lists the operations that synchronize the host with the device during one 2,048-token
 chunk (torch's sync debug mode; the sampled id's read-back is the one expected). --cprofile
 prints the host's cumulative profile of one 256-token chunk. Reference (H200, 2026-11-30): a
@@ -79,11 +81,14 @@ def main() -> None:
     ap.add_argument("--syncs", action="store_true")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="the small steps uncompiled (an A/B)")
+    ap.add_argument("--no-prefill-graphs", action="store_true",
+                    help="prefill steps wholly eager, not replayed piecewise (an A/B)")
     args = ap.parse_args()
     rt = TorchRuntime()
     rt.load(RuntimeSpec(model="v2-lite", device="cuda", dtype="bfloat16", num_blocks=1200, block_size=BS,
                         max_num_seqs=8, max_model_len=16384 + 64, seed=0,
-                        options={"init_on_device": True, "capture_len": 0, "compile": not args.no_compile}))
+                        options={"init_on_device": True, "capture_len": 0, "compile": not args.no_compile,
+                                 **({"prefill_graph_sizes": []} if args.no_prefill_graphs else {})}))
     with torch.no_grad():
         rt.kv_pool.normal_(0.0, 1.0)
     rng = np.random.default_rng(0)
@@ -102,7 +107,8 @@ def main() -> None:
             walls.append(time.perf_counter() - t)
         wall = 1e3 * statistics.median(walls[2:])
         dev, launches = kernels_ms(rt, _chunk_plan(7, req, ctx, tokens, table))
-        rows.append({"prefix": ctx, "chunk": t_new, "wall_ms": wall, "kernels_ms": dev, "launches": launches,
+        rows.append({"prefix": ctx, "chunk": t_new, "prefill_graphs": not args.no_prefill_graphs,
+                     "wall_ms": wall, "kernels_ms": dev, "launches": launches,
                      "wall_over_kernels": wall / dev, "tokens_per_s": t_new / (wall / 1e3)})
         if args.syncs and t_new == 2048:
             for where, n in syncs(rt, _chunk_plan(8, req, ctx, tokens, table)).most_common(8):
@@ -117,6 +123,7 @@ def main() -> None:
             print("\n".join("# " + line for line in s.getvalue().splitlines()), flush=True)
         rt.forget([req])
         req += 1
+    print(f"# runner {rt.runner.statistics()}", flush=True)
     rt.shutdown()
     first = rows[0]
     emit("prefill_host", rows, {

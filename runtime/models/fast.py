@@ -258,14 +258,15 @@ class FastInputs:
     last: torch.Tensor | None = None
 
 
-class _Step:
+class Step:
     """Per-forward tensors every layer reads."""
 
-    def __init__(self, inp: FastInputs, model: FastDeepseek, kv: list):
+    def __init__(self, inp: FastInputs, model: FastDeepseek, kv: list, rope: bool = True):
         plan = inp.plan
         self.caches = [_cache_views(c) for c in kv]
         self.valid = inp.slot_mapping >= 0 if inp.padded else None
-        self.cos, self.sin = model.rope.cos_sin(inp.positions, torch.float32)
+        # rope False: a step for attention cores alone, whose inputs come rotated
+        self.cos, self.sin = model.rope.cos_sin(inp.positions, torch.float32) if rope else (None, None)
         self.dec_tables = self.dec_lens = self.pf_tables = None
         if plan.n_dec:
             rows, pos = inp.tok_rows, inp.positions
@@ -366,46 +367,62 @@ class FastDeepseek:
     def forward(self, inp: FastInputs, kv: list) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits (S, vocab) float32, expert token counts (layers, experts) int32), as
         DeepseekV3.forward returns them; padding tokens are not counted. ``kv``: per-layer
-        caches as ``DeepseekV3.make_kv_pool`` makes them (tensors, or ``FP8Cache``s)."""
-        ops, eps = self.ops, self.cfg.rms_norm_eps
-        step = _Step(inp, self, kv)
-        ids = inp.input_ids
-        if inp.last is not None:
-            ids = torch.where(ids < 0, inp.last[inp.tok_rows], ids)
-        x = self.model.embed_tokens(ids)
-        h = ops.norm(x, self.layers[0].in_norm, eps)
+        caches as ``DeepseekV3.make_kv_pool`` makes them (tensors, or ``FP8Cache``s).
+
+        A layer is ``attn_in`` (projections, rope, the cache store), ``attn_core`` (the
+        attention itself, which alone depends on where each sequence's context lies),
+        ``attn_out`` and ``ffn``: ``fast_runner.PrefillGraphs`` replays everything but the
+        cores as CUDA graphs, in the same order."""
+        step = Step(inp, self, kv)
+        x, h = self.embed(inp)
         chosen: list[torch.Tensor] = []
         for i, lw in enumerate(self.layers):
-            x, h = ops.add_norm(x, self._attention(h, lw, i, inp, step), lw.post_norm, eps)
-            nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.model.norm.weight
-            if lw.moe is None:
-                down = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
-                x, h = ops.add_norm(x, down, nxt, eps)
-                continue
-            fuse = self.fuse_shared and lw.with_shared is not None and h.shape[0] <= FUSE_SHARED_MAX_TOKENS
-            routed = self._routed(h, lw, step, chosen, fuse)
-            shared = None if lw.gate_up is None or fuse else \
-                self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
-            if isinstance(routed, tuple) and routed[0].dim() == 2:  # summed by the kernel (> 64 tokens)
-                routed = routed[0]
-            if isinstance(routed, tuple):  # the fused MoE's terms, summed in the next step
-                y, ids, n = routed
-                x, h = ops.add_moe_norm(x, y, ids, n, nxt, eps) if shared is None else \
-                    ops.add2_moe_norm(x, y, ids, n, shared, nxt, eps)
-            elif shared is None:
-                x, h = ops.add_norm(x, routed, nxt, eps)
-            else:
-                x, h = ops.add2_norm(x, routed, shared, nxt, eps)
+            q = self.attn_in(h, lw, i, inp.slot_mapping, step)
+            x, h = self.ffn(i, x, self.attn_out(self.attn_core(*q, i, inp, step), lw, inp.plan), step, chosen)
         if inp.sample_index is not None:
             h = h[inp.sample_index]
         logits = self._linear(h, self.model.lm_head.weight).float()
         return logits, self._counts(chosen, len(inp.input_ids), x.device)
 
+    def embed(self, inp: FastInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, the first layer's normed input)."""
+        ids = inp.input_ids
+        if inp.last is not None:
+            ids = torch.where(ids < 0, inp.last[inp.tok_rows], ids)
+        x = self.model.embed_tokens(ids)
+        return x, self.ops.norm(x, self.layers[0].in_norm, self.cfg.rms_norm_eps)
+
+    def ffn(self, i: int, x, attn, step: Step, chosen: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i after its attention: (residual stream, the next layer's normed input, or
+        the final norm's after the last layer). Appends the routed experts' ids to
+        ``chosen``."""
+        ops, eps, lw = self.ops, self.cfg.rms_norm_eps, self.layers[i]
+        x, h = ops.add_norm(x, attn, lw.post_norm, eps)
+        nxt = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.model.norm.weight
+        if lw.moe is None:
+            down = self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
+            return ops.add_norm(x, down, nxt, eps)
+        fuse = self.fuse_shared and lw.with_shared is not None and h.shape[0] <= FUSE_SHARED_MAX_TOKENS
+        routed = self._routed(h, lw, step, chosen, fuse)
+        shared = None if lw.gate_up is None or fuse else \
+            self._linear(ops.silu_mul(self._linear(h, lw.gate_up)), lw.down)
+        if isinstance(routed, tuple) and routed[0].dim() == 2:  # summed by the kernel (> 64 tokens)
+            routed = routed[0]
+        if isinstance(routed, tuple):  # the fused MoE's terms, summed in the next step
+            y, ids, n = routed
+            return ops.add_moe_norm(x, y, ids, n, nxt, eps) if shared is None else \
+                ops.add2_moe_norm(x, y, ids, n, shared, nxt, eps)
+        if shared is None:
+            return ops.add_norm(x, routed, nxt, eps)
+        return ops.add2_norm(x, routed, shared, nxt, eps)
+
     # -- attention ------------------------------------------------------------------------------
-    def _attention(self, h, lw: LayerWeights, i: int, inp: FastInputs, step: _Step) -> torch.Tensor:
-        cfg, plan = self.cfg, inp.plan
+    def attn_in(self, h, lw: LayerWeights, i: int, slots: torch.Tensor, step: Step):
+        """(q_nope (T, H, dn), q_pe (T, H, dr) rotated, latent (T, dl) normed, k_pe (T, dr)
+        rotated); the new entries are stored in the cache at ``slots`` (-1: not stored)."""
+        cfg = self.cfg
         t, heads = h.shape[0], cfg.num_attention_heads
-        dn, dr, dl, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        dn, dr, dl = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         f = self._linear(h, lw.w_in)
         if lw.q_b is None:
             split = heads * (dn + dr)
@@ -416,26 +433,38 @@ class FastDeepseek:
         cache = step.caches[i]
         if MLA_PREP_KERNEL:
             q_pe, latent, k_pe = self._mla_prep_store(q[..., dn:], f[:, split:], step.cos, step.sin, lw.kv_norm,
-                                                      1e-6, cache[0], inp.slot_mapping, cache[1],
+                                                      1e-6, cache[0], slots, cache[1],
                                                       interleaved=cfg.rope_interleave)
         else:
             q_pe, latent, k_pe = self.ops.mla_prep(q[..., dn:], f[:, split:], step.cos, step.sin, lw.kv_norm, 1e-6,
                                                    dl, cfg.rope_interleave)
-            self._kv_store(cache[0], latent, k_pe, inp.slot_mapping, cache[1])
-        if not plan.n_pf:
-            return self._linear(self._decode(q[..., :dn], q_pe, lw, cache, plan, step).view(t, heads * dv),
-                                lw.o_proj)
-        if not plan.n_dec:
-            return F.linear(self._prefill(q[..., :dn], q_pe, latent, k_pe, inp.slot_mapping, lw, cache, plan,
-                                          step).reshape(t, -1), lw.o_proj)
-        out = h.new_empty(t, heads, dv)
-        d, p = plan.dec, plan.pf
-        out.index_copy_(0, d, self._decode(q[d, :, :dn], q_pe[d], lw, cache, plan, step))
-        out.index_copy_(0, p, self._prefill(q[p, :, :dn], q_pe[p], latent[p], k_pe[p], inp.slot_mapping[p], lw,
-                                            cache, plan, step))
-        return self._linear(out.view(t, -1), lw.o_proj)
+            self._kv_store(cache[0], latent, k_pe, slots, cache[1])
+        return q[..., :dn], q_pe, latent, k_pe
 
-    def _decode(self, q_nope, q_pe, lw: LayerWeights, cache, plan: AttnPlan, step: _Step) -> torch.Tensor:
+    def attn_core(self, q_nope, q_pe, latent, k_pe, i: int, inp: FastInputs, step: Step) -> torch.Tensor:
+        """The attention's values (T, H, dv): per token (decode) or per sequence (prefill),
+        as ``inp.plan`` says."""
+        plan, lw, cache = inp.plan, self.layers[i], step.caches[i]
+        if not plan.n_pf:
+            return self._decode(q_nope, q_pe, lw, cache, plan, step)
+        if not plan.n_dec:
+            return self._prefill(q_nope, q_pe, latent, k_pe, inp.slot_mapping, lw, cache, plan, step)
+        out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], lw.w_uv.shape[2])
+        d, p = plan.dec, plan.pf
+        out.index_copy_(0, d, self._decode(q_nope[d], q_pe[d], lw, cache, plan, step))
+        out.index_copy_(0, p, self._prefill(q_nope[p], q_pe[p], latent[p], k_pe[p], inp.slot_mapping[p], lw,
+                                            cache, plan, step))
+        return out
+
+    def attn_out(self, vals, lw: LayerWeights, plan: AttnPlan) -> torch.Tensor:
+        """The output projection of the values (T, H, dv): cuBLAS for a step with prefill
+        tokens (its shape then depends only on the token count), else the tuned tiles."""
+        t = vals.shape[0]
+        if plan.n_pf:
+            return F.linear(vals.reshape(t, -1), lw.o_proj)
+        return self._linear(vals.view(t, -1), lw.o_proj)
+
+    def _decode(self, q_nope, q_pe, lw: LayerWeights, cache, plan: AttnPlan, step: Step) -> torch.Tensor:
         """Absorbed MLA: (T, H, dv) values for tokens attending per token. ``cache``: this
         layer's (entries, scales or None), as every cache argument here."""
         one = q_nope.shape[0] == 1  # a token: per-head matrix-vector products (tuned shapes)
@@ -459,7 +488,7 @@ class FastDeepseek:
         return out
 
     def _prefill(self, q_nope, q_pe, latent, k_pe, slots, lw: LayerWeights, cache, plan: AttnPlan,
-                 step: _Step) -> torch.Tensor:
+                 step: Step) -> torch.Tensor:
         cfg = self.cfg
         heads, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
         if cache[1] is not None:
@@ -474,7 +503,7 @@ class FastDeepseek:
                                  lw.kv_b, cfg.softmax_scale, cache[1], prefix=step.prefix)
 
     # -- experts ---------------------------------------------------------------------------------
-    def _routed(self, h, lw: LayerWeights, step: _Step, chosen: list[torch.Tensor], fuse: bool = False):
+    def _routed(self, h, lw: LayerWeights, step: Step, chosen: list[torch.Tensor], fuse: bool = False):
         """The routed experts' output [T, H]; with the fused MoE (y, ids, experts), where y is
         the unsummed terms [T, k, H] for the next step to sum, or above
         MOE_SUM_IN_NORM_MAX_TOKENS the output [T, H] summed by the kernel. ``fuse``: the
