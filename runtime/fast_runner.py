@@ -1,7 +1,8 @@
 """Runs the torch runtime's forwards through the fast model path: steps whose sequences each
 feed at most ``DECODE_MAX_NEW`` tokens (decodes, speculative verifies, draft passes) replay a
-CUDA graph; anything else (longer chunks, steps of more tokens than the largest graph, and
-with padded expert dispatch any step but a one-token-per-sequence decode) runs eagerly.
+CUDA graph; prefill steps of up to ``PREFILL_GRAPH_SIZES[-1]`` tokens replay graphs between
+their attention cores (``PrefillGraphs``); anything else (longer steps, and with expert
+parallelism any step but a one-token-per-sequence decode) runs eagerly.
 
 State that lives on the device between steps: the block tables (one row per batch slot,
 updated with each plan's new block ids, never re-sent whole), and the graphs' input buffers
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # tokens; a runner keeps those up to its capacity
 # Token counts of the prefill steps replayed piecewise (``PrefillGraphs``); longer steps run
 # eagerly, where the host's ~50 us a launch is small against their kernels.
-PREFILL_GRAPH_SIZES = (256, 512, 1024, 2048)
+PREFILL_GRAPH_SIZES = (256, 512, 1024, 1536, 2048, 3072, 4096)
 _PAD = (0, 0, -1, 0, 0)  # token id, position, KV slot, table row, sample slot of a padding token
 
 
@@ -92,9 +93,12 @@ class FastRunner:
         # ``prefill_sizes`` None: PREFILL_GRAPH_SIZES with graphs "on", none otherwise.
         if prefill_sizes is None:
             prefill_sizes = PREFILL_GRAPH_SIZES if graphs == "on" else ()
+        bad = [x for x in prefill_sizes if isinstance(x, bool) or not isinstance(x, int) or x < 1]
+        if bad:
+            raise ValueError(f"runtime option prefill_graph_sizes must list token counts >= 1, got {bad[0]!r}")
         self.prefill = None
         if graphs != "off" and collective is None and fast.use_fused_moe and prefill_sizes:
-            self.prefill = PrefillGraphs(self, sorted({int(x) for x in prefill_sizes}))
+            self.prefill = PrefillGraphs(self, sorted(set(prefill_sizes)))
 
     # -- block tables -------------------------------------------------------------------------
     def update_tables(self, rows: np.ndarray, cols: np.ndarray, block_ids: np.ndarray) -> None:
@@ -314,9 +318,16 @@ class PrefillGraphs:
         self._copied: list = [None, None]
         self._turn = 0
         self._static = torch.zeros(6, n, dtype=torch.int64, device=dev)
-        cfg = self.fast.cfg
-        self._vals = torch.zeros(n, cfg.num_attention_heads, cfg.v_head_dim, dtype=self.fast.model.dtype,
-                                 device=dev)
+        cfg, dt = self.fast.cfg, self.fast.model.dtype
+        heads, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self._vals = torch.zeros(n, heads, cfg.v_head_dim, dtype=dt, device=dev)
+        # What a piece hands the next (and its core): the residual stream (the final norm's
+        # output after the last piece), q_nope, q_pe, latent, k_pe. Static, shared by all
+        # sizes, so the pool holds only the pieces' temporaries (kept as graph outputs, 28
+        # pieces' of 2,048 tokens took 1.15 GB).
+        self._outs = (torch.zeros(n, cfg.hidden_size, dtype=dt, device=dev),
+                      torch.zeros(n, heads, dn, dtype=dt, device=dev), torch.zeros(n, heads, dr, dtype=dt, device=dev),
+                      torch.zeros(n, cfg.kv_lora_rank, dtype=dt, device=dev), torch.zeros(n, dr, dtype=dt, device=dev))
         self.graphs: dict[int, list] = {}  # size -> [(graph, outputs)] per piece
         self._held: dict[int, list] = {}
         self.errors: dict[int, str] = {}
@@ -333,26 +344,32 @@ class PrefillGraphs:
         fast, kv, vals = self.fast, self.runner.kv, self._vals[:size]
         inp = self._inputs(size)
         state: dict = {}
+        outs = tuple(b[:size] for b in self._outs)
+
+        def hand_on(*got):
+            for buf, t in zip(outs, got):
+                buf.copy_(t)
+            return outs
 
         def first(_):
             step = state["step"] = Step(inp, fast, kv)  # its cos, sin and valid: made in the graph
             state["chosen"] = []
             x, h = fast.embed(inp)
-            return (x, *fast.attn_in(h, fast.layers[0], 0, inp.slot_mapping, step))
+            return hand_on(x, *fast.attn_in(h, fast.layers[0], 0, inp.slot_mapping, step))
 
         def middle(i):
             def piece(prev):
                 step = state["step"]
                 x, h = fast.ffn(i - 1, prev[0], fast.attn_out(vals, fast.layers[i - 1], _PREFILL), step,
                                 state["chosen"])
-                return (x, *fast.attn_in(h, fast.layers[i], i, inp.slot_mapping, step))
+                return hand_on(x, *fast.attn_in(h, fast.layers[i], i, inp.slot_mapping, step))
             return piece
 
         def last(prev):
             n = len(fast.layers) - 1
             x, h = fast.ffn(n, prev[0], fast.attn_out(vals, fast.layers[n], _PREFILL), state["step"],
                             state["chosen"])
-            return h, fast._counts(state["chosen"], size, x.device)
+            return hand_on(h)[0], fast._counts(state["chosen"], size, x.device)
 
         return [first] + [middle(i) for i in range(1, len(fast.layers))] + [last]
 

@@ -5,7 +5,7 @@ for Python: launchers, the compiled steps' wrappers, host copies, or a sync.
 
     python3 benchmarks/gpu/prefill_host.py [--json] [--syncs] [--cprofile]
 
-Prefill steps of up to 2,048 tokens replay as CUDA graphs between their attention cores
+Prefill steps of up to 4,096 tokens replay as CUDA graphs between their attention cores
 (``fast_runner.PrefillGraphs``); --no-prefill-graphs runs them wholly eagerly, as before.
 --syncs lists the operations that synchronize the host with the device during one 2,048-token
 chunk (torch's sync debug mode; the sampled id's read-back is the one expected). --cprofile
@@ -41,7 +41,7 @@ from lockstep.runtime.base import NewRequests, RuntimeSpec  # noqa: E402
 from lockstep.runtime.torch_runtime import TorchRuntime  # noqa: E402
 
 BS = 16
-CASES = ((512, 256), (512, 2048), (8192, 8192))  # (cached prefix, new tokens)
+CASES = ((512, 256), (512, 2048), (512, 4096), (8192, 8192))  # (cached prefix, new tokens)
 
 
 def kernels_ms(rt, plan) -> tuple[float, int]:
