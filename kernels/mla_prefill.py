@@ -109,8 +109,9 @@ def _mla_attn_kernel(q_ptr, kn_ptr, kp_ptr, v_ptr, cuq_ptr, cuk_ptr, o_ptr, lse_
     full = k_len // BLOCK_N * BLOCK_N  # key blocks wholly inside the sequence
     if CAUSAL:
         hi = tl.minimum(k_len, k_len - q_len + (mt + 1) * BLOCK_M)
-        # keys every row of the tile sees: up to its first row's own position
-        full = (k_len - q_len + mt * BLOCK_M) // BLOCK_N * BLOCK_N
+        # keys every row of the tile sees: up to its first row's own position (none when
+        # that is before the first key: fewer keys than queries)
+        full = tl.maximum((k_len - q_len + mt * BLOCK_M) // BLOCK_N * BLOCK_N, 0)
     if not SPLIT:
         full = 0
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)

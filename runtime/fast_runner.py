@@ -93,12 +93,18 @@ class FastRunner:
         # ``prefill_sizes`` None: PREFILL_GRAPH_SIZES with graphs "on", none otherwise.
         if prefill_sizes is None:
             prefill_sizes = PREFILL_GRAPH_SIZES if graphs == "on" else ()
+        if not isinstance(prefill_sizes, (list, tuple)):
+            raise ValueError(f"runtime option prefill_graph_sizes must be a list of token counts, got {prefill_sizes!r}")
         bad = [x for x in prefill_sizes if isinstance(x, bool) or not isinstance(x, int) or x < 1]
         if bad:
             raise ValueError(f"runtime option prefill_graph_sizes must list token counts >= 1, got {bad[0]!r}")
+        # No size beyond the first that holds every token the runtime's sequences may have.
+        cap = max_num_seqs * max_model_len
+        want = sorted(set(prefill_sizes))
+        prefill_sizes = [x for x in want if x < cap] + [x for x in want if x >= cap][:1]
         self.prefill = None
         if graphs != "off" and collective is None and fast.use_fused_moe and prefill_sizes:
-            self.prefill = PrefillGraphs(self, sorted(set(prefill_sizes)))
+            self.prefill = PrefillGraphs(self, prefill_sizes)
 
     # -- block tables -------------------------------------------------------------------------
     def update_tables(self, rows: np.ndarray, cols: np.ndarray, block_ids: np.ndarray) -> None:
@@ -413,7 +419,7 @@ class PrefillGraphs:
         st[0, :t], st[1, :t], st[2, :t], st[3, :t] = hb.input_ids, hb.positions, hb.slot_mapping, rows
         st[:4, t:size] = np.array(_PAD[:4], dtype=np.int64)[:, None]
         st[4, :s], st[5, :s] = hb.sample_index, rows[hb.sample_index]
-        self._static[:, :size].copy_(self._stagings[self._turn][:, :size], non_blocking=True)
+        self._static.copy_(self._stagings[self._turn], non_blocking=True)  # whole rows: one contiguous copy
         if self.runner.device.type == "cuda":
             ev = self._copied[self._turn] or torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.runner.device))

@@ -25,7 +25,7 @@ from lockstep.kernels.fused_moe import (  # noqa: E402
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, mla_prep_store, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_decode import (  # noqa: E402
     merge_reference, mla_decode, mla_decode_partials, mla_decode_reference)
-from lockstep.kernels.mla_prefill import mla_prefill, mla_prefill_reference  # noqa: E402
+from lockstep.kernels.mla_prefill import mla_attention, mla_prefill, mla_prefill_reference  # noqa: E402
 from lockstep.kernels.topk import topk, topk_config, topk_reference  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -496,6 +496,26 @@ def test_mla_prefill_matches_reference(fp8, split):
                       scale, chunk_tokens=chunk, config=cfg)
     close(out, mla_prefill_reference(q, k_nope, k_pe, v, cu, prefix, cache, tables, w_kv_b,
                                      sm, scale))
+
+
+def test_mla_attention_split_equals_masked_where_rows_see_no_keys():
+    """Causal sequences with fewer keys than queries (a row at a negative position sees no
+    key) and more: the unmasked walk (SPLIT) gives what masking every block gives."""
+    g = gen(13)
+    h, dn, dr, dv = 2, 16, 16, 16
+    q_lens, k_lens = [2, 40, 9], [30, 10, 9]
+    cu_q = torch.tensor([0] + q_lens, device=DEV).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + k_lens, device=DEV).cumsum(0).to(torch.int32)
+    q = randn(sum(q_lens), h, dn + dr, g=g, scale=0.3)
+    kn, kp, v = randn(sum(k_lens), h, dn, g=g), randn(sum(k_lens), dr, g=g), randn(sum(k_lens), h, dv, g=g)
+    outs = []
+    for split in (0, 1):
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 4, "SPLIT": split} if not CUDA else {"SPLIT": split}
+        out, lse = mla_attention(q, kn, kp, v, cu_q, cu_k, max(q_lens), 0.2, causal=True, config=cfg)
+        outs.append((out.float(), lse))
+    assert torch.equal(outs[0][1], outs[1][1]) or torch.allclose(outs[0][1], outs[1][1], atol=1e-5)
+    close(outs[1][0], outs[0][0])
+    assert torch.isinf(outs[1][1][q_lens[0]:q_lens[0] + 30]).all()  # the second's first 30 rows see nothing
 
 
 # -- MoE router ----------------------------------------------------------------------------------
