@@ -588,6 +588,19 @@ def test_steps_launched_ahead_read_last_tokens_on_the_device():
     assert _runtime(fast=False).launch(_plan_of(rt)) is None  # the reference path: execute only
 
 
+def test_prefill_pieces_launched_ahead_sample_what_one_by_one_samples():
+    """Prefill and mixed steps through the pieces (staged in turn, their sampled rows' slots
+    read by ``keep_sampled``), launched ahead of the step before's finish: the same tokens
+    as the eager forward executing one step at a time."""
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7], list(range(40, 75))]
+    want = _serve_ahead(_runtime(fast=True, cuda_graphs="padded", compile=False, prefill_graph_sizes=[]),
+                        prompts, ahead=False)
+    rt = _runtime(fast=True, cuda_graphs="padded", compile=False, prefill_graph_sizes=[24, 32])
+    got = _serve_ahead(rt, prompts, ahead=True)
+    assert got == want
+    assert rt.runner.prefill.replays >= 3 and rt.runner.replays  # prefill pieces and decode graph steps
+
+
 def _plan_of(rt) -> StepPlan:
     """A one-token decode of slot 0 (for asking a runtime whether it launches it)."""
     k = decode_constants(1)
