@@ -6,7 +6,7 @@ for Python: launchers, the compiled steps' wrappers, host copies, or a sync.
     python3 benchmarks/gpu/prefill_host.py [--json] [--syncs] [--cprofile]
 
 Prefill steps of up to 4,096 tokens replay as CUDA graphs between their attention cores
-(``fast_runner.PrefillGraphs``); --no-prefill-graphs runs them wholly eagerly, as before.
+(``prefill_graphs.PrefillGraphs``); --no-prefill-graphs runs them wholly eagerly, as before.
 --syncs lists the operations that synchronize the host with the device during one 2,048-token
 chunk (torch's sync debug mode; the sampled id's read-back is the one expected). --cprofile
 prints the host's cumulative profile of one 256-token chunk. Reference (H200, 2026-11-30): a

@@ -371,7 +371,7 @@ class FastDeepseek:
 
         A layer is ``attn_in`` (projections, rope, the cache store), ``attn_core`` (the
         attention itself, which alone depends on where each sequence's context lies),
-        ``attn_out`` and ``ffn``: ``fast_runner.PrefillGraphs`` replays everything but the
+        ``attn_out`` and ``ffn``: ``prefill_graphs.PrefillGraphs`` replays everything but the
         cores as CUDA graphs, in the same order."""
         step = Step(inp, self, kv)
         x, h = self.embed(inp)
