@@ -52,6 +52,35 @@ def graph_sizes(sizes, cap: int) -> list[int]:
     return [s for s in want if s < cap] + [min([s for s in want if s >= cap], default=cap)]
 
 
+class StagedInputs:
+    """Int64 rows on the device, written by one host-to-device copy per step from a pinned
+    staging array: two of them, used in turn (with steps launched ahead, the next step is
+    staged while the last one's copy may still be queued)."""
+
+    def __init__(self, rows: int, n: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._stagings = [torch.zeros(rows, n, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)]
+        self._copied: list = [None, None]  # per staging array: an event after its last copy (CUDA)
+        self._turn = 0
+        self.device = torch.zeros(rows, n, dtype=torch.int64, device=device)
+
+    def stage(self) -> np.ndarray:
+        """The staging array to fill next (its previous copy to the device waited for)."""
+        self._turn ^= 1
+        done = self._copied[self._turn]
+        if done is not None and not done.query():  # (it almost always is done)
+            done.synchronize()
+        return self._stagings[self._turn].numpy()
+
+    def upload(self) -> None:
+        """Copy the array last staged to the device: whole rows, one contiguous copy."""
+        self.device.copy_(self._stagings[self._turn], non_blocking=True)
+        if self.cuda:
+            ev = self._copied[self._turn] or torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device.device))
+            self._copied[self._turn] = ev
+
+
 class FastRunner:
     def __init__(self, fast: FastDeepseek, kv: list, *, max_num_seqs: int, max_blocks: int,
                  max_model_len: int, device: torch.device, graphs: str = "on",
@@ -74,11 +103,8 @@ class FastRunner:
         # Tokens a decode-rows step may feed: one per sequence, or more with speculation.
         self.sizes = graph_sizes(sizes, max(max_tokens, max_num_seqs))
         n = self.sizes[-1]
-        pin = device.type == "cuda"
-        self._stagings = [torch.zeros(5, n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._copied: list = [None, None]  # per staging array: an event after its last copy (CUDA)
-        self._turn = 0
-        self._static = torch.zeros(5, n, dtype=torch.int64, device=device)
+        self._staged = StagedInputs(5, n, device)
+        self._static = self._staged.device
         self.last = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)  # per slot
         self._sample_slots = self._static[4, :0]
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
@@ -156,9 +182,9 @@ class FastRunner:
         the collectives must run): a captured graph's replay on padding only, or eagerly."""
         keys = sorted(k for k in self._graphs if k[0] == size)
         if keys:
-            st = self._stage()
+            st = self._staged.stage()
             st[:, :size] = np.array(_PAD, dtype=np.int64)[:, None]
-            self._copy_staged()
+            self._staged.upload()
             self._graphs[keys[0]][0].replay()
             self.replays += 1
             return
@@ -184,21 +210,6 @@ class FastRunner:
         if len(tokens):
             self.last.index_copy_(0, self._sample_slots, tokens.to(torch.int64))
 
-    def _stage(self) -> np.ndarray:
-        """The staging array to fill next (its previous copy to the device waited for)."""
-        self._turn ^= 1
-        done = self._copied[self._turn]
-        if done is not None and not done.query():  # (it almost always is done)
-            done.synchronize()
-        return self._stagings[self._turn].numpy()
-
-    def _copy_staged(self) -> None:
-        self._static.copy_(self._stagings[self._turn], non_blocking=True)  # whole rows: one contiguous copy
-        if self.device.type == "cuda":
-            ev = self._copied[self._turn] or torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self._copied[self._turn] = ev
-
     def _replay(self, hb: HostBatch, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         size, b = key[0], len(hb.input_ids)
         got = None
@@ -209,13 +220,13 @@ class FastRunner:
             if got is None:
                 self.eager_steps += 1
                 return self._eager(hb)
-        st = self._stage()
+        st = self._staged.stage()
         rows = hb.rows if b == len(hb.rows) else np.repeat(hb.rows, hb.num_new)
         st[0, :b], st[1, :b], st[2, :b], st[3, :b] = hb.input_ids, hb.positions, hb.slot_mapping, rows
         st[:, b:size] = np.array(_PAD, dtype=np.int64)[:, None]
         s = len(hb.sample_index)
         st[4, :s] = rows[hb.sample_index]
-        self._copy_staged()
+        self._staged.upload()
         self._sample_slots = self._static[4, :s]
         if got is None:
             if self.collective is not None:  # as a captured graph would: its dispatch is baked in

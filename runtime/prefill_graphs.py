@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .fast_runner import _PAD
+from .fast_runner import _PAD, StagedInputs
 from .models.batch import HostBatch
 from .models.fast import AttnPlan, FastInputs, Step
 
@@ -48,12 +48,9 @@ class PrefillGraphs:
     def __init__(self, runner: FastRunner, sizes: list[int]):
         self.runner, self.fast, self.sizes = runner, runner.fast, sizes
         n, dev = sizes[-1], runner.device
-        pin = dev.type == "cuda"
         # ids, positions, KV slots, table rows, then the sample rows and their slots
-        self._stagings = [torch.zeros(6, n, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self._copied: list = [None, None]
-        self._turn = 0
-        self._static = torch.zeros(6, n, dtype=torch.int64, device=dev)
+        self._staged = StagedInputs(6, n, dev)
+        self._static = self._staged.device
         cfg, dt = self.fast.cfg, self.fast.model.dtype
         heads, dn, dr = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self._vals = torch.zeros(n, heads, cfg.v_head_dim, dtype=dt, device=dev)
@@ -141,19 +138,11 @@ class PrefillGraphs:
             return None
         rows = np.repeat(hb.rows, hb.num_new)
         s = len(hb.sample_index)
-        self._turn ^= 1
-        done = self._copied[self._turn]
-        if done is not None and not done.query():
-            done.synchronize()
-        st = self._stagings[self._turn].numpy()
+        st = self._staged.stage()
         st[0, :t], st[1, :t], st[2, :t], st[3, :t] = hb.input_ids, hb.positions, hb.slot_mapping, rows
         st[:4, t:size] = np.array(_PAD[:4], dtype=np.int64)[:, None]
         st[4, :s], st[5, :s] = hb.sample_index, rows[hb.sample_index]
-        self._static.copy_(self._stagings[self._turn], non_blocking=True)  # whole rows: one contiguous copy
-        if self.runner.device.type == "cuda":
-            ev = self._copied[self._turn] or torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.runner.device))
-            self._copied[self._turn] = ev
+        self._staged.upload()
         st_dev = self._static
         plan = AttnPlan.build(hb.num_new, hb.seq_lens, hb.rows, self.runner.len_cap, self.runner.device)
         inp = FastInputs(st_dev[0, :t], st_dev[1, :t], st_dev[2, :t], self.runner.tables, st_dev[3, :t], plan)
