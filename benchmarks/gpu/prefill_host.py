@@ -83,12 +83,21 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="the small steps uncompiled (an A/B)")
     ap.add_argument("--no-prefill-graphs", action="store_true",
                     help="prefill steps wholly eager, not replayed piecewise (an A/B)")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated prefill graph sizes (default: the runtime's), e.g. adding 6144,8192")
     args = ap.parse_args()
+    if args.sizes is not None and args.no_prefill_graphs:
+        ap.error("--sizes and --no-prefill-graphs exclude each other")
+    sizes = [] if args.no_prefill_graphs else (
+        [int(x) for x in args.sizes.split(",")] if args.sizes is not None else None)
     rt = TorchRuntime()
     rt.load(RuntimeSpec(model="v2-lite", device="cuda", dtype="bfloat16", num_blocks=1200, block_size=BS,
                         max_num_seqs=8, max_model_len=16384 + 64, seed=0,
                         options={"init_on_device": True, "capture_len": 0, "compile": not args.no_compile,
-                                 **({"prefill_graph_sizes": []} if args.no_prefill_graphs else {})}))
+                                 **({} if sizes is None else {"prefill_graph_sizes": sizes})}))
+    gb = 1024 ** 3
+    print(f"# after load: {torch.cuda.memory_allocated() / gb:.2f} GiB allocated, "
+          f"{torch.cuda.memory_reserved() / gb:.2f} GiB reserved", flush=True)
     with torch.no_grad():
         rt.kv_pool.normal_(0.0, 1.0)
     rng = np.random.default_rng(0)
@@ -124,6 +133,8 @@ def main() -> None:
         rt.forget([req])
         req += 1
     print(f"# runner {rt.runner.statistics()}", flush=True)
+    print(f"# max allocated {torch.cuda.max_memory_allocated() / gb:.2f} GiB, "
+          f"reserved {torch.cuda.memory_reserved() / gb:.2f} GiB", flush=True)
     rt.shutdown()
     first = rows[0]
     emit("prefill_host", rows, {
