@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._util import check, next_pow2
+from ._util import INTERPRET, check, next_pow2
 from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, topk_threshold
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: row bucket -> config.
@@ -44,7 +45,9 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # WALK (optional, default the module's): the largest k-th bin resolved by walking its keys
 # (two reductions a key) rather than by bisection (one reduction a round of WAYS);
 # SCAN_STAGES (optional, 0 by default): > 0 lets the compiler pipeline the scan's loads, that
-# many tiles deep, instead of the one-tile prefetch written out.
+# many tiles deep, instead of the one-tile prefetch written out; PDL (optional, True by
+# default): on Hopper and later, the scan and the select are launched as programmatic
+# dependents of the launch before them (see `_pdl`).
 TOPK_CONFIGS: dict[int, dict] = {
     1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 2, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
     64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
@@ -127,11 +130,13 @@ def _compact(x, offs, m, floor, shift, ckey_ptr, cidx_ptr, hist_ptr, region, kep
 @triton.jit(do_not_specialize=["k"])
 def _topk_floor_kernel(x_ptr, hist_ptr, info_ptr, s_xr, n, k, SAMPLE: tl.constexpr,
                        PIECES: tl.constexpr, Z: tl.constexpr, LOG_NB: tl.constexpr,
-                       ZERO: tl.constexpr):
+                       ZERO: tl.constexpr, PDL: tl.constexpr):
     """One program a row: its floor and bin shift from the sample, into info, and its
     histogram zeroed (this launch replaces the histogram's memset). Every scan program of
     the row once derived the same floor itself: ncu counted that as 30% of the scan's
     instructions at 64 rows of 128K."""
+    if PDL:  # the scan may start now: it waits for this grid before reading what it writes
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     floor, shift = _sample_floor(x_ptr, row, s_xr, n, k, SAMPLE, PIECES, Z, LOG_NB)
     tl.store(info_ptr + row * 2, floor.to(tl.int32, bitcast=True))
@@ -143,7 +148,8 @@ def _topk_floor_kernel(x_ptr, hist_ptr, info_ptr, s_xr, n, k, SAMPLE: tl.constex
 
 @triton.jit(do_not_specialize=["n_chunks"])
 def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_xr, n, chunk,
-                      n_chunks, TILE: tl.constexpr, LOG_NB: tl.constexpr, STAGES: tl.constexpr):
+                      n_chunks, TILE: tl.constexpr, LOG_NB: tl.constexpr, STAGES: tl.constexpr,
+                      PDL: tl.constexpr):
     c, row = tl.program_id(0), tl.program_id(1).to(tl.int64)
     lo = c * chunk
     hi = tl.minimum(lo + chunk, n)
@@ -152,6 +158,8 @@ def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_
     x_row = x_ptr + row * s_xr
     kept = 0
     if STAGES > 0:  # the compiler's software pipeline, STAGES tiles in flight (a config key)
+        if PDL:
+            gdc_wait()
         floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
         shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
         for t0 in tl.range(lo, hi, TILE, num_stages=STAGES):
@@ -167,6 +175,8 @@ def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_
         # 4-byte loads); the chunk's end masks a whole prefetch at once.
         offs = lo + tl.arange(0, TILE)
         x = tl.load(x_row + offs, mask=offs < n, other=0.0)
+        if PDL:  # x was complete before the floor's launch; its info and histogram were not
+            gdc_wait()
         floor = tl.load(info_ptr + row * 2).to(tl.uint32, bitcast=True)
         shift = tl.load(info_ptr + row * 2 + 1).to(tl.uint32)
         for t0 in range(lo, hi, TILE):
@@ -176,6 +186,8 @@ def _topk_scan_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, s_
             kept = _compact(x, offs, offs < n, floor, shift, ckey_ptr, cidx_ptr, hist, region,
                             kept, LOG_NB, TILE)
             x = x_next
+    if PDL:  # the select's programs may be placed as this grid drains
+        gdc_launch_dependents()
     tl.store(cnt_ptr + row * n_chunks + c, kept)
 
 
@@ -317,8 +329,11 @@ def _emit(key, idx, live, kth, need, n_eq, written, ties, val_ptr, ind_ptr, row,
 def _topk_select_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, scr_ptr,
                         val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks,
                         LOG_C: tl.constexpr, LOG_NB: tl.constexpr, CAND: tl.constexpr,
-                        WALK: tl.constexpr, SMALL: tl.constexpr, WAYS: tl.constexpr):
+                        WALK: tl.constexpr, SMALL: tl.constexpr, WAYS: tl.constexpr,
+                        PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    if PDL:  # everything below reads the scan's output
+        gdc_wait()
     cs = tl.arange(0, 1 << LOG_C)
     cnt = tl.load(cnt_ptr + row * n_chunks + cs, mask=cs < n_chunks, other=0)
     incl = tl.cumsum(cnt, 0)
@@ -419,6 +434,15 @@ def topk(x: torch.Tensor, k: int, *, config: dict | None = None
     return vals, inds
 
 
+def _pdl(x: torch.Tensor, cfg: dict) -> bool:
+    """Whether to launch the scan and the select as programmatic dependent launches: their
+    programs are placed while the grid before them drains, and wait (griddepcontrol.wait)
+    only where they read its output; a normal launch starts only after the grid before it
+    has finished. Hopper and later, not under the interpreter."""
+    return (bool(cfg.get("PDL", True)) and not INTERPRET and x.is_cuda
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
 def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
     """Launch the scan: (chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist)."""
     r, n = x.shape
@@ -433,12 +457,13 @@ def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
     cnt, info, scr, ckey, cidx, hist = carve([r * n_chunks, r * 2, r * SMALL, r * n + cfg["CAND"],
                                               r * n + cfg["CAND"], r << log_nb], x.device)
     sample = max(32, min(cfg["SAMPLE"], next_pow2(n)))
+    pdl = _pdl(x, cfg)
     _topk_floor_kernel[(r,)](x, hist, info, x.stride(0), n, k, SAMPLE=sample,
                              PIECES=min(cfg["PIECES"], sample), Z=cfg["Z"], LOG_NB=log_nb,
-                             ZERO=min(1024, 1 << log_nb), num_warps=4)
+                             ZERO=min(1024, 1 << log_nb), PDL=pdl, num_warps=4)
     _topk_scan_kernel[(n_chunks, r)](x, cnt, ckey, cidx, hist, info, x.stride(0), n, chunk,
                                      n_chunks, TILE=tile, LOG_NB=log_nb, STAGES=cfg.get("SCAN_STAGES", 0),
-                                     num_warps=cfg["num_warps"])
+                                     PDL=pdl, num_warps=cfg["num_warps"], **({"launch_pdl": True} if pdl else {}))
     return chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist
 
 
@@ -467,8 +492,8 @@ def _topk_select(x: torch.Tensor, k: int, cfg: dict, vals: torch.Tensor,
     _topk_select_kernel[(r,)](x, cnt, ckey, cidx, hist, info, scr, vals, inds, x.stride(0), n, k,
                               chunk, n_chunks, LOG_C=(next_pow2(n_chunks) - 1).bit_length(),
                               LOG_NB=log_nb, CAND=cfg["CAND"], WALK=cfg.get("WALK", WALK), SMALL=SMALL,
-                              WAYS=cfg["WAYS"],
-                              num_warps=cfg["select_warps"])
+                              WAYS=cfg["WAYS"], PDL=_pdl(x, cfg),
+                              num_warps=cfg["select_warps"], **({"launch_pdl": True} if _pdl(x, cfg) else {}))
 
 
 def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

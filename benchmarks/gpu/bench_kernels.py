@@ -392,10 +392,10 @@ def topk_candidates(rows: int, smoke: bool) -> list[dict]:
     base = dict(topk_mod.DEFAULT_CONFIG)
     committed = topk_mod.topk_config(rows)
     out = [committed]
-    # the scan's loads pipelined by the compiler (first: tuning stops at the deadline)
-    for extra in ({"SCAN_STAGES": 2}, {"SCAN_STAGES": 3}, {"SCAN_STAGES": 4},
-                  {"SCAN_STAGES": 3, "PROGRAMS_PER_SM": 2}, {"SCAN_STAGES": 3, "TILE": 2048},
-                  {"SCAN_STAGES": 2, "TILE": 2048, "num_warps": 8}, {"BINS": 8192}):
+    # programmatic dependent launch off (the A/B for it: first, tuning stops at the deadline),
+    # and on with the other launch shapes that were close
+    for extra in ({"PDL": False}, {"PROGRAMS_PER_SM": 8, "TILE": 1024}, {"PROGRAMS_PER_SM": 2},
+                  {"TILE": 2048}, {"select_warps": 8}, {"SCAN_STAGES": 3}, {"BINS": 8192}):
         out.append({**committed, **extra})
     for tile, warps, per_sm in ((2048, 4, 8), (4096, 8, 4), (4096, 8, 2), (1024, 4, 8),
                                 (2048, 8, 4), (512, 4, 8), (1024, 4, 4), (2048, 4, 4),
