@@ -38,7 +38,9 @@ LOG2E = 1.4426950408889634
 # split (those keys win). BLOCK_N tokens per tile; MIN_SPLIT: fewest tokens a split may get;
 # WAVES: programs wanted, in multiples of the SM count (more splits fill the GPU at small batch
 # but add partial-output traffic and a merge; one split writes the output directly); HALVES: 2
-# splits the latent into two halves, two tensor-core chains a tile (retuned 2026-11-30 with the
+# splits the latent into two halves, two tensor-core chains a tile; MAX_SPLITS (default 128):
+# the most splits a sequence may get (a long context at small batch wants several programs
+# per SM; each split adds only a partial row and an lse to write and merge) (retuned 2026-11-30 with the
 # constant page size and the per-column denominator, raw/2026-11-30-h200-session8-*). Tiles and
 # splits from the 2026-11-29 run, which timed a kernel whose tile loop could not prefetch;
 # num_stages is 3 here because with 2 the compiler issues the next tile's copy after this
@@ -83,7 +85,7 @@ DECODE_CONFIGS: dict[tuple, dict] = {
 }
 DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256, "WAVES": 2}
 BATCH_BUCKETS = (1, 8, 32, 64, 128, 256)
-LEN_BUCKETS = (1024, 4096)  # a launch's context bound picks the largest bucket at or below it
+LEN_BUCKETS = (1024, 4096, 131072)  # a launch's context bound picks the largest bucket at or below it
 
 
 def decode_config(kv_dtype: torch.dtype, batch: int, max_seq_len: int | None = None) -> dict:
@@ -112,11 +114,12 @@ def page_group(cfg: dict, block_size: int) -> tuple[int, bool]:
 
 
 def num_splits_for(batch: int, head_groups: int, max_seq_len: int, min_split: int,
-                   sms: int, waves: float = 2) -> int:
-    """Enough programs for about `waves` waves, but no split shorter than `min_split` tokens."""
+                   sms: int, waves: float = 2, max_splits: int = 128) -> int:
+    """Enough programs for about `waves` waves, but no split shorter than `min_split` tokens
+    and no more than `max_splits` splits."""
     want = triton.cdiv(int(waves * sms), batch * head_groups)
     most = max(1, max_seq_len // min_split)
-    return max(1, min(want, most, 128))
+    return max(1, min(want, most, max_splits))
 
 
 @triton.jit
@@ -317,7 +320,8 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
     groups = triton.cdiv(h, block_h)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
-        num_splits = num_splits_for(b, groups, bound, cfg["MIN_SPLIT"], sms, cfg.get("WAVES", 2))
+        num_splits = num_splits_for(b, groups, bound, cfg["MIN_SPLIT"], sms, cfg.get("WAVES", 2),
+                                    cfg.get("MAX_SPLITS", 128))
     out = torch.empty(b, h, dl, dtype=q_latent.dtype, device=dev)
     if b == 0:
         return out, None, None

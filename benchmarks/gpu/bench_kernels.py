@@ -496,6 +496,38 @@ def decode_candidates(committed: dict, fp8: bool, smoke: bool) -> list[dict]:
     return out
 
 
+def decode_case(b: Bench, bw: float, name: str, key: tuple, cands: list[dict], ql, qp, cache, scale, tables,
+                lens, ctx: int, sm_scale: float, baseline: bool = True) -> None:
+    """Tune mla_decode over cands (keyed DECODE_CONFIGS[key]), check it where the float32
+    reference fits, and time it against its KV bytes (and the torch baseline for bf16)."""
+    fp8 = scale is not None
+    batch, h, dl = ql.shape
+    dr = qp.shape[2]
+    cfg, _ = b.autotune(f"mla_decode.DECODE_CONFIGS[{key}]", cands,
+                        lambda c: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale,
+                                                     scale, max_seq_len=ctx, config=c))
+    run = lambda: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale, scale,  # noqa: E731
+                                     max_seq_len=ctx, config=cfg)
+    check = ""
+    if batch * ctx <= 64 * 4096 or (batch == 1 and ctx <= 1 << 17):  # the reference gathers everything
+        ref = dec_mod.mla_decode_reference(ql, qp, cache, tables, lens, sm_scale, scale)
+        check = b.check(name, run(), ref)
+    per_token = (dl + dr) * (1 if fp8 else 2) + (4 if fp8 else 0)
+    nbytes = batch * ctx * per_token + 2 * batch * h * (2 * dl + dr)  # KV + q + out
+    us, us_eager = b.graph_us(run), b.eager_us(run)
+    roof_us = 1e6 * nbytes / bw
+    kw = {}
+    if not fp8 and baseline:
+        base = lambda: dec_mod.mla_decode_reference(  # noqa: E731
+            ql, qp, cache, tables, lens, sm_scale, None, torch.bfloat16, max_len=ctx)
+        base_us = b.graph_us(base)
+        kw = dict(baseline="torch reference (gather + bf16 matmuls)", baseline_us=base_us,
+                  baseline_us_eager=b.eager_us(base), speedup=base_us / us,
+                  baseline_frac=roof_us / base_us)
+    b.row("mla_decode", name, us=us, us_eager=us_eager, bytes_mb=nbytes / 1e6,
+          frac_roofline=roof_us / us, check=check, note=f"config {cfg}", **kw)
+
+
 def bench_decode(b: Bench, bw: float) -> None:
     h, dl, dr, bs = (16, 512, 64, 16) if not b.smoke else (4, 32, 16, 4)  # bs: the runtime's pages
     # the batches the decode targets name first: tuning stops at the budget
@@ -520,33 +552,57 @@ def bench_decode(b: Bench, bw: float) -> None:
                     # keyed by batch and context bucket (the split that fills the GPU depends on both)
                     key = ("fp8" if fp8 else "bf16", batch, ctx)
                     cands = decode_candidates(dec_mod.decode_config(cache.dtype, batch, ctx), fp8, b.smoke)
-                    cfg, _ = b.autotune(f"mla_decode.DECODE_CONFIGS[{key}]", cands,
-                                        lambda c: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale,
-                                                                     scale, max_seq_len=ctx, config=c))
-                    run = lambda: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale, scale,  # noqa: E731
-                                                     max_seq_len=ctx, config=cfg)
-                    check = ""
-                    if batch * ctx <= 64 * 4096:  # the float32 reference gathers everything
-                        ref = dec_mod.mla_decode_reference(ql, qp, cache, tables, lens, sm_scale, scale)
-                        check = b.check(name, run(), ref)
-                    per_token = (dl + dr) * (1 if fp8 else 2) + (4 if fp8 else 0)
-                    nbytes = batch * ctx * per_token + 2 * batch * h * (2 * dl + dr)  # KV + q + out
-                    us, us_eager = b.graph_us(run), b.eager_us(run)
-                    roof_us = 1e6 * nbytes / bw
-                    kw = {}
-                    if not fp8:
-                        base = lambda: dec_mod.mla_decode_reference(  # noqa: E731
-                            ql, qp, cache, tables, lens, sm_scale, None, torch.bfloat16, max_len=ctx)
-                        base_us = b.graph_us(base)
-                        kw = dict(baseline="torch reference (gather + bf16 matmuls)", baseline_us=base_us,
-                                  baseline_us_eager=b.eager_us(base), speedup=base_us / us,
-                                  baseline_frac=roof_us / base_us)
-                    b.row("mla_decode", name, us=us, us_eager=us_eager, bytes_mb=nbytes / 1e6,
-                          frac_roofline=roof_us / us, check=check, note=f"config {cfg}", **kw)
+                    decode_case(b, bw, name, key, cands, ql, qp, cache, scale, tables, lens, ctx, sm_scale)
                 except Exception:  # noqa: BLE001
                     b.errors[name] = traceback.format_exc()[-1500:]
                     print(b.errors[name], flush=True)
         torch.cuda.empty_cache() if not b.smoke else None
+
+
+def long_candidates(committed: dict, fp8: bool) -> list[dict]:
+    """Long contexts at small batch: more splits than the 128 the short buckets allow (several
+    programs per SM), on the tiles that won at 4K."""
+    out = [committed]
+    tiles = ([(64, 8, 2, 1, False), (32, 4, 3, 2, True), (64, 8, 3, 1, True)] if fp8 else
+             [(32, 4, 3, 2, True), (64, 8, 3, 1, True), (32, 4, 4, 2, True)])
+    for most in (1024, 512, 2048):  # the likeliest first: tuning stops at the deadline
+        for waves in (8, 4, 16):
+            for bn, w, st, halves, paged in tiles:
+                out.append({"BLOCK_N": bn, "num_warps": w, "num_stages": st, "MIN_SPLIT": 64,
+                            "WAVES": waves, "HALVES": halves, "PAGED": paged, "MAX_SPLITS": most})
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def bench_decode_long(b: Bench, bw: float) -> None:
+    """Batch 1 and 8 at 128K tokens of context (the 131072 context bucket), bf16 and FP8."""
+    h, dl, dr, bs = (16, 512, 64, 16) if not b.smoke else (4, 32, 16, 4)
+    ctx = (1 << 17) if not b.smoke else 300
+    sm_scale = 192 ** -0.5
+    g = torch.Generator(device=b.dev).manual_seed(2)
+    batches = (1, 8) if not b.smoke else (1,)
+    most = max(batches) * ctx // bs
+    cache16 = torch.randn(most, bs, dl + dr, generator=g, device=b.dev).to(torch.bfloat16)
+    cache8, scale8 = quantize_per_token(cache16)
+    for batch in batches:
+        per = -(-ctx // bs)
+        tables = torch.randperm(most, generator=g, device=b.dev)[:batch * per].view(batch, per).to(torch.int32)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=b.dev)
+        ql = (torch.randn(batch, h, dl, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
+        qp = (torch.randn(batch, h, dr, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
+        for fp8 in (True, False):
+            name = f"decode {'fp8' if fp8 else 'bf16'} batch {batch} ctx {ctx}"
+            try:
+                cache, scale = (cache8, scale8) if fp8 else (cache16, None)
+                key = ("fp8" if fp8 else "bf16", batch, ctx)
+                committed = dec_mod.decode_config(cache.dtype, batch, ctx)
+                cands = long_candidates(committed, fp8) if not b.smoke else [committed]
+                decode_case(b, bw, name, key, cands, ql, qp, cache, scale, tables, lens, ctx, sm_scale,
+                            baseline=False)
+            except Exception:  # noqa: BLE001
+                b.errors[name] = traceback.format_exc()[-1500:]
+                print(b.errors[name], flush=True)
+    del cache16, cache8, scale8
+    torch.cuda.empty_cache() if not b.smoke else None
 
 
 # -- 4b. dense decode projections ------------------------------------------------------------
@@ -840,7 +896,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
     ap.add_argument("--topk-rows", default="", help="comma-separated row counts: top-k's cases of those only")
-    ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,decode,dense,kv,prefill,sampling")
+    ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,decode,decode_long,dense,kv,prefill,sampling")
     args = ap.parse_args()
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
@@ -856,7 +912,8 @@ def main() -> None:
         bw = 4.19e12
     for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("moe_ep", lambda: bench_moe_ep(b, bw)),
                     ("topk", lambda: bench_topk(b, bw, {int(r) for r in args.topk_rows.split(",") if r})),
-                    ("decode", lambda: bench_decode(b, bw)), ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
+                    ("decode", lambda: bench_decode(b, bw)), ("decode_long", lambda: bench_decode_long(b, bw)),
+                    ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
                     ("kv", lambda: bench_kv_store(b, bw)),
                     ("prefill", lambda: bench_prefill(b)), ("sampling", lambda: bench_sampling(b, bw))):
         if only and sec not in only:
