@@ -10,7 +10,8 @@ over the copy bandwidth measured in the same run) and the torch baseline of the 
    the default two-launch select path (tuned), and the four-launch threshold path it
    replaced (committed config, rows named `... threshold`);
 4. MLA decode, v2-lite (16 heads, kv_lora_rank 512, rope 64, block 64), batch 1-256, context
-   1K and 4K, bf16 and FP8 cache, against the torch reference (gather + bf16 matmuls);
+   1K and 4K, bf16 and FP8 cache, against the torch reference (gather + bf16 matmuls); and
+   (section decode_long) batch 1 and 8 at 128K, tuned with more than 128 splits a sequence;
 5. KV store (bf16, FP8), and MLA prefill of 4K new tokens on a cached 32K prefix (tokens/s);
 6. sampling (temperature 1, top-p 0.95) of 1-256 rows of v2-lite's 102,400 float32 logits
    (what the fast path feeds it) by the kernel without a sort, checked against its sorting
