@@ -16,7 +16,7 @@ can be launched ahead (``launch``/``finish``): the runtime process starts step N
 waits for step N's tokens, which the device already holds. Options:
 ``fast`` (bool), ``cuda_graphs`` (on/off/padded), ``cuda_graph_sizes`` (list),
 ``prefill_graph_sizes`` (token counts of prefill steps replayed as graphs between their
-attention cores, ``prefill_graphs.PrefillGraphs``; default 256-4096 with graphs on, [] for none),
+attention cores, ``prefill_graphs.PrefillGraphs``; default 256-8192 with graphs on, [] for none),
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
 block-scaled expert weights for fused MoE), ``fuse_shared`` (the shared experts inside the
