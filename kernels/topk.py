@@ -49,8 +49,8 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # default): on Hopper and later, the scan and the select are launched as programmatic
 # dependents of the launch before them (see `_pdl`).
 TOPK_CONFIGS: dict[int, dict] = {
-    1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 2, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
-    64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
+    1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
+    64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16, 'PDL': False},
 }
 DEFAULT_CONFIG = {"ALGO": "select", "CHUNK": None, "PROGRAMS_PER_SM": 4, "TILE": 2048,
                   "num_warps": 4, "SAMPLE": 1024, "PIECES": 64, "Z": 6.0, "BINS": 4096,
