@@ -83,7 +83,6 @@ DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1, 'HALVES': 2},
     ('fp8', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2},
     ('fp8', 1, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 512},
-    ('bf16', 1, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 2},
     ('fp8', 8, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 1024},
     ('bf16', 8, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 2048},
 }
@@ -96,9 +95,11 @@ def decode_config(kv_dtype: torch.dtype, batch: int, max_seq_len: int | None = N
     name = "fp8" if kv_dtype == FP8 else "bf16"
     bucket = max([b for b in BATCH_BUCKETS if b <= batch], default=BATCH_BUCKETS[0])
     cfg = {**DEFAULT_CONFIG, **DECODE_CONFIGS.get((name, bucket), {})}
-    if max_seq_len is not None:
-        lb = max([b for b in LEN_BUCKETS if b <= max_seq_len], default=LEN_BUCKETS[0])
-        cfg.update(DECODE_CONFIGS.get((name, bucket, lb), {}))
+    if max_seq_len is not None:  # the largest context bucket at or below the bound that has an entry
+        for lb in sorted((b for b in LEN_BUCKETS if b <= max_seq_len), reverse=True):
+            if (name, bucket, lb) in DECODE_CONFIGS:
+                cfg.update(DECODE_CONFIGS[(name, bucket, lb)])
+                break
     return cfg
 
 
@@ -284,17 +285,17 @@ def mla_decode_partials(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, sm_scale: float,
                         scale: torch.Tensor | None = None, *, max_seq_len: int | None = None,
                         num_splits: int | None = None, config: dict | None = None,
-                        max_splits: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        merge_above: int = 128) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``mla_decode`` without its merge launch, for a caller that merges the splits where it
     reads the output (``dense.merge_bmm_row``): (partials [B, H, S, DL] float32, their
     log2-sum-exps [B, H, S]), or (the output [B, H, DL], None) where one split per sequence
-    wrote the output directly, there are more than ``max_splits`` splits (merged here: each
+    wrote the output directly, there are more than ``merge_above`` splits (merged here: each
     of a reader's programs would redo a merge that large), or B is 0. An empty split has lse -inf;
     merged, a sequence's splits give the sum of partial * exp2(lse - max) over the sum of
     exp2(lse - max)."""
     out, part, lse = _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale,
                              max_seq_len, num_splits, config)
-    if lse is not None and part.shape[2] > max_splits:
+    if lse is not None and part.shape[2] > merge_above:
         _merge(part, lse, out)
         lse = None
     return (out, None) if lse is None else (part, lse)
@@ -374,12 +375,14 @@ def _mla_decode_merge_kernel(op_ptr, lse_ptr, out_ptr, s_ob, s_oh, s_os, s_lb, s
 
 def _merge(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     b, h, num_splits, dl = part.shape
-    # A program merges a whole head row where its tile stays within 8K values (registers).
-    block_d = min(next_pow2(dl), max(32, 8192 // next_pow2(num_splits)))
+    # A program merges a whole head row where its tile stays within 8K values (registers):
+    # with many splits, a narrower column slice (down to 4 values, 16 bytes a split's row).
+    block_s = next_pow2(num_splits)
+    block_d = min(next_pow2(dl), max(4, 8192 // block_s))
     _mla_decode_merge_kernel[(b, h, triton.cdiv(dl, block_d))](
         part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), num_splits,
-        DL=dl, BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=4)
+        DL=dl, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4 if block_s * block_d <= 8192 else 8)
 
 
 def merge_reference(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

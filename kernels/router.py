@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ._util import INTERPRET, check, check_shape, next_pow2
+from ._util import DOT, INTERPRET, check, check_shape, next_pow2
 
 MAX_EXPERTS = 1024  # a row lives in registers
 MAX_TOP_K = 32  # the arg-max loop is unrolled
@@ -155,6 +155,85 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     _router_gemm_kernel[(triton.cdiv(t, block_t), triton.cdiv(e, block_e))](
         x, w, out, t, h, x.stride(0), w.stride(0), out.stride(0), e,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=max(16, block_k), DOT=dot, num_warps=4)
+    return out
+
+
+def split_gate(w: torch.Tensor) -> torch.Tensor | None:
+    """The float32 gate w (E, H) as three bf16 pieces [3, E, H] (hi, mid, lo) whose float32
+    sum is w exactly (8 significand bits each: 24 in all; only subnormal residues are lost),
+    for ``router_logits_split``; None where a piece would not be finite (values near the
+    float32 maximum)."""
+    check(w, "w", dims=2, dtypes=(torch.float32,))
+    hi = w.to(torch.bfloat16)
+    r = w - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    out = torch.stack([hi, mid, lo])
+    return out if bool(torch.isfinite(out).all()) else None
+
+
+@triton.jit
+def _router_gemm_split_kernel(x_ptr, w_ptr, out_ptr, T, H, E, s_x, s_wp, s_we, s_o,
+                              BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[t, e] = sum_k x[t, k] * (hi + mid + lo)[e, k] on tensor cores: each product of two
+    bf16 values is exact in float32, and the sums are float32 (hi's apart from the smaller
+    pieces', which are added last)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    rm, cm = rows < T, cols < E
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * s_x
+    w_row = w_ptr + cols.to(tl.int64)[:, None] * s_we
+    acc_hi = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    acc_lo = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        km = k < H
+        x = tl.load(x_row + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(DOT)
+        wm = cm[:, None] & km[None, :]
+        w0 = tl.load(w_row + k[None, :], mask=wm, other=0.0).to(DOT)
+        w1 = tl.load(w_row + s_wp + k[None, :], mask=wm, other=0.0).to(DOT)
+        w2 = tl.load(w_row + 2 * s_wp + k[None, :], mask=wm, other=0.0).to(DOT)
+        acc_hi = tl.dot(x, tl.trans(w0), acc_hi)
+        acc_lo = tl.dot(x, tl.trans(w1), acc_lo)
+        acc_lo = tl.dot(x, tl.trans(w2), acc_lo)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_o + cols[None, :], acc_hi + acc_lo,
+             mask=rm[:, None] & cm[None, :])
+
+
+# Tiles of router_logits_split by token bucket (the largest at or below T wins); BLOCK_E is
+# min(64, the experts' power of two). Tuned on an H200 by benchmarks/gpu/bench_kernels.py.
+ROUTER_SPLIT_CONFIGS: dict[int, dict] = {
+}
+ROUTER_SPLIT_DEFAULT = {"BLOCK_T": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+def router_split_config(t: int) -> dict:
+    bucket = max([b for b in ROUTER_SPLIT_CONFIGS if b <= t], default=None)
+    return {**ROUTER_SPLIT_DEFAULT, **ROUTER_SPLIT_CONFIGS.get(bucket, {})}
+
+
+def router_logits_split(x: torch.Tensor, w3: torch.Tensor, *, config: dict | None = None) -> torch.Tensor:
+    """Router logits (T, E) float32 of bf16 activations x (T, H) and a gate split by
+    ``split_gate`` (w3 [3, E, H] bf16): the float32 GEMM ``x.float() @ w.T`` in one launch on
+    tensor cores, with no float32 copy of x (summed in another order than cuBLAS: the two
+    differ by rounding)."""
+    check(x, "x", dims=2, dtypes=(torch.bfloat16,))
+    check(w3, "w3", dims=3, dtypes=(torch.bfloat16,), device=x.device)
+    t, h = x.shape
+    e = w3.shape[1]
+    check_shape(w3, "w3", (3, e, h))
+    if w3.stride(2) != 1:
+        raise ValueError(f"w3 must have unit stride along H, got strides {tuple(w3.stride())}")
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if t == 0 or e == 0:
+        return out
+    cfg = {**router_split_config(t), **(config or {})}
+    block_e = min(64, max(16, next_pow2(e)))
+    block_t, block_k = cfg["BLOCK_T"], min(cfg["BLOCK_K"], max(16, next_pow2(h)))
+    _router_gemm_split_kernel[(triton.cdiv(t, block_t), triton.cdiv(e, block_e))](
+        x, w3, out, t, h, e, x.stride(0), w3.stride(0), w3.stride(1), out.stride(0),
+        BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 

@@ -28,6 +28,8 @@ NaN ranks above +inf (or below -inf, with its sign bit set), as in torch.topk fo
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -438,13 +440,18 @@ def _pdl(x: torch.Tensor, cfg: dict) -> bool:
     """Whether to launch the scan and the select as programmatic dependent launches: their
     programs are placed while the grid before them drains, and wait (griddepcontrol.wait)
     only where they read its output; a normal launch starts only after the grid before it
-    has finished. Hopper and later, not under the interpreter."""
-    return (bool(cfg.get("PDL", True)) and not INTERPRET and x.is_cuda
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    has finished. NVIDIA Hopper and later, not under the interpreter."""
+    return bool(cfg.get("PDL", True)) and not INTERPRET and x.is_cuda and _hopper_or_later(x.device.index)
 
 
-def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
-    """Launch the scan: (chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist)."""
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(index: int | None) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _scan(x: torch.Tensor, k: int, cfg: dict, pdl: bool = False) -> tuple:
+    """Launch the floor and the scan (the scan as a programmatic dependent where ``pdl``):
+    (chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist)."""
     r, n = x.shape
     tile = max(16, min(cfg["TILE"], next_pow2(n)))  # whole runs of 16 (see _prefix)
     chunk = cfg["CHUNK"] or triton.cdiv(r * n, cfg["PROGRAMS_PER_SM"] * sm_count(x.device))
@@ -457,7 +464,6 @@ def _scan(x: torch.Tensor, k: int, cfg: dict) -> tuple:
     cnt, info, scr, ckey, cidx, hist = carve([r * n_chunks, r * 2, r * SMALL, r * n + cfg["CAND"],
                                               r * n + cfg["CAND"], r << log_nb], x.device)
     sample = max(32, min(cfg["SAMPLE"], next_pow2(n)))
-    pdl = _pdl(x, cfg)
     _topk_floor_kernel[(r,)](x, hist, info, x.stride(0), n, k, SAMPLE=sample,
                              PIECES=min(cfg["PIECES"], sample), Z=cfg["Z"], LOG_NB=log_nb,
                              ZERO=min(1024, 1 << log_nb), PDL=pdl, num_warps=4)
@@ -473,7 +479,7 @@ def select_paths(x: torch.Tensor, k: int, config: dict | None = None) -> dict:
     chunk tile), "search" (in registers, positions searched), "tiled" (too many
     candidates), "row" (fewer than k); and the candidates and k-th bin's keys per row."""
     cfg = {**topk_config(x.shape[0]), **(config or {})}
-    _, n_chunks, log_nb, cnt, *_, hist = _scan(x, k, cfg)
+    _, n_chunks, log_nb, cnt, *_, hist = _scan(x, k, cfg, _pdl(x, cfg))
     per = cnt.view(x.shape[0], n_chunks).long()
     total, hist = per.sum(1), hist.view(x.shape[0], -1).long()
     at_least = hist.flip(1).cumsum(1).flip(1)
@@ -488,12 +494,13 @@ def select_paths(x: torch.Tensor, k: int, config: dict | None = None) -> dict:
 def _topk_select(x: torch.Tensor, k: int, cfg: dict, vals: torch.Tensor,
                  inds: torch.Tensor) -> None:
     r, n = x.shape
-    chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist = _scan(x, k, cfg)
+    pdl = _pdl(x, cfg)
+    chunk, n_chunks, log_nb, cnt, info, scr, ckey, cidx, hist = _scan(x, k, cfg, pdl)
     _topk_select_kernel[(r,)](x, cnt, ckey, cidx, hist, info, scr, vals, inds, x.stride(0), n, k,
                               chunk, n_chunks, LOG_C=(next_pow2(n_chunks) - 1).bit_length(),
                               LOG_NB=log_nb, CAND=cfg["CAND"], WALK=cfg.get("WALK", WALK), SMALL=SMALL,
-                              WAYS=cfg["WAYS"], PDL=_pdl(x, cfg),
-                              num_warps=cfg["select_warps"], **({"launch_pdl": True} if _pdl(x, cfg) else {}))
+                              WAYS=cfg["WAYS"], PDL=pdl,
+                              num_warps=cfg["select_warps"], **({"launch_pdl": True} if pdl else {}))
 
 
 def topk_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,6 +35,7 @@ class RuntimeSpec(msgspec.Struct, frozen=True):
     block_size: int = 16
     max_num_seqs: int = 256
     max_model_len: int = 4096
+    max_num_batched_tokens: int = 0  # the scheduler's token budget a step (0: not said)
     seed: int = 0
     rank: int = 0  # this runtime's rank in its DEP instance
     world_size: int = 1  # ranks in the instance

@@ -85,7 +85,7 @@ class FastRunner:
     def __init__(self, fast: FastDeepseek, kv: list, *, max_num_seqs: int, max_blocks: int,
                  max_model_len: int, device: torch.device, graphs: str = "on",
                  sizes: tuple[int, ...] = GRAPH_SIZES, collective=None, max_tokens: int = 0,
-                 prefill_sizes: tuple[int, ...] | None = None):
+                 prefill_sizes: tuple[int, ...] | None = None, token_budget: int = 0):
         if graphs not in ("on", "off", "padded"):
             raise ValueError(f"cuda_graphs must be on, off or padded, got {graphs!r}")
         if graphs == "on" and device.type != "cuda":
@@ -123,8 +123,11 @@ class FastRunner:
         bad = [x for x in prefill_sizes if isinstance(x, bool) or not isinstance(x, int) or x < 1]
         if bad:
             raise ValueError(f"runtime option prefill_graph_sizes must list token counts >= 1, got {bad[0]!r}")
-        # No size beyond the first that holds every token the runtime's sequences may have.
+        # No size beyond the first that holds every token a step may have: the runtime's
+        # sequences', and the scheduler's token budget where the spec gives it.
         cap = max_num_seqs * max_model_len
+        if token_budget > 0:
+            cap = min(cap, token_budget)
         want = sorted(set(prefill_sizes))
         prefill_sizes = [x for x in want if x < cap] + [x for x in want if x >= cap][:1]
         self.prefill = None

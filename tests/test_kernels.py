@@ -584,6 +584,35 @@ def test_router_logits_are_the_float32_gemm(t, e, h):
     assert router_logits(x[:0], w).shape == (0, e)
 
 
+@pytest.mark.parametrize("t, e, h", [(1, 64, 2048), (37, 64, 2048), (256, 64, 2048), (300, 30, 100)] if CUDA else
+                         [(1, 64, 64), (5, 30, 40), (19, 20, 48)])
+def test_router_logits_split_is_the_float32_gemm(t, e, h):
+    """The gate as three bf16 pieces sums to it exactly; the split GEMM is the float32 GEMM
+    up to rounding, and as close to the exact product as cuBLAS's float32 GEMM."""
+    from lockstep.kernels.router import router_logits_split, split_gate
+
+    g = gen(22)
+    x, w = randn(t, h, g=g), randn(e, h, g=g, dtype=torch.float32) * 0.05
+    w3 = split_gate(w)
+    assert w3.shape == (3, e, h) and w3.dtype == BF16 and torch.equal(w3.float().sum(0), w)
+    got = router_logits_split(x, w3)
+    want = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (t, e)
+    err = (got.double() - want).abs().max().item()
+    ref_err = ((x.float() @ w.T).double() - want).abs().max().item()
+    assert err <= max(4 * ref_err, 1e-6), (err, ref_err)
+    other = router_logits_split(x, w3, config={"BLOCK_T": 32, "BLOCK_K": 16})  # other tiles, other sums
+    assert (other.double() - want).abs().max().item() <= max(4 * ref_err, 1e-6)
+    with pytest.raises(ValueError, match="x must be"):
+        router_logits_split(x.float(), w3)
+    with pytest.raises(ValueError, match="w3 must have shape"):
+        router_logits_split(x, w3[:, :, 1:])
+    assert router_logits_split(x[:0], w3).shape == (0, e)
+    big = w.clone()
+    big[0, 0] = 3.4e38  # rounds to bf16 infinity: no split
+    assert split_gate(big) is None
+
+
 def test_moe_route_ties_and_nan():
     """Ties go to the lowest expert and group; a NaN ranks first, as in torch.topk."""
     logits, bias = torch.zeros(3, 16, device=DEV), torch.zeros(16, device=DEV)
@@ -706,6 +735,22 @@ def test_merge_bmm_row_merges_the_splits_then_multiplies(monkeypatch, splits, ti
     assert torch.equal(merge_bmm_row(part, lse, w), torch.bmm(merged[:, None], w)[:, 0])
 
 
+@pytest.mark.parametrize("splits", [5, 300, 2048])
+def test_merge_of_many_splits_matches_the_reference(splits):
+    """Hundreds of splits (long contexts at small batch): the merge narrows its column slice
+    to keep its tile in registers; empty splits (lse -inf) weigh nothing."""
+    from lockstep.kernels.mla_decode import _merge
+
+    g = gen(7)
+    b, h, dl = 2, 3, 40
+    part = torch.randn(b, h, splits, dl, generator=g).to(DEV)
+    lse = (torch.randn(b, h, splits, generator=g) * 3).to(DEV)
+    lse[0, 1, splits // 2:] = float("-inf")
+    out = torch.empty(b, h, dl, dtype=BF16, device=DEV)
+    _merge(part, lse, out)
+    close(out, merge_reference(part, lse).to(BF16))
+
+
 def test_mla_decode_partials_merge_to_mla_decode():
     q_lat, q_pe, cache, tables, lens, scale = _decode_case(gen(2), False)
     part, lse = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=3)
@@ -714,8 +759,8 @@ def test_mla_decode_partials_merge_to_mla_decode():
     close(merge_reference(part, lse), out, tol=1e-2)
     direct, none = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=1)
     assert none is None and torch.equal(direct, mla_decode(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=1))
-    merged, none = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=3, max_splits=2)
-    assert none is None and torch.equal(merged, out)  # more splits than max_splits: merged here
+    merged, none = mla_decode_partials(q_lat, q_pe, cache, tables, lens, 0.1, num_splits=3, merge_above=2)
+    assert none is None and torch.equal(merged, out)  # more splits than merge_above: merged here
     empty, none = mla_decode_partials(q_lat[:0], q_pe[:0], cache, tables[:0], lens[:0], 0.1, num_splits=3)
     assert none is None and empty.shape == (0, *q_lat.shape[1:])
 

@@ -8,10 +8,11 @@ over the copy bandwidth measured in the same run) and the torch baseline of the 
    64, 256, bf16 and FP8 block-scaled weights, against torch._grouped_mm (sort + bmm if absent);
 3. top-k, k = 2048 of 131,072 floats, 1 and 64 rows (and 64 rows of 32,768), against torch.topk:
    the default two-launch select path (tuned), and the four-launch threshold path it
-   replaced (committed config, rows named `... threshold`);
+   replaced (committed config, rows named `... threshold`); the router's float32 GEMM at 16-4096
+   tokens, the split-gate kernel against x.float() @ w.T through cuBLAS (section router);
 4. MLA decode, v2-lite (16 heads, kv_lora_rank 512, rope 64, block 64), batch 1-256, context
    1K and 4K, bf16 and FP8 cache, against the torch reference (gather + bf16 matmuls); and
-   (section decode_long) batch 1 and 8 at 128K, tuned with more than 128 splits a sequence;
+   (section decode_long) batch 1 and 8 at 128K, tuned with up to 2,048 splits a sequence;
 5. KV store (bf16, FP8), and MLA prefill of 4K new tokens on a cached 32K prefix (tokens/s);
 6. sampling (temperature 1, top-p 0.95) of 1-256 rows of v2-lite's 102,400 float32 logits
    (what the fast path feeds it) by the kernel without a sort, checked against its sorting
@@ -52,6 +53,7 @@ from _common import emit  # noqa: E402
 from lockstep.kernels import dense as dense_mod  # noqa: E402
 from lockstep.kernels import fused_moe as moe_mod  # noqa: E402
 from lockstep.kernels import mla_decode as dec_mod  # noqa: E402
+from lockstep.kernels import router as router_mod  # noqa: E402
 from lockstep.kernels import sampling as sampling_mod  # noqa: E402
 from lockstep.kernels import topk as topk_mod  # noqa: E402
 from lockstep.kernels import topk_threshold as topk_threshold_mod  # noqa: E402
@@ -395,7 +397,7 @@ def topk_candidates(rows: int, smoke: bool) -> list[dict]:
     out = [committed]
     # programmatic dependent launch off (the A/B for it: first, tuning stops at the deadline),
     # and on with the other launch shapes that were close
-    for extra in ({"PDL": False}, {"PROGRAMS_PER_SM": 8, "TILE": 1024}, {"PROGRAMS_PER_SM": 2},
+    for extra in ({"PDL": not committed.get("PDL", True)}, {"PROGRAMS_PER_SM": 8, "TILE": 1024}, {"PROGRAMS_PER_SM": 2},
                   {"TILE": 2048}, {"select_warps": 8}, {"SCAN_STAGES": 3}, {"BINS": 8192}):
         out.append({**committed, **extra})
     for tile, warps, per_sm in ((2048, 4, 8), (4096, 8, 4), (4096, 8, 2), (1024, 4, 8),
@@ -426,7 +428,7 @@ def topk_row(b: Bench, name: str, x: torch.Tensor, k: int, cfg: dict, torch_us: 
     split = ""
     full = {**topk_mod.topk_config(rows), **cfg}
     if full["ALGO"] == "select" and 2 * k <= full["CAND"]:  # where the time goes: the scan alone
-        scan_us = b.graph_us(lambda: topk_mod._scan(x, k, full))
+        scan_us = b.graph_us(lambda: topk_mod._scan(x, k, full, topk_mod._pdl(x, full)))
         split = f"; floor + scan kernels {scan_us:.1f} us, select {us - scan_us:.1f} us"
     t_sorted, t_unsorted, base_eager = torch_us
     base_us = min(t_sorted, t_unsorted)
@@ -466,6 +468,53 @@ def bench_topk(b: Bench, bw: float, only_rows: set[int] | None = None) -> None:
             old = {"ALGO": "threshold", **({} if not b.smoke else topk_candidates(rows, True)[0])}
             topk_row(b, f"{name} threshold", x, k, old, torch_us, bw,
                      f"threshold (4 launches), {topk_threshold_mod.threshold_config(rows)}")
+        except Exception:  # noqa: BLE001
+            b.errors[name] = traceback.format_exc()[-1500:]
+            print(b.errors[name], flush=True)
+
+
+# -- 3b. the router's GEMM ----------------------------------------------------------------------
+
+def router_candidates(smoke: bool) -> list[dict]:
+    if smoke:
+        return [{"BLOCK_T": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}]
+    out = [dict(router_mod.ROUTER_SPLIT_DEFAULT)]
+    for bt in (16, 32, 64):
+        for bk in (64, 128, 256):
+            for w, st in ((4, 3), (4, 4), (8, 3)):
+                out.append({"BLOCK_T": bt, "BLOCK_K": bk, "num_warps": w, "num_stages": st})
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def bench_router(b: Bench, bw: float) -> None:
+    """v2-lite's gate (64 experts x 2048, float32) on bf16 activations: x.float() @ w.T through
+    cuBLAS (a conversion copy and a float32 GEMM, what the fast path ran beyond 8 tokens)
+    against the split-gate kernel (three bf16 pieces on tensor cores, one launch); both
+    checked against the float64 product."""
+    e, h = (64, 2048) if not b.smoke else (20, 48)
+    g = torch.Generator(device=b.dev).manual_seed(5)
+    w = torch.randn(e, h, generator=g, device=b.dev) * 0.05
+    w3 = router_mod.split_gate(w)
+    for t in ((16, 64, 256, 1024, 4096) if not b.smoke else (5, 19)):
+        name = f"router gemm T={t} E={e} H={h}"
+        try:
+            x = torch.randn(t, h, generator=g, device=b.dev).to(torch.bfloat16)
+            exact = x.double() @ w.double().T
+            base = lambda: F.linear(x.float(), w)  # noqa: E731
+            base_err = float((base().double() - exact).abs().max())
+            cfg, _ = b.autotune(f"router.ROUTER_SPLIT_CONFIGS[{t}]", router_candidates(b.smoke),
+                                lambda c: router_mod.router_logits_split(x, w3, config=c))
+            run = lambda: router_mod.router_logits_split(x, w3, config=cfg)  # noqa: E731
+            err = float((run().double() - exact).abs().max())
+            ok = err <= max(4 * base_err, 1e-6)
+            b.checks[name] = ok
+            us, base_us = b.graph_us(run), b.graph_us(base)
+            nbytes = t * h * 2 + 3 * e * h * 2 + t * e * 4
+            b.row("router", name, us=us, us_eager=b.eager_us(run), baseline="x.float() @ w.T (cuBLAS float32)",
+                  baseline_us=base_us, baseline_us_eager=b.eager_us(base), speedup=base_us / us,
+                  bytes_mb=nbytes / 1e6, frac_roofline=1e6 * nbytes / bw / us,
+                  check=f"{'ok' if ok else 'FAIL'} max_err={err:.3g} (cuBLAS float32 {base_err:.3g})",
+                  note=f"config {cfg}")
         except Exception:  # noqa: BLE001
             b.errors[name] = traceback.format_exc()[-1500:]
             print(b.errors[name], flush=True)
@@ -560,17 +609,20 @@ def bench_decode(b: Bench, bw: float) -> None:
         torch.cuda.empty_cache() if not b.smoke else None
 
 
-def long_candidates(committed: dict, fp8: bool) -> list[dict]:
+def long_candidates(committed: dict, short: dict, fp8: bool, batch: int, sms: int) -> list[dict]:
     """Long contexts at small batch: more splits than the 128 the short buckets allow (several
-    programs per SM), on the tiles that won at 4K."""
-    out = [committed]
+    programs per SM), on the tiles that won at 4K. A cap no launch reaches (WAVES * sms /
+    batch splits wanted) is left out: it would time the same launch again. ``short``: the 4K
+    bucket's config, which such launches took before the 128K bucket."""
+    out = [committed, short]
     tiles = ([(64, 8, 2, 1, False), (32, 4, 3, 2, True), (64, 8, 3, 1, True)] if fp8 else
              [(32, 4, 3, 2, True), (64, 8, 3, 1, True), (32, 4, 4, 2, True)])
     for most in (1024, 512, 2048):  # the likeliest first: tuning stops at the deadline
         for waves in (8, 4, 16):
+            cap = most if -(-waves * sms // batch) > 128 else 128
             for bn, w, st, halves, paged in tiles:
                 out.append({"BLOCK_N": bn, "num_warps": w, "num_stages": st, "MIN_SPLIT": 64,
-                            "WAVES": waves, "HALVES": halves, "PAGED": paged, "MAX_SPLITS": most})
+                            "WAVES": waves, "HALVES": halves, "PAGED": paged, "MAX_SPLITS": cap})
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
@@ -596,13 +648,16 @@ def bench_decode_long(b: Bench, bw: float) -> None:
                 cache, scale = (cache8, scale8) if fp8 else (cache16, None)
                 key = ("fp8" if fp8 else "bf16", batch, ctx)
                 committed = dec_mod.decode_config(cache.dtype, batch, ctx)
-                cands = long_candidates(committed, fp8) if not b.smoke else [committed]
+                sms = torch.cuda.get_device_properties(b.dev).multi_processor_count if not b.smoke else 4
+                short = dec_mod.decode_config(cache.dtype, batch, 4096)
+                cands = long_candidates(committed, short, fp8, batch, sms) if not b.smoke else [committed]
                 decode_case(b, bw, name, key, cands, ql, qp, cache, scale, tables, lens, ctx, sm_scale,
                             baseline=False)
             except Exception:  # noqa: BLE001
                 b.errors[name] = traceback.format_exc()[-1500:]
                 print(b.errors[name], flush=True)
-    del cache16, cache8, scale8
+        del ql, qp, tables, lens
+    del cache16, cache8, scale8, cache, scale
     torch.cuda.empty_cache() if not b.smoke else None
 
 
@@ -897,7 +952,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
     ap.add_argument("--topk-rows", default="", help="comma-separated row counts: top-k's cases of those only")
-    ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,decode,decode_long,dense,kv,prefill,sampling")
+    ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,router,decode,decode_long,dense,kv,prefill,sampling")
     args = ap.parse_args()
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
@@ -913,6 +968,7 @@ def main() -> None:
         bw = 4.19e12
     for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("moe_ep", lambda: bench_moe_ep(b, bw)),
                     ("topk", lambda: bench_topk(b, bw, {int(r) for r in args.topk_rows.split(",") if r})),
+                    ("router", lambda: bench_router(b, bw)),
                     ("decode", lambda: bench_decode(b, bw)), ("decode_long", lambda: bench_decode_long(b, bw)),
                     ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
                     ("kv", lambda: bench_kv_store(b, bw)),

@@ -89,7 +89,7 @@ def main() -> None:
     if args.sizes is not None and args.no_prefill_graphs:
         ap.error("--sizes and --no-prefill-graphs exclude each other")
     sizes = [] if args.no_prefill_graphs else (
-        [int(x) for x in args.sizes.split(",")] if args.sizes is not None else None)
+        [int(x) for x in args.sizes.split(",") if x.strip()] if args.sizes is not None else None)
     rt = TorchRuntime()
     rt.load(RuntimeSpec(model="v2-lite", device="cuda", dtype="bfloat16", num_blocks=1200, block_size=BS,
                         max_num_seqs=8, max_model_len=16384 + 64, seed=0,
@@ -117,6 +117,7 @@ def main() -> None:
         wall = 1e3 * statistics.median(walls[2:])
         dev, launches = kernels_ms(rt, _chunk_plan(7, req, ctx, tokens, table))
         rows.append({"prefix": ctx, "chunk": t_new, "prefill_graphs": not args.no_prefill_graphs,
+                     "sizes": "default" if sizes is None else ",".join(map(str, sizes)) or "none",
                      "wall_ms": wall, "kernels_ms": dev, "launches": launches,
                      "wall_over_kernels": wall / dev, "tokens_per_s": t_new / (wall / 1e3)})
         if args.syncs and t_new == 2048:

@@ -78,6 +78,10 @@ FUSE_SHARED_MAX_TOKENS = 64
 # reduction); beyond, float32 tiles without tensor cores lose to cuBLAS (44 us a layer at
 # batch 256 through tl.dot's IEEE path, against ~10).
 ROUTER_GEMM_MAX_TOKENS = 8
+# Beyond, on CUDA, the gate is held as three bf16 pieces that sum to it exactly
+# (``kernels.router.split_gate``) and the GEMM runs on tensor cores in one launch
+# (``router_logits_split``), with no float32 copy of the activations; FastDeepseek's
+# ``router_split`` False keeps cuBLAS's float32 GEMM (for A/B runs).
 # With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
 # concatenations a layer add them, the form before; kept for A/B runs on the GPU).
 ROUTER_WRITES_SHARED = True
@@ -189,10 +193,11 @@ class FastOps:
         self.silu_mul = _Op(_silu_mul, compile)
         # The router after its GEMM runs as one kernel (compiled, `route`'s torch.topk alone
         # still launches two); `route` stays for settings the kernel does not take.
-        from lockstep.kernels.router import moe_route, moe_route_unsupported, router_logits
+        from lockstep.kernels.router import moe_route, moe_route_unsupported, router_logits, router_logits_split
 
         self.moe_route, self.moe_route_unsupported = moe_route, moe_route_unsupported
         self.router_logits = router_logits  # the gate's GEMM in one launch, for a few tokens
+        self.router_logits_split = router_logits_split  # and for more, on tensor cores
         self.route = _Op(route, compile)
 
     def errors(self) -> dict[str, str]:
@@ -315,7 +320,7 @@ def _stored_entries(cache, slots: torch.Tensor, dl: int, dtype) -> tuple[torch.T
 
 class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False,
-                 fuse_shared: bool = True):
+                 fuse_shared: bool = True, router_split: bool = True):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
         from lockstep.kernels.dense import bmm_row, linear, merge_bmm_row, merge_fuses
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
@@ -349,6 +354,15 @@ class FastDeepseek:
             if self.fuse_shared:
                 for lw in self.layers:
                     fuse_shared_experts(lw)
+            self.router_split = bool(router_split and model.dtype == torch.bfloat16
+                                     and next(model.parameters()).is_cuda)
+            if self.router_split:
+                from lockstep.kernels.router import split_gate
+
+                for lw in self.layers:
+                    gate = lw.moe.gate.weight if lw.moe is not None else None
+                    if gate is not None and lw.gate_split is None and gate.dtype == torch.float32:
+                        lw.gate_split = split_gate(gate.detach())
         self.first_moe = self.cfg.first_k_dense_replace
         self.len_cap = 1 << 30
 
@@ -475,7 +489,7 @@ class FastDeepseek:
         if one and MERGE_IN_W_UV_MAX_SPLITS and self._merge_fuses(lw.w_uv):
             part, lse = self._mla_decode_partials(q_latent, q_pe, cache[0], step.dec_tables, step.dec_lens,
                                                   self.cfg.softmax_scale, cache[1], max_seq_len=plan.dec_len_bound,
-                                                  max_splits=MERGE_IN_W_UV_MAX_SPLITS)
+                                                  merge_above=MERGE_IN_W_UV_MAX_SPLITS)
             if lse is None:  # merged already, or one split wrote the output
                 return self._bmm_row(part[0], lw.w_uv)[None]
             return self._merge_bmm_row(part[0], lse[0], lw.w_uv)[None]
@@ -516,6 +530,8 @@ class FastDeepseek:
             if (h.shape[0] <= ROUTER_GEMM_MAX_TOKENS and gate.weight.dtype == torch.float32
                     and h.stride(-1) == 1 and gate.weight.stride(-1) == 1):
                 logits = ops.router_logits(h, gate.weight)
+            elif self.router_split and lw.gate_split is not None and h.dtype == torch.bfloat16:
+                logits = ops.router_logits_split(h, lw.gate_split)
             else:
                 logits = F.linear(h.float(), gate.weight)
             if fuse and ROUTER_WRITES_SHARED:

@@ -48,6 +48,7 @@ class LayerWeights:
         self.gate_up = self.down = None
         self.fp8 = None  # (gate_up, its scales, down, its scales) with moe_fp8
         self.with_shared = None  # (gate_up, down, routed count): the routed experts, then the shared
+        self.gate_split = None  # the router's float32 gate as three bf16 pieces (FastDeepseek's router_split)
         if shared is not None:
             self.gate_up, self.down = _fuse_rows([shared.gate_proj, shared.up_proj]), shared.down_proj.weight
 

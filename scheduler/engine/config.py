@@ -210,7 +210,8 @@ class EngineConfig:
             options.setdefault("kv_cache_dtype", self.kv_cache_dtype)
         return RuntimeSpec(runtime=self.runtime, model=self.model, device=self.device, dtype=self.dtype,
                            num_blocks=s.num_blocks, block_size=s.block_size, max_num_seqs=s.max_num_seqs,
-                           max_model_len=s.max_model_len, seed=self.seed, options=options,
+                           max_model_len=s.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
+                           seed=self.seed, options=options,
                            rank=rank, world_size=self.dep if world_size is None else world_size)
 
     def dist_init_address(self) -> str:
