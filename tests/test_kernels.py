@@ -588,7 +588,8 @@ def test_router_logits_are_the_float32_gemm(t, e, h):
                          [(1, 64, 64), (5, 30, 40), (19, 20, 48)])
 def test_router_logits_split_is_the_float32_gemm(t, e, h):
     """The gate as three bf16 pieces sums to it exactly; the split GEMM is the float32 GEMM
-    up to rounding, and as close to the exact product as cuBLAS's float32 GEMM."""
+    up to rounding (tensor cores add float32 products in their own way: within 1e-5 of the
+    largest logit), hundreds of times closer to the exact product than the bf16 gate alone."""
     from lockstep.kernels.router import router_logits_split, split_gate
 
     g = gen(22)
@@ -600,9 +601,11 @@ def test_router_logits_split_is_the_float32_gemm(t, e, h):
     assert got.dtype == torch.float32 and got.shape == (t, e)
     err = (got.double() - want).abs().max().item()
     ref_err = ((x.float() @ w.T).double() - want).abs().max().item()
-    assert err <= max(4 * ref_err, 1e-6), (err, ref_err)
+    hi_err = ((x.float() @ w3[0].float().T).double() - want).abs().max().item()  # the bf16 gate
+    tol = 4 * ref_err + 1e-5 * want.abs().max().item()
+    assert err <= tol and err * 100 < hi_err, (err, ref_err, hi_err)
     other = router_logits_split(x, w3, config={"BLOCK_T": 32, "BLOCK_K": 16})  # other tiles, other sums
-    assert (other.double() - want).abs().max().item() <= max(4 * ref_err, 1e-6)
+    assert (other.double() - want).abs().max().item() <= tol
     with pytest.raises(ValueError, match="x must be"):
         router_logits_split(x.float(), w3)
     with pytest.raises(ValueError, match="w3 must have shape"):
@@ -743,8 +746,8 @@ def test_merge_of_many_splits_matches_the_reference(splits):
 
     g = gen(7)
     b, h, dl = 2, 3, 40
-    part = torch.randn(b, h, splits, dl, generator=g).to(DEV)
-    lse = (torch.randn(b, h, splits, generator=g) * 3).to(DEV)
+    part = randn(b, h, splits, dl, g=g, dtype=torch.float32)
+    lse = randn(b, h, splits, g=g, dtype=torch.float32, scale=3.0)
     lse[0, 1, splits // 2:] = float("-inf")
     out = torch.empty(b, h, dl, dtype=BF16, device=DEV)
     _merge(part, lse, out)

@@ -606,6 +606,8 @@ def main() -> None:
     ap.add_argument("--no-fuse-shared", action="store_true",
                     help="run the shared experts as their own MLP, not inside the fused MoE launch")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine (runtime processes) check")
+    ap.add_argument("--only-decode", action="store_true",
+                    help="the bf16 decode section alone (no correctness checks, no FP8 or baseline sections)")
     args = ap.parse_args()
     run = Run(args.budget_s)
     device = "cpu" if args.smoke else "cuda"
@@ -623,7 +625,7 @@ def main() -> None:
                 print(f"  copy bandwidth (read + write): {run.info['copy_Bps'] / 1e12:.2f} TB/s", flush=True)
     v2_small = {"num_hidden_layers": 3, "initializer_range": 0.1}
     with run.section("correctness v2-lite (3 layers)", 60) as go:
-        if go:
+        if go and not args.only_decode:
             if args.smoke:
                 check_correctness(run, "correct_tiny_smoke", "tiny",
                                   {"num_hidden_layers": 2, "initializer_range": 0.15}, device, True)
@@ -632,7 +634,7 @@ def main() -> None:
     with run.section("decode v2-lite", 90) as go:
         if go:
             bench_decode(run, args, device)
-    if not args.smoke:
+    if not args.smoke and not args.only_decode:
         with run.section("decode v2-lite, FP8 experts", 60) as go:
             if go:
                 bench_fp8(run, args.ctx[0], (64, 256))
