@@ -95,8 +95,8 @@ def decode_config(kv_dtype: torch.dtype, batch: int, max_seq_len: int | None = N
     name = "fp8" if kv_dtype == FP8 else "bf16"
     bucket = max([b for b in BATCH_BUCKETS if b <= batch], default=BATCH_BUCKETS[0])
     cfg = {**DEFAULT_CONFIG, **DECODE_CONFIGS.get((name, bucket), {})}
-    if max_seq_len is not None:  # the largest context bucket at or below the bound that has an entry
-        for lb in sorted((b for b in LEN_BUCKETS if b <= max_seq_len), reverse=True):
+    if max_seq_len is not None:  # the largest context bucket at or below the bound with an entry
+        for lb in sorted({b for b in LEN_BUCKETS if b <= max_seq_len} | {LEN_BUCKETS[0]}, reverse=True):
             if (name, bucket, lb) in DECODE_CONFIGS:
                 cfg.update(DECODE_CONFIGS[(name, bucket, lb)])
                 break

@@ -345,6 +345,48 @@ def test_prefill_steps_through_pieces_compute_what_the_eager_forward_does(kv):
         assert float((eb - ea).abs().max()) <= 0.02 * float(ea.abs().max())
 
 
+def test_prefill_graph_sizes_stop_at_the_token_budget():
+    """No prefill graph beyond the first size that holds the scheduler's token budget."""
+    rt = TorchRuntime()
+    rt.load(RuntimeSpec(model="tiny", device=DEV, dtype="bfloat16", num_blocks=64, block_size=BS, max_num_seqs=4,
+                        max_model_len=256, max_num_batched_tokens=24,
+                        options={"preset_overrides": SMALL, "fast": True, "cuda_graphs": "padded", "compile": False,
+                                 "prefill_graph_sizes": [20, 32, 64, 128]}))
+    assert rt.runner.prefill.sizes == [20, 32]
+    rt.shutdown()
+
+
+def test_split_router_routes_prefill_steps_as_the_float32_gemm(monkeypatch):
+    """With the gate split into bf16 pieces (``router_split``, on Hopper by default; forced
+    here), steps with a prefill chunk run the router's GEMM through ``router_logits_split``
+    and decode steps through the float32 GEMM (the small-step kernel off here, so decode
+    steps reach that choice); tokens, expert counts and logprobs follow the path without it."""
+    import lockstep.runtime.models.fast as fast_mod
+    from lockstep.kernels.router import split_gate
+
+    monkeypatch.setattr(fast_mod, "ROUTER_GEMM_MAX_TOKENS", 0)
+    plain = _runtime(fast=True, cuda_graphs="padded", compile=False, router_split=False)
+    split = _runtime(fast=True, cuda_graphs="padded", compile=False)
+    fast = split.runner.fast
+    fast.router_split = True
+    for lw in fast.layers:
+        if lw.moe is not None:
+            lw.gate_split = split_gate(lw.moe.gate.weight.detach())
+    calls, kinds = [], []
+    inner_op, inner_routed = fast.ops.router_logits_split, fast._routed
+    fast.ops.router_logits_split = lambda h, w3: calls.append(h.shape[0]) or inner_op(h, w3)
+    fast._routed = lambda h, lw, step, *a, **kw: kinds.append(step.has_prefill) or inner_routed(h, lw, step, *a, **kw)
+    want, got = _drive([plain, split], [[5] * 30, list(range(3, 23)), [9, 8, 7]])
+    assert calls and len(calls) == sum(kinds) and not all(kinds)  # prefill steps only, and some decode steps
+    for a, b in zip(want, got):
+        assert np.array_equal(a.expert_counts, b.expert_counts)
+        assert np.array_equal(a.token_ids, b.token_ids)
+        if len(a.token_ids):
+            assert float(np.abs(b.logprobs - a.logprobs).max()) < 1e-2
+    plain.shutdown()
+    split.shutdown()
+
+
 @pytest.mark.parametrize("bad", [[0], [16, -4], ["64"], [True], 2048, "2048"])
 def test_prefill_graph_sizes_must_be_token_counts(bad):
     with pytest.raises(ValueError, match="prefill_graph_sizes must (list token counts >= 1|be a list)"):

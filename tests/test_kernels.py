@@ -738,6 +738,22 @@ def test_merge_bmm_row_merges_the_splits_then_multiplies(monkeypatch, splits, ti
     assert torch.equal(merge_bmm_row(part, lse, w), torch.bmm(merged[:, None], w)[:, 0])
 
 
+def test_decode_config_takes_the_largest_context_bucket_with_an_entry():
+    """A context bound picks the largest bucket at or below it that has an entry for its
+    dtype and batch (a long bound without a 128K entry keeps the 4K one), and a bound under
+    the smallest bucket takes the smallest."""
+    from lockstep.kernels.mla_decode import DECODE_CONFIGS, LEN_BUCKETS, decode_config
+
+    for name, dt in (("bf16", BF16), ("fp8", torch.float8_e4m3fn)):
+        for batch in (1, 8, 32, 64, 128, 256):
+            for bound in (100, 1024, 3000, 4096, 100_000, 131_072, 855_000):
+                have = [b for b in LEN_BUCKETS if (name, batch, b) in DECODE_CONFIGS and b <= max(bound, LEN_BUCKETS[0])]
+                cfg = decode_config(dt, batch, bound)
+                if have:
+                    assert all(cfg[k] == v for k, v in DECODE_CONFIGS[(name, batch, max(have))].items())
+    assert decode_config(BF16, 256, 855_000)["MIN_SPLIT"] == DECODE_CONFIGS[("bf16", 256, 4096)]["MIN_SPLIT"]
+
+
 @pytest.mark.parametrize("splits", [5, 300, 2048])
 def test_merge_of_many_splits_matches_the_reference(splits):
     """Hundreds of splits (long contexts at small batch): the merge narrows its column slice

@@ -78,15 +78,17 @@ FUSE_SHARED_MAX_TOKENS = 64
 # reduction); beyond, float32 tiles without tensor cores lose to cuBLAS (44 us a layer at
 # batch 256 through tl.dot's IEEE path, against ~10).
 ROUTER_GEMM_MAX_TOKENS = 8
-# From this many tokens on, on CUDA, the gate is held as three bf16 pieces that sum to it
-# exactly (``kernels.router.split_gate``) and the GEMM runs on tensor cores in one launch
-# (``router_logits_split``), with no float32 copy of the activations. On the H200, v2-lite's
-# gate: 16.1 against 29.9 us at 1,024 tokens, 19.7 against 65.6 at 4,096; at 256, 15.7
-# against 17.7, and decode at batch 256 the same either way (21,100 and 21,080 tokens/s), so
-# decode steps keep cuBLAS's float32 GEMM, whose sums are 10x closer to the exact product
-# (tensor cores add float32 products in their own way: 2e-5 against 2e-6 at logits of ~2).
-# FastDeepseek's ``router_split`` False keeps cuBLAS's everywhere (for A/B runs).
-ROUTER_SPLIT_MIN_TOKENS = 512
+# Beyond, in steps with a prefill chunk, on Hopper, the gate is held as three bf16 pieces
+# that sum to it exactly (``kernels.router.split_gate``) and the GEMM runs on tensor cores in
+# one launch (``router_logits_split``), with no float32 copy of the activations. On the H200,
+# v2-lite's gate: 16.1 against 29.9 us at 1,024 tokens, 19.7 against 65.6 at 4,096; at 256,
+# 15.7 against 17.7, and decode at batch 256 the same either way (21,100 and 21,080 tokens/s),
+# so decode steps (verify steps included) keep cuBLAS's float32 GEMM, whose sums are 10x
+# closer to the exact product (tensor cores add float32 products in their own way: 2e-5
+# against 2e-6 at logits of ~2). The rule is by the step's kind, not its token count, so a
+# chunk routes the same whether it is padded to a graph's size or run eagerly. The tiles are
+# tuned for Hopper's shared memory. FastDeepseek's ``router_split`` False keeps cuBLAS's
+# everywhere (for A/B runs).
 # With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
 # concatenations a layer add them, the form before; kept for A/B runs on the GPU).
 ROUTER_WRITES_SHARED = True
@@ -278,6 +280,7 @@ class Step:
         # rope False: a step for attention cores alone, whose inputs come rotated
         self.cos, self.sin = model.rope.cos_sin(inp.positions, torch.float32) if rope else (None, None)
         self.dec_tables = self.dec_lens = self.pf_tables = None
+        self.has_prefill = bool(plan.n_pf)  # some sequence feeds a prefill chunk
         if plan.n_dec:
             rows, pos = inp.tok_rows, inp.positions
             if plan.dec is not None:
@@ -359,8 +362,10 @@ class FastDeepseek:
             if self.fuse_shared:
                 for lw in self.layers:
                     fuse_shared_experts(lw)
-            self.router_split = bool(router_split and model.dtype == torch.bfloat16
-                                     and next(model.parameters()).is_cuda)
+            dev = next(model.parameters()).device
+            self.router_split = bool(router_split and model.dtype == torch.bfloat16 and dev.type == "cuda"
+                                     and torch.version.hip is None
+                                     and torch.cuda.get_device_capability(dev)[0] >= 9)
             if self.router_split:
                 from lockstep.kernels.router import split_gate
 
@@ -535,8 +540,7 @@ class FastDeepseek:
             if (h.shape[0] <= ROUTER_GEMM_MAX_TOKENS and gate.weight.dtype == torch.float32
                     and h.stride(-1) == 1 and gate.weight.stride(-1) == 1):
                 logits = ops.router_logits(h, gate.weight)
-            elif (self.router_split and lw.gate_split is not None and h.dtype == torch.bfloat16
-                  and h.shape[0] >= ROUTER_SPLIT_MIN_TOKENS):
+            elif self.router_split and step.has_prefill and lw.gate_split is not None and h.dtype == torch.bfloat16:
                 logits = ops.router_logits_split(h, lw.gate_split)
             else:
                 logits = F.linear(h.float(), gate.weight)
