@@ -20,8 +20,9 @@ attention cores, ``prefill_graphs.PrefillGraphs``; default 256-8192 with graphs 
 ``capture_len`` (context bound captured at load; 0: none, each graph when first used),
 ``compile`` (torch.compile the small steps), ``fused_moe`` (bool), ``moe_fp8`` (FP8
 block-scaled expert weights for fused MoE), ``fuse_shared`` (the shared experts inside the
-fused MoE launch; default on), ``router_split`` (on CUDA, the router's float32 GEMM on
-tensor cores through the gate split into three bf16 pieces; default on), ``launch_ahead`` (default on: see ``launch``),
+fused MoE launch; default on), ``router_split`` (on Hopper, prefill steps' router GEMM
+on tensor cores through the gate split into three bf16 pieces; default off: no gain measured
+through the whole model), ``launch_ahead`` (default on: see ``launch``),
 ``ep_dispatch`` (expert parallelism: ``padded``, the default on the fast path without a
 draft model, or ``exact``; see ``models.expert_parallel``). With padded dispatch, a step every rank only decodes in runs
 padded to one agreed size on every rank (the DP sync's token count, rounded up to a graph
@@ -172,7 +173,7 @@ class TorchRuntime:
         fast = FastDeepseek(self.model, fused_moe=bool(opts.get("fused_moe", self.placements is None)),
                             compile=bool(opts.get("compile", cuda)), moe_fp8=bool(opts.get("moe_fp8", False)),
                             fuse_shared=bool(opts.get("fuse_shared", True)),
-                            router_split=bool(opts.get("router_split", True)))
+                            router_split=bool(opts.get("router_split", False)))
         if self.world > 1 and "ep_dispatch" not in opts and not opts.get("draft_model"):
             self.ep_padded = True  # the fast path's default
         # Exact expert dispatch syncs the host inside every MoE layer: no graphs there.
@@ -234,7 +235,7 @@ class TorchRuntime:
                                 compile=bool(opts.get("compile", self.device.type == "cuda")),
                                 moe_fp8=target.moe_fp8 if own_layers else False,
                                 fuse_shared=target.fuse_shared if own_layers else bool(opts.get("fuse_shared", True)),
-                                router_split=bool(opts.get("router_split", True)))
+                                router_split=bool(opts.get("router_split", False)))
             # A draft pass feeds one or two tokens a request (two after a fully accepted step).
             return self._make_runner(fast, kv, spec, self.runner.mode, max_tokens=2 * spec.max_num_seqs,
                                      tables=self.runner.tables)

@@ -357,8 +357,8 @@ def test_prefill_graph_sizes_stop_at_the_token_budget():
 
 
 def test_split_router_routes_prefill_steps_as_the_float32_gemm(monkeypatch):
-    """With the gate split into bf16 pieces (``router_split``, on Hopper by default; forced
-    here), steps with a prefill chunk run the router's GEMM through ``router_logits_split``
+    """With the gate split into bf16 pieces (``router_split``, off by default, Hopper only;
+    forced here), steps with a prefill chunk run the router's GEMM through ``router_logits_split``
     and decode steps through the float32 GEMM (the small-step kernel off here, so decode
     steps reach that choice); tokens, expert counts and logprobs follow the path without it."""
     import lockstep.runtime.models.fast as fast_mod

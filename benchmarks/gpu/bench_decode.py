@@ -396,7 +396,7 @@ def bench_decode(run: Run, args, device: str) -> None:
     per = -(-(max_ctx + 2) // BS)
     rt = runtime(model, device, blocks=max(batches) * per + 8, max_seqs=max(batches), max_len=max_ctx + BS,
                  overrides=overrides, fast=True, cuda_graphs="padded" if smoke else "on", compile=not smoke,
-                 fuse_shared=not args.no_fuse_shared, router_split=not args.no_router_split,
+                 fuse_shared=not args.no_fuse_shared, router_split=args.router_split,
                  capture_len=min(ctxs) + warmup + steps + 2)
     try:
         run.info["decode_runner_after_load"] = rt.runner.statistics()
@@ -601,8 +601,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    ap.add_argument("--no-router-split", action="store_true",
-                    help="the router's GEMM through cuBLAS's float32 GEMM, not the split-gate kernel (an A/B)")
+    ap.add_argument("--router-split", action="store_true",
+                    help="runtime option router_split on (the split-gate router GEMM in prefill steps; an A/B)")
     ap.add_argument("--no-fuse-shared", action="store_true",
                     help="run the shared experts as their own MLP, not inside the fused MoE launch")
     ap.add_argument("--no-engine", action="store_true", help="skip the engine (runtime processes) check")

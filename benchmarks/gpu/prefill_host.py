@@ -83,8 +83,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="the small steps uncompiled (an A/B)")
     ap.add_argument("--no-prefill-graphs", action="store_true",
                     help="prefill steps wholly eager, not replayed piecewise (an A/B)")
-    ap.add_argument("--no-router-split", action="store_true",
-                    help="the router's GEMM through cuBLAS's float32 GEMM at every size (an A/B)")
+    ap.add_argument("--router-split", action="store_true",
+                    help="runtime option router_split on: the split-gate router GEMM (an A/B)")
     ap.add_argument("--sizes", default=None,
                     help="comma-separated prefill graph sizes (default: the runtime's), e.g. adding 6144,8192")
     args = ap.parse_args()
@@ -96,7 +96,7 @@ def main() -> None:
     rt.load(RuntimeSpec(model="v2-lite", device="cuda", dtype="bfloat16", num_blocks=1200, block_size=BS,
                         max_num_seqs=8, max_model_len=16384 + 64, seed=0,
                         options={"init_on_device": True, "capture_len": 0, "compile": not args.no_compile,
-                                 "router_split": not args.no_router_split,
+                                 "router_split": args.router_split,
                                  **({} if sizes is None else {"prefill_graph_sizes": sizes})}))
     gb = 1024 ** 3
     print(f"# after load: {torch.cuda.memory_allocated() / gb:.2f} GiB allocated, "
@@ -121,7 +121,7 @@ def main() -> None:
         dev, launches = kernels_ms(rt, _chunk_plan(7, req, ctx, tokens, table))
         rows.append({"prefix": ctx, "chunk": t_new, "prefill_graphs": not args.no_prefill_graphs,
                      "sizes": "default" if sizes is None else ",".join(map(str, sizes)) or "none",
-                     "router_split": not args.no_router_split,
+                     "router_split": args.router_split,
                      "wall_ms": wall, "kernels_ms": dev, "launches": launches,
                      "wall_over_kernels": wall / dev, "tokens_per_s": t_new / (wall / 1e3)})
         if args.syncs and t_new == 2048:

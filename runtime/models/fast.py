@@ -78,17 +78,16 @@ FUSE_SHARED_MAX_TOKENS = 64
 # reduction); beyond, float32 tiles without tensor cores lose to cuBLAS (44 us a layer at
 # batch 256 through tl.dot's IEEE path, against ~10).
 ROUTER_GEMM_MAX_TOKENS = 8
-# Beyond, in steps with a prefill chunk, on Hopper, the gate is held as three bf16 pieces
-# that sum to it exactly (``kernels.router.split_gate``) and the GEMM runs on tensor cores in
-# one launch (``router_logits_split``), with no float32 copy of the activations. On the H200,
-# v2-lite's gate: 16.1 against 29.9 us at 1,024 tokens, 19.7 against 65.6 at 4,096; at 256,
-# 15.7 against 17.7, and decode at batch 256 the same either way (21,100 and 21,080 tokens/s),
-# so decode steps (verify steps included) keep cuBLAS's float32 GEMM, whose sums are 10x
-# closer to the exact product (tensor cores add float32 products in their own way: 2e-5
-# against 2e-6 at logits of ~2). The rule is by the step's kind, not its token count, so a
-# chunk routes the same whether it is padded to a graph's size or run eagerly. The tiles are
-# tuned for Hopper's shared memory. FastDeepseek's ``router_split`` False keeps cuBLAS's
-# everywhere (for A/B runs).
+# Beyond, cuBLAS's float32 GEMM (after a float32 copy of the activations). With
+# ``router_split`` (off by default), in steps with a prefill chunk, on Hopper, the gate is
+# held as three bf16 pieces that sum to it exactly (``kernels.router.split_gate``) and the
+# GEMM runs on tensor cores in one launch (``router_logits_split``). Alone it is 1.85x / 3.3x
+# faster at 1,024 / 4,096 tokens (H200, cold L2), but through the whole model it gained
+# nothing measurable: prefill chunks of 256-8,192 tokens and decode at batch 64 / 256 took
+# the same time either way (session 16), while its sums are 10x further from the exact product
+# (tensor cores add float32 products in their own way: 2e-5 against 2e-6 at logits of ~2) and
+# the pieces cost 1.5x the gate's memory (~610 MiB a rank for DeepSeek-V3). The rule is by
+# the step's kind, not its token count, so a chunk routes the same padded or eager.
 # With fuse_shared, the router kernel writes the shared experts' columns itself (False: two
 # concatenations a layer add them, the form before; kept for A/B runs on the GPU).
 ROUTER_WRITES_SHARED = True
@@ -328,7 +327,7 @@ def _stored_entries(cache, slots: torch.Tensor, dl: int, dtype) -> tuple[torch.T
 
 class FastDeepseek:
     def __init__(self, model: DeepseekV3, *, fused_moe: bool = True, compile: bool = False, moe_fp8: bool = False,
-                 fuse_shared: bool = True, router_split: bool = True):
+                 fuse_shared: bool = True, router_split: bool = False):
         # Not imported as ``fused_moe``: that name is the flag saying whether to use it.
         from lockstep.kernels.dense import bmm_row, linear, merge_bmm_row, merge_fuses
         from lockstep.kernels.fused_moe import fused_moe as fused_moe_kernel
