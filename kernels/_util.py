@@ -9,6 +9,8 @@ cast is free; `DOT16` likewise for float16) and do all elementwise math in float
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,17 @@ DOT = tl.constexpr(tl.float32 if INTERPRET else tl.bfloat16)
 # about four): kernels that multiply FP8 values use float16 operands.
 DOT16 = tl.constexpr(tl.float32 if INTERPRET else tl.float16)
 _SOFT_FP8 = tl.constexpr(INTERPRET)
+
+
+def hopper_or_later(device: torch.device) -> bool:
+    """An NVIDIA GPU of compute capability 9.0 or later (what tiles tuned on the H200 and
+    programmatic dependent launches assume); False on the CPU and under the interpreter."""
+    return device.type == "cuda" and not INTERPRET and _capability_9(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_9(index: int | None) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 

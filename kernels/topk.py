@@ -28,14 +28,12 @@ NaN ranks above +inf (or below -inf, with its sign bit set), as in torch.topk fo
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._util import INTERPRET, check, next_pow2
+from ._util import check, hopper_or_later, next_pow2
 from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, topk_threshold
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: row bucket -> config.
@@ -441,12 +439,7 @@ def _pdl(x: torch.Tensor, cfg: dict) -> bool:
     programs are placed while the grid before them drains, and wait (griddepcontrol.wait)
     only where they read its output; a normal launch starts only after the grid before it
     has finished. NVIDIA Hopper and later, not under the interpreter."""
-    return bool(cfg.get("PDL", True)) and not INTERPRET and x.is_cuda and _hopper_or_later(x.device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_later(index: int | None) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return bool(cfg.get("PDL", True)) and hopper_or_later(x.device)
 
 
 def _scan(x: torch.Tensor, k: int, cfg: dict, pdl: bool = False) -> tuple:

@@ -578,6 +578,18 @@ def decode_case(b: Bench, bw: float, name: str, key: tuple, cands: list[dict], q
           frac_roofline=roof_us / us, check=check, note=f"config {cfg}", **kw)
 
 
+def decode_inputs(b: Bench, g: torch.Generator, batch: int, ctx: int, most: int, bs: int, h: int, dl: int,
+                  dr: int) -> tuple:
+    """(block tables, lengths, q_latent, q_pe) of `batch` sequences of `ctx` tokens, their
+    pages drawn at random from `most` pages of `bs` tokens."""
+    per = -(-ctx // bs)
+    tables = torch.randperm(most, generator=g, device=b.dev)[:batch * per].view(batch, per).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=b.dev)
+    ql = (torch.randn(batch, h, dl, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
+    qp = (torch.randn(batch, h, dr, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
+    return tables, lens, ql, qp
+
+
 def bench_decode(b: Bench, bw: float) -> None:
     h, dl, dr, bs = (16, 512, 64, 16) if not b.smoke else (4, 32, 16, 4)  # bs: the runtime's pages
     # the batches the decode targets name first: tuning stops at the budget
@@ -590,11 +602,7 @@ def bench_decode(b: Bench, bw: float) -> None:
     cache8, scale8 = quantize_per_token(cache16)
     for batch in batches:
         for ctx in ctxs:
-            per = -(-ctx // bs)
-            tables = torch.randperm(most, generator=g, device=b.dev)[:batch * per].view(batch, per).to(torch.int32)
-            lens = torch.full((batch,), ctx, dtype=torch.int32, device=b.dev)
-            ql = (torch.randn(batch, h, dl, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
-            qp = (torch.randn(batch, h, dr, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
+            tables, lens, ql, qp = decode_inputs(b, g, batch, ctx, most, bs, h, dl, dr)
             for fp8 in (False, True):
                 name = f"decode {'fp8' if fp8 else 'bf16'} batch {batch} ctx {ctx}"
                 try:
@@ -636,28 +644,24 @@ def bench_decode_long(b: Bench, bw: float) -> None:
     most = max(batches) * ctx // bs
     cache16 = torch.randn(most, bs, dl + dr, generator=g, device=b.dev).to(torch.bfloat16)
     cache8, scale8 = quantize_per_token(cache16)
+    sms = torch.cuda.get_device_properties(b.dev).multi_processor_count if not b.smoke else 4
     for batch in batches:
-        per = -(-ctx // bs)
-        tables = torch.randperm(most, generator=g, device=b.dev)[:batch * per].view(batch, per).to(torch.int32)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=b.dev)
-        ql = (torch.randn(batch, h, dl, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
-        qp = (torch.randn(batch, h, dr, generator=g, device=b.dev) * 0.1).to(torch.bfloat16)
+        tables, lens, ql, qp = decode_inputs(b, g, batch, ctx, most, bs, h, dl, dr)
         for fp8 in (True, False):
             name = f"decode {'fp8' if fp8 else 'bf16'} batch {batch} ctx {ctx}"
+            dtype = cache8.dtype if fp8 else cache16.dtype
             try:
-                cache, scale = (cache8, scale8) if fp8 else (cache16, None)
-                key = ("fp8" if fp8 else "bf16", batch, ctx)
-                committed = dec_mod.decode_config(cache.dtype, batch, ctx)
-                sms = torch.cuda.get_device_properties(b.dev).multi_processor_count if not b.smoke else 4
-                short = dec_mod.decode_config(cache.dtype, batch, 4096)
+                committed = dec_mod.decode_config(dtype, batch, ctx)
+                short = dec_mod.decode_config(dtype, batch, 4096)
                 cands = long_candidates(committed, short, fp8, batch, sms) if not b.smoke else [committed]
-                decode_case(b, bw, name, key, cands, ql, qp, cache, scale, tables, lens, ctx, sm_scale,
+                decode_case(b, bw, name, ("fp8" if fp8 else "bf16", batch, ctx), cands, ql, qp,
+                            *((cache8, scale8) if fp8 else (cache16, None)), tables, lens, ctx, sm_scale,
                             baseline=False)
             except Exception:  # noqa: BLE001
                 b.errors[name] = traceback.format_exc()[-1500:]
                 print(b.errors[name], flush=True)
-        del ql, qp, tables, lens
-    del cache16, cache8, scale8, cache, scale
+        del tables, lens, ql, qp
+    del cache16, cache8, scale8
     torch.cuda.empty_cache() if not b.smoke else None
 
 

@@ -361,10 +361,10 @@ class FastDeepseek:
             if self.fuse_shared:
                 for lw in self.layers:
                     fuse_shared_experts(lw)
-            dev = next(model.parameters()).device
-            self.router_split = bool(router_split and model.dtype == torch.bfloat16 and dev.type == "cuda"
-                                     and torch.version.hip is None
-                                     and torch.cuda.get_device_capability(dev)[0] >= 9)
+            from lockstep.kernels._util import hopper_or_later
+
+            self.router_split = bool(router_split and model.dtype == torch.bfloat16
+                                     and hopper_or_later(next(model.parameters()).device))
             if self.router_split:
                 from lockstep.kernels.router import split_gate
 
