@@ -40,7 +40,8 @@ LOG2E = 1.4426950408889634
 # but add partial-output traffic and a merge; one split writes the output directly); HALVES: 2
 # splits the latent into two halves, two tensor-core chains a tile; MAX_SPLITS (default 128):
 # the most splits a sequence may get (a long context at small batch wants several programs
-# per SM; each split adds only a partial row and an lse to write and merge) (retuned 2026-11-30 with the
+# per SM; each split adds only a partial row and an lse to write and merge); EARLY_DEQUANT
+# (FP8, default False): dequantize each tile to bf16 where it is loaded (see _attend) (retuned 2026-11-30 with the
 # constant page size and the per-column denominator, raw/2026-11-30-h200-session8-*). Tiles and
 # splits from the 2026-11-29 run, which timed a kernel whose tile loop could not prefetch;
 # num_stages is 3 here because with 2 the compiler issues the next tile's copy after this
@@ -133,13 +134,21 @@ def _attend(qa, qb, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc_a, ac
             HALVES: tl.constexpr, QUANT: tl.constexpr):
     """Fold one tile of cache entries (at row offsets `rows`, live where pm) into a head
     group's running max m, denominator den and output acc_a (and acc_b: with HALVES = 2 the
-    latent is two halves of HALF columns, two independent tensor-core chains, not one)."""
+    latent is two halves of HALF columns, two independent tensor-core chains, not one).
+    QUANT 0: a bf16 cache. 1: FP8, widened to float16 for the products, its scales applied
+    to the scores and the probabilities. 2 (config EARLY_DEQUANT): FP8 dequantized to bf16
+    where loaded, then as a bf16 cache (one widening a tile; compiled for sm_90 the first
+    form widens each tile twice, once per product, and shuffles it between layouts)."""
     oh, orr = tl.arange(0, HALF), tl.arange(0, BLOCK_R)
     kva = tl.load(cache_ptr + rows[:, None] + oh[None, :], mask=pm[:, None] & (oh < DL)[None, :],
                   other=0.0)
     kp = tl.load(cache_ptr + rows[:, None] + DL + orr[None, :],
                  mask=pm[:, None] & (orr < DR)[None, :], other=0.0)
-    if QUANT:
+    if QUANT == 2:  # dequantized to bf16 where loaded: both products as with a bf16 cache
+        ts = tl.load(scale_ptr + srows, mask=pm, other=0.0)
+        kva = (kva.to(tl.float32) * ts[:, None]).to(DOT)
+        kp = (kp.to(tl.float32) * ts[:, None]).to(DOT)
+    elif QUANT:
         kva, kp = kva.to(DOT16), kp.to(DOT16)
     else:
         kva, kp = kva.to(DOT), kp.to(DOT)
@@ -147,9 +156,12 @@ def _attend(qa, qb, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc_a, ac
     if HALVES == 2:
         kvb = tl.load(cache_ptr + rows[:, None] + HALF + oh[None, :],
                       mask=pm[:, None] & (HALF + oh < DL)[None, :], other=0.0)
-        kvb = kvb.to(kva.dtype)
+        if QUANT == 2:
+            kvb = (kvb.to(tl.float32) * ts[:, None]).to(DOT)
+        else:
+            kvb = kvb.to(kva.dtype)
         s += tl.dot(qb, tl.trans(kvb))
-    if QUANT:
+    if QUANT == 1:
         ts = tl.load(scale_ptr + srows, mask=pm, other=0.0)
         s = s * ts[None, :]
     s = tl.where(pm[None, :], s * sm_scale_log2, float("-inf"))
@@ -159,7 +171,7 @@ def _attend(qa, qb, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc_a, ac
     # The denominator stays per column and is summed once at the end: a row sum here would
     # cost a cross-warp reduction (shared memory and a barrier) per tile.
     den = den * alpha[:, None] + p
-    if QUANT:
+    if QUANT == 1:
         # The value sum weighs token t by p * scale_t. float16 holds p * scale_t / max(scale)
         # in [0, 1] precisely (p * scale_t itself underflows for a cache of small values).
         tmax = tl.maximum(tl.max(ts, 0), 1e-30)
@@ -200,7 +212,7 @@ def _mla_decode_split_kernel(
                  mask=hm[:, None] & (oh < DL)[None, :], other=0.0)
     qp = tl.load(qpe_ptr + b * s_qpb + heads[:, None] * s_qph + orr[None, :],
                  mask=hm[:, None] & (orr < DR)[None, :], other=0.0)
-    if QUANT:
+    if QUANT == 1:
         qa, qp = qa.to(DOT16), qp.to(DOT16)
     else:
         qa, qp = qa.to(DOT), qp.to(DOT)
@@ -347,7 +359,8 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
         h, num_splits,
         DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1], QUANT=quant, GROUP=group, MULTI=multi,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1],
+        QUANT=(2 if cfg.get("EARLY_DEQUANT", False) else 1) if quant else 0, GROUP=group, MULTI=multi,
         DIRECT=direct, HALVES=halves,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (out, part, None) if direct else (out, part, lse)

@@ -152,12 +152,16 @@ def _decode_case(g, fp8: bool):
 DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP": 2},
                 "pages": {"BLOCK_N": 8}, "pages-groups": {"BLOCK_N": 8, "MAX_GROUP": 2},
                 "per-token": {"BLOCK_N": 16, "PAGED": False},
-                "halves": {"BLOCK_N": 8, "HALVES": 2}, "halves-per-token": {"BLOCK_N": 16, "PAGED": False, "HALVES": 2}}
+                "halves": {"BLOCK_N": 8, "HALVES": 2}, "halves-per-token": {"BLOCK_N": 16, "PAGED": False, "HALVES": 2},
+                "early-dequant": {"BLOCK_N": 8, "HALVES": 2, "EARLY_DEQUANT": True},
+                "early-dequant-per-token": {"BLOCK_N": 16, "PAGED": False, "EARLY_DEQUANT": True}}
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
                     "pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
                     "per-token": {"PAGED": False}, "halves": {"BLOCK_N": 32, "HALVES": 2},
-                    "halves-page": {"BLOCK_N": 16, "HALVES": 2}}
+                    "halves-page": {"BLOCK_N": 16, "HALVES": 2},
+                    "early-dequant": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True},
+                    "early-dequant-per-token": {"PAGED": False, "EARLY_DEQUANT": True}}
 
 
 @pytest.mark.parametrize("fp8", [False, True])

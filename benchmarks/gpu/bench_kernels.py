@@ -522,9 +522,11 @@ def bench_router(b: Bench, bw: float) -> None:
 
 # -- 4. MLA decode ------------------------------------------------------------------------------
 
-def decode_candidates(committed: dict, fp8: bool, smoke: bool) -> list[dict]:
+def decode_candidates(committed: dict, fp8: bool, smoke: bool, bf16_twin: dict | None = None) -> list[dict]:
     """(The page-group tile loop prefetches only with num_stages >= 3.) HALVES 2: the latent
-    as two halves, two tensor-core chains a tile instead of one."""
+    as two halves, two tensor-core chains a tile instead of one. ``bf16_twin``: the bf16
+    cache's config for the same case (FP8 candidates try it with EARLY_DEQUANT)."""
+    bf16_twin = bf16_twin or committed
     if smoke:
         return [{"BLOCK_N": 4, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64},
                 {"BLOCK_N": 4, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 64, "HALVES": 2}]
@@ -533,6 +535,9 @@ def decode_candidates(committed: dict, fp8: bool, smoke: bool) -> list[dict]:
     else:
         tiles = [(16, 4, 3), (32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 4), (64, 4, 3), (32, 4, 4)]
     out = [committed]
+    if fp8:  # each tile dequantized to bf16 where loaded, on the committed tile and bf16's (first:
+        # tuning stops at the deadline)
+        out += [{**committed, "EARLY_DEQUANT": True}, {**bf16_twin, "EARLY_DEQUANT": True}]
     for bn, w, s in tiles:
         for halves in (1, 2):
             for split in (64, 256, 512, 1024):
@@ -609,7 +614,8 @@ def bench_decode(b: Bench, bw: float) -> None:
                     cache, scale = (cache8, scale8) if fp8 else (cache16, None)
                     # keyed by batch and context bucket (the split that fills the GPU depends on both)
                     key = ("fp8" if fp8 else "bf16", batch, ctx)
-                    cands = decode_candidates(dec_mod.decode_config(cache.dtype, batch, ctx), fp8, b.smoke)
+                    cands = decode_candidates(dec_mod.decode_config(cache.dtype, batch, ctx), fp8, b.smoke,
+                                              dec_mod.decode_config(cache16.dtype, batch, ctx))
                     decode_case(b, bw, name, key, cands, ql, qp, cache, scale, tables, lens, ctx, sm_scale)
                 except Exception:  # noqa: BLE001
                     b.errors[name] = traceback.format_exc()[-1500:]
@@ -617,12 +623,17 @@ def bench_decode(b: Bench, bw: float) -> None:
         torch.cuda.empty_cache() if not b.smoke else None
 
 
-def long_candidates(committed: dict, short: dict, fp8: bool, batch: int, sms: int) -> list[dict]:
+def long_candidates(committed: dict, short: dict, fp8: bool, batch: int, sms: int,
+                    bf16_twin: dict | None = None) -> list[dict]:
     """Long contexts at small batch: more splits than the 128 the short buckets allow (several
     programs per SM), on the tiles that won at 4K. A cap no launch reaches (WAVES * sms /
     batch splits wanted) is left out: it would time the same launch again. ``short``: the 4K
-    bucket's config, which such launches took before the 128K bucket."""
+    bucket's config, which such launches took before the 128K bucket; ``bf16_twin``: the bf16
+    cache's config for the same case."""
+    bf16_twin = bf16_twin or committed
     out = [committed, short]
+    if fp8:  # dequantized to bf16 where loaded (EARLY_DEQUANT), on the tiles bf16 runs
+        out += [{**committed, "EARLY_DEQUANT": True}, {**bf16_twin, "EARLY_DEQUANT": True}]
     tiles = ([(64, 8, 2, 1, False), (32, 4, 3, 2, True), (64, 8, 3, 1, True)] if fp8 else
              [(32, 4, 3, 2, True), (64, 8, 3, 1, True), (32, 4, 4, 2, True)])
     for most in (1024, 512, 2048):  # the likeliest first: tuning stops at the deadline
@@ -653,7 +664,8 @@ def bench_decode_long(b: Bench, bw: float) -> None:
             try:
                 committed = dec_mod.decode_config(dtype, batch, ctx)
                 short = dec_mod.decode_config(dtype, batch, 4096)
-                cands = long_candidates(committed, short, fp8, batch, sms) if not b.smoke else [committed]
+                twin = dec_mod.decode_config(cache16.dtype, batch, ctx)
+                cands = long_candidates(committed, short, fp8, batch, sms, twin) if not b.smoke else [committed]
                 decode_case(b, bw, name, ("fp8" if fp8 else "bf16", batch, ctx), cands, ql, qp,
                             *((cache8, scale8) if fp8 else (cache16, None)), tables, lens, ctx, sm_scale,
                             baseline=False)
