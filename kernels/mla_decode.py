@@ -41,7 +41,9 @@ LOG2E = 1.4426950408889634
 # splits the latent into two halves, two tensor-core chains a tile; MAX_SPLITS (default 128):
 # the most splits a sequence may get (a long context at small batch wants several programs
 # per SM; each split adds only a partial row and an lse to write and merge); EARLY_DEQUANT
-# (FP8, default False): dequantize each tile to bf16 where it is loaded (see _attend) (retuned 2026-11-30 with the
+# (FP8, default False): dequantize each tile to bf16 where it is loaded (see _fold); PREFETCH
+# (default False; paged tiles): load each tile while the one before it is folded, written
+# out, for the FP8 latent tiles, which the compiler does not pipeline on sm_90 (retuned 2026-11-30 with the
 # constant page size and the per-column denominator, raw/2026-11-30-h200-session8-*). Tiles and
 # splits from the 2026-11-29 run, which timed a kernel whose tile loop could not prefetch;
 # num_stages is 3 here because with 2 the compiler issues the next tile's copy after this
@@ -129,40 +131,49 @@ def num_splits_for(batch: int, head_groups: int, max_seq_len: int, min_split: in
 
 
 @triton.jit
-def _attend(qa, qb, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc_a, acc_b, sm_scale_log2,
-            DL: tl.constexpr, DR: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-            HALVES: tl.constexpr, QUANT: tl.constexpr):
-    """Fold one tile of cache entries (at row offsets `rows`, live where pm) into a head
-    group's running max m, denominator den and output acc_a (and acc_b: with HALVES = 2 the
-    latent is two halves of HALF columns, two independent tensor-core chains, not one).
-    QUANT 0: a bf16 cache. 1: FP8, widened to float16 for the products, its scales applied
-    to the scores and the probabilities. 2 (config EARLY_DEQUANT): FP8 dequantized to bf16
-    where loaded, then as a bf16 cache (one widening a tile; compiled for sm_90 the first
-    form widens each tile twice, once per product, and shuffles it between layouts)."""
+def _load_tile(cache_ptr, rows, pm, scale_ptr, srows, DL: tl.constexpr, DR: tl.constexpr,
+               HALF: tl.constexpr, BLOCK_R: tl.constexpr, HALVES: tl.constexpr, QUANT: tl.constexpr):
+    """One tile of cache entries as stored (at row offsets `rows`, live where pm): the latent
+    (its second half with HALVES = 2, else the first again), the rope part, and the FP8
+    scales (the live mask as floats for a bf16 cache: unused)."""
     oh, orr = tl.arange(0, HALF), tl.arange(0, BLOCK_R)
     kva = tl.load(cache_ptr + rows[:, None] + oh[None, :], mask=pm[:, None] & (oh < DL)[None, :],
                   other=0.0)
     kp = tl.load(cache_ptr + rows[:, None] + DL + orr[None, :],
                  mask=pm[:, None] & (orr < DR)[None, :], other=0.0)
-    if QUANT == 2:  # dequantized to bf16 where loaded: both products as with a bf16 cache
-        ts = tl.load(scale_ptr + srows, mask=pm, other=0.0)
-        kva = (kva.to(tl.float32) * ts[:, None]).to(DOT)
-        kp = (kp.to(tl.float32) * ts[:, None]).to(DOT)
-    elif QUANT:
-        kva, kp = kva.to(DOT16), kp.to(DOT16)
-    else:
-        kva, kp = kva.to(DOT), kp.to(DOT)
-    s = tl.dot(qa, tl.trans(kva)) + tl.dot(qp, tl.trans(kp))
+    kvb = kva
     if HALVES == 2:
         kvb = tl.load(cache_ptr + rows[:, None] + HALF + oh[None, :],
                       mask=pm[:, None] & (HALF + oh < DL)[None, :], other=0.0)
-        if QUANT == 2:
+    ts = pm.to(tl.float32)
+    if QUANT:
+        ts = tl.load(scale_ptr + srows, mask=pm, other=0.0)
+    return kva, kp, kvb, ts
+
+
+@triton.jit
+def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
+          HALVES: tl.constexpr, QUANT: tl.constexpr):
+    """Fold one loaded tile (``_load_tile``) into a head group's running max m, denominator
+    den and output acc_a (and acc_b: with HALVES = 2 the latent is two halves, two
+    independent tensor-core chains, not one). QUANT 0: a bf16 cache. 1: FP8, widened to
+    float16 for the products, its scales applied to the scores and the probabilities. 2
+    (config EARLY_DEQUANT): FP8 dequantized to bf16 where loaded, then as a bf16 cache (one
+    widening a tile; compiled for sm_90 the first form widens each tile twice, once per
+    product, and shuffles it between layouts)."""
+    if QUANT == 2:  # dequantized to bf16 where loaded: both products as with a bf16 cache
+        kva = (kva.to(tl.float32) * ts[:, None]).to(DOT)
+        kp = (kp.to(tl.float32) * ts[:, None]).to(DOT)
+        if HALVES == 2:
             kvb = (kvb.to(tl.float32) * ts[:, None]).to(DOT)
-        else:
-            kvb = kvb.to(kva.dtype)
+    elif QUANT:
+        kva, kp, kvb = kva.to(DOT16), kp.to(DOT16), kvb.to(DOT16)
+    else:
+        kva, kp, kvb = kva.to(DOT), kp.to(DOT), kvb.to(DOT)
+    s = tl.dot(qa, tl.trans(kva)) + tl.dot(qp, tl.trans(kp))
+    if HALVES == 2:
         s += tl.dot(qb, tl.trans(kvb))
     if QUANT == 1:
-        ts = tl.load(scale_ptr + srows, mask=pm, other=0.0)
         s = s * ts[None, :]
     s = tl.where(pm[None, :], s * sm_scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -187,6 +198,22 @@ def _attend(qa, qb, qp, cache_ptr, rows, pm, scale_ptr, srows, m, den, acc_a, ac
     return m_new, den, acc_a, acc_b
 
 
+@triton.jit
+def _page_rows(n0, p0, pages, g, toks, s_cblk, s_ctok, s_sblk, s_stok, BLOCK_SIZE: tl.constexpr,
+               MULTI: tl.constexpr):
+    """(cache row offsets, scale offsets) of the tile at token n0 of the page group from p0,
+    whose block ids are `pages`. A tile lies in one page (or in whole pages, MULTI); a tile
+    past the group reads block 0 (callers mask it)."""
+    if MULTI:  # each token's page, picked from the group's ids in registers
+        pidx = (n0 + toks) // BLOCK_SIZE - p0
+        blk = tl.sum(tl.where(g[None, :] == pidx[:, None], pages[None, :], 0), 1).to(tl.int64)
+        slot = (n0 + toks) % BLOCK_SIZE
+    else:
+        blk = tl.sum(tl.where(g == n0 // BLOCK_SIZE - p0, pages, 0), 0).to(tl.int64)
+        slot = n0 % BLOCK_SIZE + toks
+    return blk * s_cblk + slot * s_ctok, blk * s_sblk + slot * s_stok
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
 def _mla_decode_split_kernel(
         ql_ptr, qpe_ptr, cache_ptr, scale_ptr, bt_ptr, len_ptr, op_ptr, lse_ptr, sm_scale_log2,
@@ -195,7 +222,7 @@ def _mla_decode_split_kernel(
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         QUANT: tl.constexpr, GROUP: tl.constexpr, MULTI: tl.constexpr, DIRECT: tl.constexpr,
-        HALVES: tl.constexpr):
+        HALVES: tl.constexpr, PREFETCH: tl.constexpr):
     # DIRECT (one split): op_ptr is the output [B, H, DL] itself (s_os unused), no lse.
     # BLOCK_SIZE (the cache's page size) is a constant: a token's page and slot are a shift and
     # a mask, not a signed division (which was most of the tile loop's instructions).
@@ -237,28 +264,39 @@ def _mla_decode_split_kernel(
             pages = tl.load(bt_ptr + b * s_btb + p0 + g, mask=p0 + g < last_page, other=0)
             lo = tl.maximum(start, p0 * BLOCK_SIZE)
             hi = tl.minimum(end, (p0 + GROUP) * BLOCK_SIZE)
-            for n0 in range(lo, hi, BLOCK_N):
-                if MULTI:  # each token's page, picked from the group's ids in registers
-                    pidx = (n0 + toks) // BLOCK_SIZE - p0
-                    blk = tl.sum(tl.where(g[None, :] == pidx[:, None], pages[None, :], 0), 1).to(tl.int64)
-                    slot = (n0 + toks) % BLOCK_SIZE
-                else:
-                    blk = tl.sum(tl.where(g == n0 // BLOCK_SIZE - p0, pages, 0), 0).to(tl.int64)
-                    slot = n0 % BLOCK_SIZE + toks
-                m, den, acc_a, acc_b = _attend(
-                    qa, qb, qp, cache_ptr, blk * s_cblk + slot * s_ctok, n0 + toks < end, scale_ptr,
-                    blk * s_sblk + slot * s_stok, m, den, acc_a, acc_b, sm_scale_log2,
-                    DL, DR, HALF, BLOCK_R, HALVES, QUANT)
+            if PREFETCH:  # each tile's load issued before the tile ahead of it is folded
+                rows, srows = _page_rows(lo, p0, pages, g, toks, s_cblk, s_ctok, s_sblk, s_stok,
+                                         BLOCK_SIZE, MULTI)
+                kva, kp, kvb, ts = _load_tile(cache_ptr, rows, lo + toks < end, scale_ptr, srows,
+                                              DL, DR, HALF, BLOCK_R, HALVES, QUANT)
+                for n0 in range(lo, hi, BLOCK_N):
+                    n1 = n0 + BLOCK_N
+                    rows, srows = _page_rows(n1, p0, pages, g, toks, s_cblk, s_ctok, s_sblk, s_stok,
+                                             BLOCK_SIZE, MULTI)
+                    nkva, nkp, nkvb, nts = _load_tile(cache_ptr, rows, (n1 + toks < end) & (n1 < hi),
+                                                      scale_ptr, srows, DL, DR, HALF, BLOCK_R, HALVES, QUANT)
+                    m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, n0 + toks < end, qa, qb, qp, m, den,
+                                                 acc_a, acc_b, sm_scale_log2, HALVES, QUANT)
+                    kva, kp, kvb, ts = nkva, nkp, nkvb, nts
+            else:  # the compiler's pipelining (which the FP8 latent tiles do not get on sm_90)
+                for n0 in range(lo, hi, BLOCK_N):
+                    rows, srows = _page_rows(n0, p0, pages, g, toks, s_cblk, s_ctok, s_sblk, s_stok,
+                                             BLOCK_SIZE, MULTI)
+                    pm = n0 + toks < end
+                    kva, kp, kvb, ts = _load_tile(cache_ptr, rows, pm, scale_ptr, srows, DL, DR, HALF,
+                                                  BLOCK_R, HALVES, QUANT)
+                    m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b,
+                                                 sm_scale_log2, HALVES, QUANT)
     else:  # tiles span pages: a block-table entry per token
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + toks
             pm = pos < end
             blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=pm, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
-            m, den, acc_a, acc_b = _attend(
-                qa, qb, qp, cache_ptr, blk * s_cblk + slot * s_ctok, pm, scale_ptr,
-                blk * s_sblk + slot * s_stok, m, den, acc_a, acc_b, sm_scale_log2,
-                DL, DR, HALF, BLOCK_R, HALVES, QUANT)
+            kva, kp, kvb, ts = _load_tile(cache_ptr, blk * s_cblk + slot * s_ctok, pm, scale_ptr,
+                                          blk * s_sblk + slot * s_stok, DL, DR, HALF, BLOCK_R, HALVES, QUANT)
+            m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b,
+                                         sm_scale_log2, HALVES, QUANT)
     total = tl.sum(den, 1)
     some = total > 0.0  # false for an empty split (seq_len shorter than this split's start)
     inv = 1.0 / tl.where(some, total, 1.0)
@@ -361,7 +399,7 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
         DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1],
         QUANT=(2 if cfg.get("EARLY_DEQUANT", False) else 1) if quant else 0, GROUP=group, MULTI=multi,
-        DIRECT=direct, HALVES=halves,
+        DIRECT=direct, HALVES=halves, PREFETCH=bool(cfg.get("PREFETCH", False)) and group > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (out, part, None) if direct else (out, part, lse)
 

@@ -148,20 +148,28 @@ def _decode_case(g, fp8: bool):
 
 # Tiles within a page and tiles of whole pages (block ids loaded a group of pages at a time:
 # whole splits, or two pages to cross groups), a block-table entry per token, and the latent
-# as two halves.
+# as two halves. (PAGED is set wherever a path is paged: a bound under 1K takes the 1K
+# bucket's config, which is unpaged for some batches and dtypes.)
 DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP": 2},
                 "pages": {"BLOCK_N": 8}, "pages-groups": {"BLOCK_N": 8, "MAX_GROUP": 2},
                 "per-token": {"BLOCK_N": 16, "PAGED": False},
                 "halves": {"BLOCK_N": 8, "HALVES": 2}, "halves-per-token": {"BLOCK_N": 16, "PAGED": False, "HALVES": 2},
                 "early-dequant": {"BLOCK_N": 8, "HALVES": 2, "EARLY_DEQUANT": True},
-                "early-dequant-per-token": {"BLOCK_N": 16, "PAGED": False, "EARLY_DEQUANT": True}}
+                "early-dequant-per-token": {"BLOCK_N": 16, "PAGED": False, "EARLY_DEQUANT": True},
+                "prefetch": {"BLOCK_N": 4, "PREFETCH": True}, "prefetch-groups": {"BLOCK_N": 8, "MAX_GROUP": 2, "PREFETCH": True},
+                "prefetch-early-halves": {"BLOCK_N": 4, "MAX_GROUP": 2, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True}}
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
                     "pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
                     "per-token": {"PAGED": False}, "halves": {"BLOCK_N": 32, "HALVES": 2},
                     "halves-page": {"BLOCK_N": 16, "HALVES": 2},
                     "early-dequant": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True},
-                    "early-dequant-per-token": {"PAGED": False, "EARLY_DEQUANT": True}}
+                    "early-dequant-per-token": {"PAGED": False, "EARLY_DEQUANT": True},
+                    "prefetch": {"BLOCK_N": 16, "PREFETCH": True}, "prefetch-groups": {"BLOCK_N": 32, "MAX_GROUP": 2, "PREFETCH": True},
+                    "prefetch-early-halves": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True}}
+for _cfg in DECODE_PATHS.values():
+    if _cfg is not None and "PAGED" not in _cfg:
+        _cfg["PAGED"] = True
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -522,6 +522,18 @@ def bench_router(b: Bench, bw: float) -> None:
 
 # -- 4. MLA decode ------------------------------------------------------------------------------
 
+def fp8_variants(committed: dict, bf16_twin: dict) -> list[dict]:
+    """The FP8 kernel's two untimed forms (session 16, compiled offline for sm_90: the latent
+    tiles are neither pipelined by the compiler nor widened once): EARLY_DEQUANT and PREFETCH
+    (paged tiles), alone and together, on the committed tile and the bf16 cache's."""
+    out = []
+    for base in (committed, {**bf16_twin, "PAGED": True}):
+        for extra in ({"PREFETCH": True, "PAGED": True}, {"EARLY_DEQUANT": True},
+                      {"EARLY_DEQUANT": True, "PREFETCH": True, "PAGED": True}):
+            out.append({**base, **extra})
+    return out
+
+
 def decode_candidates(committed: dict, fp8: bool, smoke: bool, bf16_twin: dict | None = None) -> list[dict]:
     """(The page-group tile loop prefetches only with num_stages >= 3.) HALVES 2: the latent
     as two halves, two tensor-core chains a tile instead of one. ``bf16_twin``: the bf16
@@ -535,9 +547,9 @@ def decode_candidates(committed: dict, fp8: bool, smoke: bool, bf16_twin: dict |
     else:
         tiles = [(16, 4, 3), (32, 8, 3), (64, 8, 3), (32, 4, 3), (16, 4, 4), (64, 4, 3), (32, 4, 4)]
     out = [committed]
-    if fp8:  # each tile dequantized to bf16 where loaded, on the committed tile and bf16's (first:
-        # tuning stops at the deadline)
-        out += [{**committed, "EARLY_DEQUANT": True}, {**bf16_twin, "EARLY_DEQUANT": True}]
+    if fp8:  # each tile dequantized to bf16 where loaded, and each tile's load written out one
+        # tile ahead, on the committed tile and bf16's (first: tuning stops at the deadline)
+        out += fp8_variants(committed, bf16_twin)
     for bn, w, s in tiles:
         for halves in (1, 2):
             for split in (64, 256, 512, 1024):
@@ -632,8 +644,8 @@ def long_candidates(committed: dict, short: dict, fp8: bool, batch: int, sms: in
     cache's config for the same case."""
     bf16_twin = bf16_twin or committed
     out = [committed, short]
-    if fp8:  # dequantized to bf16 where loaded (EARLY_DEQUANT), on the tiles bf16 runs
-        out += [{**committed, "EARLY_DEQUANT": True}, {**bf16_twin, "EARLY_DEQUANT": True}]
+    if fp8:
+        out += fp8_variants(committed, bf16_twin)
     tiles = ([(64, 8, 2, 1, False), (32, 4, 3, 2, True), (64, 8, 3, 1, True)] if fp8 else
              [(32, 4, 3, 2, True), (64, 8, 3, 1, True), (32, 4, 4, 2, True)])
     for most in (1024, 512, 2048):  # the likeliest first: tuning stops at the deadline
