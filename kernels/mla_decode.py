@@ -40,14 +40,15 @@ LOG2E = 1.4426950408889634
 # but add partial-output traffic and a merge; one split writes the output directly); HALVES: 2
 # splits the latent into two halves, two tensor-core chains a tile; MAX_SPLITS (default 128):
 # the most splits a sequence may get (a long context at small batch wants several programs
-# per SM; each split adds only a partial row and an lse to write and merge); EARLY_DEQUANT
-# (FP8, default False): dequantize each tile to bf16 where it is loaded (see _fold); PREFETCH
-# (default False; paged tiles): load each tile while the one before it is folded, written
-# out, for the FP8 latent tiles, which the compiler does not pipeline on sm_90 (retuned 2026-11-30 with the
-# constant page size and the per-column denominator, raw/2026-11-30-h200-session8-*). Tiles and
-# splits from the 2026-11-29 run, which timed a kernel whose tile loop could not prefetch;
-# num_stages is 3 here because with 2 the compiler issues the next tile's copy after this
-# tile's math and waits for it at once.
+# per SM; each split adds only a partial row and an lse to write and merge). The table was
+# retuned 2026-11-30 with the constant page size and the per-column denominator
+# (raw/2026-11-30-h200-session8-*); tiles and splits from the 2026-11-29 run, which timed a
+# kernel whose tile loop could not prefetch; num_stages is 3 here because with 2 the compiler
+# issues the next tile's copy after this tile's math and waits for it at once. Untimed keys
+# (session 16): EARLY_DEQUANT (FP8, default False) dequantizes each tile to bf16 where it is
+# loaded (see _fold); PREFETCH (default False; paged tiles) loads each tile while the one
+# before it is folded, written out, for the FP8 latent tiles, which the compiler does not
+# pipeline on sm_90.
 DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 1): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64},
     ('fp8', 1): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},

@@ -157,6 +157,7 @@ DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP
                 "early-dequant": {"BLOCK_N": 8, "HALVES": 2, "EARLY_DEQUANT": True},
                 "early-dequant-per-token": {"BLOCK_N": 16, "PAGED": False, "EARLY_DEQUANT": True},
                 "prefetch": {"BLOCK_N": 4, "PREFETCH": True}, "prefetch-groups": {"BLOCK_N": 8, "MAX_GROUP": 2, "PREFETCH": True},
+                "prefetch-pages": {"BLOCK_N": 8, "MAX_GROUP": 4, "PREFETCH": True},  # two-page tiles, two a group
                 "prefetch-early-halves": {"BLOCK_N": 4, "MAX_GROUP": 2, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True}}
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
@@ -166,6 +167,7 @@ if CUDA:
                     "early-dequant": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True},
                     "early-dequant-per-token": {"PAGED": False, "EARLY_DEQUANT": True},
                     "prefetch": {"BLOCK_N": 16, "PREFETCH": True}, "prefetch-groups": {"BLOCK_N": 32, "MAX_GROUP": 2, "PREFETCH": True},
+                    "prefetch-pages": {"BLOCK_N": 32, "MAX_GROUP": 4, "PREFETCH": True},
                     "prefetch-early-halves": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True}}
 for _cfg in DECODE_PATHS.values():
     if _cfg is not None and "PAGED" not in _cfg:
@@ -187,7 +189,8 @@ def test_mla_decode_matches_reference(fp8, splits, path):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_mla_decode_halves_with_a_latent_not_a_power_of_two(fp8, splits):
+@pytest.mark.parametrize("paged", [False, True])
+def test_mla_decode_halves_with_a_latent_not_a_power_of_two(fp8, splits, paged):
     """HALVES = 2 where the second half is partly masked (latent 48: halves of 32 columns)."""
     g = gen(4)
     b, h, dl, dr, bs = 2, 4, 48, 16, 4
@@ -198,7 +201,7 @@ def test_mla_decode_halves_with_a_latent_not_a_power_of_two(fp8, splits):
         cache, scale = quantize_per_token(cache)
     q_lat, q_pe = randn(b, h, dl, g=g, scale=0.2), randn(b, h, dr, g=g, scale=0.2)
     out = mla_decode(q_lat, q_pe, cache, tables, lens, 0.1, scale, num_splits=splits,
-                     config={"BLOCK_N": 16 if CUDA else 4, "HALVES": 2})  # (tensor cores: K >= 16)
+                     config={"BLOCK_N": 16 if CUDA else 4, "HALVES": 2, "PAGED": paged})  # (tensor cores: K >= 16)
     close(out, mla_decode_reference(q_lat, q_pe, cache, tables, lens, 0.1, scale))
 
 

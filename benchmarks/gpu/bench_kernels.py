@@ -560,7 +560,7 @@ def decode_candidates(committed: dict, fp8: bool, smoke: bool, bf16_twin: dict |
                         out.append(cfg)
     # the loop as it was before page groups (a block-table entry per token), for comparison
     out.append({**committed, "num_stages": 2, "PAGED": False})
-    return out
+    return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
 def decode_case(b: Bench, bw: float, name: str, key: tuple, cands: list[dict], ql, qp, cache, scale, tables,
