@@ -23,6 +23,11 @@ DOT16 = tl.constexpr(tl.float32 if INTERPRET else tl.float16)
 _SOFT_FP8 = tl.constexpr(INTERPRET)
 
 
+def nvidia_ptx(device: torch.device) -> bool:
+    """Kernels may carry inline PTX here: an NVIDIA GPU, not the interpreter."""
+    return device.type == "cuda" and not INTERPRET and torch.version.hip is None
+
+
 def hopper_or_later(device: torch.device) -> bool:
     """An NVIDIA GPU of compute capability 9.0 or later (what tiles tuned on the H200 and
     programmatic dependent launches assume); False on the CPU and under the interpreter."""

@@ -425,20 +425,23 @@ def test_topk_random_rows_match_torch():
 
 
 @pytest.mark.parametrize("cand, rows, walk, stages", [(512, 9, None, 0), (1024, 2, None, 0), (512, 9, 0, 0),
-                                                      (512, 9, None, 3)])
+                                                      (512, 9, None, 3), (512, 9, None, "asm")])
 def test_topk_select_hard_rows(cand, rows, walk, stages):
     """Every way through the select program: candidates in registers as a chunk tile or by
     search (sorted rows), the k-th key's bin walked or bisected (ties, clusters), and the
     tiled path for too many candidates (ties) or too few (a misleading sample); with the
     larger tile the tied rows' candidates fit in registers. ``walk`` 0: every bin bisected;
-    ``stages``: the scan's loop pipelined by the compiler instead of its written prefetch."""
+    ``stages``: the scan's loop pipelined by the compiler instead of its written prefetch;
+    "asm": the scan's stores and counts as inline PTX (on CUDA; the interpreter ignores it)."""
     if CUDA and rows < 9:
         pytest.skip("the interpreter-sized tile: on CUDA the default config takes every path")
     n, k = (30000, 2048) if CUDA else (1000, 64)
     cfg = {} if CUDA else {**TINY_TOPK, "CAND": cand}
     if walk is not None:
         cfg = {**cfg, "WALK": walk, "WAYS": 16}
-    if stages:  # the scan's loads pipelined by the compiler
+    if stages == "asm":
+        cfg = {**cfg, "ASM_STORES": True}
+    elif stages:  # the scan's loads pipelined by the compiler
         cfg = {**cfg, "SCAN_STAGES": stages}
     full = {**topk_config(9), **cfg}
     x = _hard_rows(gen(9), n, min(full["SAMPLE"], n), full["PIECES"])

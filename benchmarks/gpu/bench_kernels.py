@@ -397,7 +397,9 @@ def topk_candidates(rows: int, smoke: bool) -> list[dict]:
     out = [committed]
     # programmatic dependent launch off (the A/B for it: first, tuning stops at the deadline),
     # and on with the other launch shapes that were close
-    for extra in ({"PDL": not committed.get("PDL", True)}, {"PROGRAMS_PER_SM": 8, "TILE": 1024}, {"PROGRAMS_PER_SM": 2},
+    for extra in ({"ASM_STORES": True}, {"ASM_STORES": True, "PDL": not committed.get("PDL", True)},
+                  {"ASM_STORES": True, "TILE": 2048}, {"ASM_STORES": True, "PROGRAMS_PER_SM": 8},
+                  {"PDL": not committed.get("PDL", True)}, {"PROGRAMS_PER_SM": 8, "TILE": 1024}, {"PROGRAMS_PER_SM": 2},
                   {"TILE": 2048}, {"select_warps": 8}, {"SCAN_STAGES": 3}, {"BINS": 8192}):
         out.append({**committed, **extra})
     for tile, warps, per_sm in ((2048, 4, 8), (4096, 8, 4), (4096, 8, 2), (1024, 4, 8),
