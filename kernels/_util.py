@@ -1,5 +1,7 @@
-"""What every launcher shares: argument checks that name the bad argument, the FP8 format, and
-the one switch the CPU interpreter needs.
+"""What every launcher shares: argument checks that name the bad argument, the FP8 format, the
+one switch the CPU interpreter needs, which GPUs take inline PTX and Hopper's features, and
+predicated PTX stores that keep a tile in its own layout (NVIDIA only; not for the
+interpreter).
 
 Under `TRITON_INTERPRET=1` a kernel's tensors are numpy arrays and bfloat16 is held as raw
 uint16, so a bf16 `tl.dot` (or bf16 arithmetic) would compute on bit patterns. Kernels therefore
@@ -200,3 +202,23 @@ def to_fp8(x):
         return ((sign << 7) | code).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
     else:
         return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def st_where(ptr, value, keep):
+    """``*ptr = value`` where keep, as one predicated PTX store per element: an inline-asm
+    elementwise op runs in whatever layout its operands are in (tl.store of scattered
+    addresses first moves its operands to a one-element-a-thread layout, through shared
+    memory)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), value, keep.to(tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
+@triton.jit
+def count_where(ptr, keep):
+    """``*ptr += 1`` where keep (relaxed, device scope), one predicated PTX reduction an element."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p red.relaxed.gpu.global.add.u32 [$1], 1; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr.to(tl.int64, bitcast=True), keep.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

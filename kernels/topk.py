@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._util import check, hopper_or_later, next_pow2, nvidia_ptx
+from ._util import check, count_where, hopper_or_later, next_pow2, nvidia_ptx, st_where
 from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, topk_threshold
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: row bucket -> config.
@@ -49,7 +49,7 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # default): on Hopper and later, the scan and the select are launched as programmatic
 # dependents of the launch before them (see `_pdl`); ASM_STORES (optional, False by default;
 # NVIDIA only): the scan's compaction stores and histogram counts as predicated inline PTX in
-# the tile's own layout (`_st_where`): compiled for sm_90 offline, the scan loop's PTX went
+# the tile's own layout (`_util.st_where`): compiled for sm_90 offline, the scan loop's PTX went
 # from 353 instructions and 23 barriers a tile to 268 and 9 (not yet timed).
 TOPK_CONFIGS: dict[int, dict] = {
     1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
@@ -116,39 +116,19 @@ def _prefix(flags, N: tl.constexpr):
 
 
 @triton.jit
-def _st_where(ptr, value, keep):
-    """``*ptr = value`` where keep, as one predicated PTX store per element: an inline-asm
-    elementwise op runs in whatever layout its operands are in (tl.store of scattered
-    addresses first moves its operands to a one-element-a-thread layout, through shared
-    memory)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r,r", [ptr.to(tl.int64, bitcast=True), value, keep.to(tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)
-
-
-@triton.jit
-def _count_where(ptr, keep):
-    """``*ptr += 1`` where keep (relaxed, device scope), one predicated PTX reduction an element."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p red.relaxed.gpu.global.add.u32 [$1], 1; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr.to(tl.int64, bitcast=True), keep.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _compact(x, offs, m, floor, shift, ckey_ptr, cidx_ptr, hist_ptr, region, kept,
              LOG_NB: tl.constexpr, TILE: tl.constexpr, ASM: tl.constexpr):
     """Append the keys >= floor of one tile (and their indices) to the chunk's region, in
     index order, and count them into the row's histogram; returns the new count. ASM: the
-    stores and counts as predicated PTX in the tile's own layout (``_st_where``)."""
+    stores and counts as predicated PTX in the tile's own layout (``_util.st_where``)."""
     key = _key(x)
     keep = (key >= floor) & m
     pos = kept + _prefix(keep.to(tl.int32), TILE) - 1
     b = tl.minimum((key - floor) >> shift, (1 << LOG_NB) - 1)
     if ASM:
-        _st_where(ckey_ptr + region + pos, key.to(tl.int32, bitcast=True), keep)
-        _st_where(cidx_ptr + region + pos, offs, keep)
-        _count_where(hist_ptr + b, keep)
+        st_where(ckey_ptr + region + pos, key.to(tl.int32, bitcast=True), keep)
+        st_where(cidx_ptr + region + pos, offs, keep)
+        count_where(hist_ptr + b, keep)
     else:
         tl.store(ckey_ptr + region + pos, key.to(tl.int32, bitcast=True), mask=keep)
         tl.store(cidx_ptr + region + pos, offs, mask=keep)
