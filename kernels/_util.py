@@ -217,6 +217,15 @@ def st_where(ptr, value, keep):
 
 
 @triton.jit
+def st_where16(ptr, value, keep):
+    """``st_where`` for 16-bit values (``value`` int16 bits)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b16 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,h,r", [ptr.to(tl.int64, bitcast=True), value, keep.to(tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
+@triton.jit
 def count_where(ptr, keep):
     """``*ptr += 1`` where keep (relaxed, device scope), one predicated PTX reduction an element."""
     return tl.inline_asm_elementwise(

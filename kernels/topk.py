@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._util import check, count_where, hopper_or_later, next_pow2, nvidia_ptx, st_where
+from ._util import check, count_where, hopper_or_later, next_pow2, nvidia_ptx, st_where, st_where16
 from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, topk_threshold
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: row bucket -> config.
@@ -48,9 +48,10 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # many tiles deep, instead of the one-tile prefetch written out; PDL (optional, True by
 # default): on Hopper and later, the scan and the select are launched as programmatic
 # dependents of the launch before them (see `_pdl`); ASM_STORES (optional, False by default;
-# NVIDIA only): the scan's compaction stores and histogram counts as predicated inline PTX in
-# the tile's own layout (`_util.st_where`): compiled for sm_90 offline, the scan loop's PTX went
-# from 353 instructions and 23 barriers a tile to 268 and 9 (not yet timed).
+# NVIDIA only): the scan's compaction stores and histogram counts, and the select's output
+# stores, as predicated inline PTX in the tile's own layout (`_util.st_where`): compiled for
+# sm_90 offline, the scan loop's PTX went from 353 instructions and 23 barriers a tile to 268
+# and 9 (not yet timed).
 TOPK_CONFIGS: dict[int, dict] = {
     1: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16},
     64: {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16, 'PDL': False},
@@ -318,7 +319,7 @@ def _resolve(key, live, in_bin, m_bin, c_hi, k, WALK: tl.constexpr, WAYS: tl.con
 
 @triton.jit
 def _emit(key, idx, live, kth, need, n_eq, written, ties, val_ptr, ind_ptr, row, k,
-          N: tl.constexpr):
+          N: tl.constexpr, ASM: tl.constexpr = False):
     """Write the selected among candidates [N] in index order: keys above kth, and ties at
     kth while fewer than `need` earlier ties were taken (n_eq: how many ties there are in
     all; when they all fit, no tie ranks are needed). Returns the running (written, ties)."""
@@ -329,8 +330,16 @@ def _emit(key, idx, live, kth, need, n_eq, written, ties, val_ptr, ind_ptr, row,
         sel = (live & (key > kth)) | (eq & (ties + _prefix(eq.to(tl.int32), N) - 1 < need))
     pos = written + _prefix(sel.to(tl.int32), N) - 1
     ok = sel & (pos < k)  # (always, unless the counts were inconsistent: never write past k)
-    tl.store(val_ptr + row * k + pos, _unkey(key).to(val_ptr.dtype.element_ty), mask=ok)
-    tl.store(ind_ptr + row * k + pos, idx, mask=ok)
+    val = _unkey(key).to(val_ptr.dtype.element_ty)
+    if ASM:  # predicated PTX stores in the candidates' own layout (see _util.st_where)
+        if val_ptr.dtype.element_ty.primitive_bitwidth == 32:
+            st_where(val_ptr + row * k + pos, val.to(tl.int32, bitcast=True), ok)
+        else:
+            st_where16(val_ptr + row * k + pos, val.to(tl.int16, bitcast=True), ok)
+        st_where(ind_ptr + row * k + pos, idx, ok)
+    else:
+        tl.store(val_ptr + row * k + pos, val, mask=ok)
+        tl.store(ind_ptr + row * k + pos, idx, mask=ok)
     return written + tl.sum(sel.to(tl.int32), 0), ties + tl.sum(eq.to(tl.int32), 0)
 
 
@@ -339,7 +348,7 @@ def _topk_select_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, 
                         val_ptr, ind_ptr, s_xr, n, k, chunk, n_chunks,
                         LOG_C: tl.constexpr, LOG_NB: tl.constexpr, CAND: tl.constexpr,
                         WALK: tl.constexpr, SMALL: tl.constexpr, WAYS: tl.constexpr,
-                        PDL: tl.constexpr):
+                        PDL: tl.constexpr, ASM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if PDL:  # everything below reads the scan's output
         gdc_wait()
@@ -369,7 +378,7 @@ def _topk_select_kernel(x_ptr, cnt_ptr, ckey_ptr, cidx_ptr, hist_ptr, info_ptr, 
         in_bin = live & (tl.minimum((key - floor) >> shift, (1 << LOG_NB) - 1) == best)
         kth, c_hi, n_eq = _resolve(key, live, in_bin, m_bin, c_hi, k, WALK, WAYS)
         _emit(key, idx, live, kth.to(tl.uint32), k - c_hi, n_eq, 0, 0, val_ptr, ind_ptr, row,
-              k, CAND)
+              k, CAND, ASM)
     else:  # too many candidates, or too few: the same over tiles, re-read each round
         from_row = total < k  # the floor was too high: the k-th largest is below it
         size = tl.where(from_row, n, total)
@@ -502,7 +511,7 @@ def _topk_select(x: torch.Tensor, k: int, cfg: dict, vals: torch.Tensor,
     _topk_select_kernel[(r,)](x, cnt, ckey, cidx, hist, info, scr, vals, inds, x.stride(0), n, k,
                               chunk, n_chunks, LOG_C=(next_pow2(n_chunks) - 1).bit_length(),
                               LOG_NB=log_nb, CAND=cfg["CAND"], WALK=cfg.get("WALK", WALK), SMALL=SMALL,
-                              WAYS=cfg["WAYS"], PDL=pdl,
+                              WAYS=cfg["WAYS"], PDL=pdl, ASM=bool(cfg.get("ASM_STORES", False)) and nvidia_ptx(x.device),
                               num_warps=cfg["select_warps"], **({"launch_pdl": True} if pdl else {}))
 
 
