@@ -27,14 +27,16 @@ RUN = """  tuned mla_decode.DECODE_CONFIGS[('bf16', 8)]: best {'BLOCK_N': 16} at
 #   mla_decode.DECODE_CONFIGS[('fp8', 1)] = {'BLOCK_N': 64, 'error': "OutOfResources('shared memory')"}
 #   topk.TOPK_CONFIGS[64] (n=32768) = {'TILE': 4096}
 #   topk.TOPK_CONFIGS[64] (n=131072) = {'TILE': 1024}
+#   topk.TOPK_CONFIGS[(1, 131072)] = {'TILE': 2048}
 """
 
 
-def test_tuned_reads_the_winners_and_skips_failures_and_other_row_lengths():
+def test_tuned_reads_the_winners_skips_failures_and_keys_topk_by_row_length():
     found = tuned(RUN.splitlines())
     assert found == {("mla_decode", "DECODE_CONFIGS"): {("bf16", 8): {"BLOCK_N": 16},
                                                         ("bf16", 256, 1024): {"BLOCK_N": 32, "WAVES": 2}},
-                     ("topk", "TOPK_CONFIGS"): {64: {"TILE": 1024}}}
+                     ("topk", "TOPK_CONFIGS"): {(64, 32768): {"TILE": 4096}, (64, 131072): {"TILE": 1024},
+                                                (1, 131072): {"TILE": 2048}}}
 
 
 def test_rewrite_sets_keys_keeps_the_others_and_the_rest_of_the_module(tmp_path):

@@ -448,6 +448,17 @@ def test_topk_select_hard_rows(cand, rows, walk, stages):
     _assert_topk(x[:rows], k, cfg or None)
 
 
+def test_topk_config_takes_the_row_bucket_then_the_nearest_row_length(monkeypatch):
+    import lockstep.kernels.topk as topk_mod
+    monkeypatch.setattr(topk_mod, "TOPK_CONFIGS", {(1, 131072): {"TILE": 1}, (64, 32768): {"TILE": 2},
+                                                   (64, 131072): {"TILE": 3}})
+    assert topk_config(64, 32768)["TILE"] == 2 and topk_config(200, 131072)["TILE"] == 3
+    assert topk_config(64, 50000)["TILE"] == 2  # nearer 32K than 128K on a log scale
+    assert topk_config(64, 100000)["TILE"] == 3
+    assert topk_config(1, 1000)["TILE"] == 1  # the row bucket's entry at another length
+    assert topk_config(8, 32768) == topk_mod.DEFAULT_CONFIG  # no entry for 8 rows
+
+
 def test_topk_threshold_path_hard_rows():
     n, k = (30000, 2048) if CUDA else (1000, 64)
     cfg = {"ALGO": "threshold"} if CUDA else TINY_THRESHOLD

@@ -5,8 +5,8 @@ runs (and the runtime) use them without tuning:
 
 The run ends with lines such as ``#   mla_decode.DECODE_CONFIGS[('bf16', 256, 1024)] = {...}``;
 each sets that key of the dict literal ``DECODE_CONFIGS`` in ``kernels/mla_decode.py``
-(other keys stay). Top-k configs tuned on rows other than the issue's 131,072 are skipped
-(one table entry per row count). Prints what changed.
+(other keys stay). Top-k's are keyed (rows, row length); an older run's
+``topk.TOPK_CONFIGS[64] (n=32768)`` is read as key (64, 32768). Prints what changed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 LINE = re.compile(r"^#\s+(\w+)\.(\w+)\[(.+?)\](?: \(n=(\d+)\))? = (\{.*\})\s*$")
-TOPK_N = 131072
 
 
 def tuned(lines) -> dict[tuple[str, str], dict]:
@@ -30,12 +29,13 @@ def tuned(lines) -> dict[tuple[str, str], dict]:
         if not m:
             continue
         module, table, key, n, cfg = m.groups()
-        if n is not None and int(n) != TOPK_N:
-            continue
         value = ast.literal_eval(cfg)
         if "error" in value:
             continue
-        out.setdefault((module, table), {})[ast.literal_eval(key)] = value
+        key = ast.literal_eval(key)
+        if n is not None:  # the older form: the row length outside the brackets
+            key = (key, int(n))
+        out.setdefault((module, table), {})[key] = value
     return out
 
 
