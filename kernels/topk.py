@@ -56,8 +56,8 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # and 9; on the H200 64 rows of 131,072 took 40.3 us against 56 without (session 17).
 TOPK_CONFIGS: dict[tuple[int, int], dict] = {
     (1, 131072): {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 8, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16, 'ASM_STORES': True},
-    (64, 32768): {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16, 'PDL': False},
-    (64, 131072): {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16, 'PDL': True, 'ASM_STORES': True},
+    (64, 32768): {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 2048, 'PIECES': 64, 'Z': 5.0, 'BINS': 4096, 'CAND': 4096, 'WAYS': 4, 'select_warps': 8, 'PDL': True, 'ASM_STORES': True},
+    (64, 131072): {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 8, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16, 'PDL': True, 'ASM_STORES': True},
 }
 DEFAULT_CONFIG = {"ALGO": "select", "CHUNK": None, "PROGRAMS_PER_SM": 4, "TILE": 2048,
                   "num_warps": 4, "SAMPLE": 1024, "PIECES": 64, "Z": 6.0, "BINS": 4096,
