@@ -74,7 +74,8 @@ def topk_config(rows: int, n: int = 131072) -> dict:
     length bucket (on a log scale) with an entry, else the row bucket's entry at another
     length, else the defaults."""
     bucket = max([b for b in ROW_BUCKETS if b <= rows], default=1)
-    lengths = sorted(N_BUCKETS, key=lambda b: abs(math.log2(max(n, 1) / b)))
+    # nearest first; a tie goes to the longer rows (their larger candidate tile holds more)
+    lengths = sorted(N_BUCKETS, key=lambda b: (abs(math.log2(max(n, 1) / b)), -b))
     entry = next((TOPK_CONFIGS[(bucket, nb)] for nb in lengths if (bucket, nb) in TOPK_CONFIGS), {})
     return {**DEFAULT_CONFIG, **entry}
 

@@ -454,7 +454,7 @@ def test_topk_config_takes_the_row_bucket_then_the_nearest_row_length(monkeypatc
                                                    (64, 131072): {"TILE": 3}})
     assert topk_config(64, 32768)["TILE"] == 2 and topk_config(200, 131072)["TILE"] == 3
     assert topk_config(64, 50000)["TILE"] == 2  # nearer 32K than 128K on a log scale
-    assert topk_config(64, 100000)["TILE"] == 3
+    assert topk_config(64, 100000)["TILE"] == 3 and topk_config(64, 65536)["TILE"] == 3  # a tie: the longer
     assert topk_config(1, 1000)["TILE"] == 1  # the row bucket's entry at another length
     assert topk_config(8, 32768) == topk_mod.DEFAULT_CONFIG  # no entry for 8 rows
 
