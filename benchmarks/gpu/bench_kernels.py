@@ -628,7 +628,18 @@ def decode_inputs(b: Bench, g: torch.Generator, batch: int, ctx: int, most: int,
 DECODE_PAST = 16
 
 
-def bench_decode(b: Bench, bw: float) -> None:
+def _decode_cases(text: str) -> set[tuple[str, int, int]] | None:
+    """--decode-cases: {(dtype, batch, ctx)}, or None for all."""
+    cases = set()
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 3 or parts[0] not in ("bf16", "fp8") or not all(p.isdigit() for p in parts[1:]):
+            raise SystemExit(f"--decode-cases: {item!r} is not dtype:batch:ctx with dtype bf16 or fp8")
+        cases.add((parts[0], int(parts[1]), int(parts[2])))
+    return cases or None
+
+
+def bench_decode(b: Bench, bw: float, cases: set[tuple[str, int, int]] | None = None) -> None:
     h, dl, dr, bs = (16, 512, 64, 16) if not b.smoke else (4, 32, 16, 4)  # bs: the runtime's pages
     # the batches the decode targets name first: tuning stops at the budget
     batches = (256, 64, 128, 1, 8, 32) if not b.smoke else (1, 3)
@@ -638,6 +649,9 @@ def bench_decode(b: Bench, bw: float) -> None:
     most = max(batches) * -(-(max(ctxs) + DECODE_PAST) // bs)
     cache16 = torch.randn(most, bs, dl + dr, generator=g, device=b.dev).to(torch.bfloat16)
     cache8, scale8 = quantize_per_token(cache16)
+    if cases:
+        batches = tuple(x for x in batches if any(c[1] == x for c in cases))
+        ctxs = tuple(x for x in ctxs if any(c[2] == x for c in cases))
     for batch in batches:
         for ctx in ctxs:
             # As the runtime launches decode after a ctx-token prompt: the sequences a few
@@ -647,6 +661,8 @@ def bench_decode(b: Bench, bw: float) -> None:
             bound = len_bucket(seq, 1 << 30) if not b.smoke else ctx
             tables, lens, ql, qp = decode_inputs(b, g, batch, seq, most, bs, h, dl, dr)
             for fp8 in (False, True):
+                if cases and ("fp8" if fp8 else "bf16", batch, ctx) not in cases:
+                    continue
                 name = f"decode {'fp8' if fp8 else 'bf16'} batch {batch} ctx {ctx}"
                 try:
                     cache, scale = (cache8, scale8) if fp8 else (cache16, None)
@@ -1007,8 +1023,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
     ap.add_argument("--topk-rows", default="", help="comma-separated row counts: top-k's cases of those only")
+    ap.add_argument("--decode-cases", default="",
+                    help="comma-separated dtype:batch:ctx (e.g. bf16:256:1024): the decode section's cases of those only")
     ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,router,decode,decode_long,dense,kv,prefill,sampling")
     args = ap.parse_args()
+    decode_cases = _decode_cases(args.decode_cases)  # a bad one is named before anything runs
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
     info = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
@@ -1024,7 +1043,7 @@ def main() -> None:
     for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("moe_ep", lambda: bench_moe_ep(b, bw)),
                     ("topk", lambda: bench_topk(b, bw, {int(r) for r in args.topk_rows.split(",") if r})),
                     ("router", lambda: bench_router(b, bw)),
-                    ("decode", lambda: bench_decode(b, bw)), ("decode_long", lambda: bench_decode_long(b, bw)),
+                    ("decode", lambda: bench_decode(b, bw, decode_cases)), ("decode_long", lambda: bench_decode_long(b, bw)),
                     ("dense", lambda: (bench_dense(b, bw), bench_heads(b, bw))),
                     ("kv", lambda: bench_kv_store(b, bw)),
                     ("prefill", lambda: bench_prefill(b)), ("sampling", lambda: bench_sampling(b, bw))):
