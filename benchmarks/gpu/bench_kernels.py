@@ -590,7 +590,7 @@ def decode_case(b: Bench, bw: float, name: str, key: tuple, cands: list[dict], q
     run = lambda: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale, scale,  # noqa: E731
                                      max_seq_len=bound, config=cfg)
     check = ""
-    if batch * ctx <= 64 * (4096 + DECODE_PAST) or (batch == 1 and ctx <= 1 << 17):  # the reference gathers everything
+    if batch * ctx <= 64 * (4096 + DECODE_PAST) or (batch == 1 and ctx <= (1 << 17) + DECODE_PAST):  # the reference gathers everything
         ref = dec_mod.mla_decode_reference(ql, qp, cache, tables, lens, sm_scale, scale)
         check = b.check(name, run(), ref)
     per_token = (dl + dr) * (1 if fp8 else 2) + (4 if fp8 else 0)
@@ -707,12 +707,14 @@ def bench_decode_long(b: Bench, bw: float) -> None:
     sm_scale = 192 ** -0.5
     g = torch.Generator(device=b.dev).manual_seed(2)
     batches = (1, 8) if not b.smoke else (1,)
-    most = max(batches) * ctx // bs
+    seq = ctx + DECODE_PAST if not b.smoke else ctx  # as bench_decode: as the runtime launches it
+    bound = len_bucket(seq, 1 << 30) if not b.smoke else ctx
+    most = max(batches) * -(-seq // bs)
     cache16 = torch.randn(most, bs, dl + dr, generator=g, device=b.dev).to(torch.bfloat16)
     cache8, scale8 = quantize_per_token(cache16)
     sms = torch.cuda.get_device_properties(b.dev).multi_processor_count if not b.smoke else 4
     for batch in batches:
-        tables, lens, ql, qp = decode_inputs(b, g, batch, ctx, most, bs, h, dl, dr)
+        tables, lens, ql, qp = decode_inputs(b, g, batch, seq, most, bs, h, dl, dr)
         for fp8 in (True, False):
             name = f"decode {'fp8' if fp8 else 'bf16'} batch {batch} ctx {ctx}"
             dtype = cache8.dtype if fp8 else cache16.dtype
@@ -722,8 +724,8 @@ def bench_decode_long(b: Bench, bw: float) -> None:
                 twin = dec_mod.decode_config(cache16.dtype, batch, ctx)
                 cands = long_candidates(committed, short, fp8, batch, sms, twin) if not b.smoke else [committed]
                 decode_case(b, bw, name, ("fp8" if fp8 else "bf16", batch, ctx), cands, ql, qp,
-                            *((cache8, scale8) if fp8 else (cache16, None)), tables, lens, ctx, sm_scale,
-                            baseline=False)
+                            *((cache8, scale8) if fp8 else (cache16, None)), tables, lens, seq, sm_scale,
+                            baseline=False, bound=bound)
             except Exception:  # noqa: BLE001
                 b.errors[name] = traceback.format_exc()[-1500:]
                 print(b.errors[name], flush=True)
