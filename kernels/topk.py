@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from ._util import check, count_where, hopper_or_later, next_pow2, nvidia_ptx, st_where, st_where16
 from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, topk_threshold
 
-# Tuned on an H200 by benchmarks/gpu/bench_kernels.py: row bucket -> config.
+# Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (row bucket, row length) -> config.
 # CHUNK: elements per scan program (None: PROGRAMS_PER_SM programs per SM over all rows);
 # TILE: elements per scan step; SAMPLE: sampled keys per row (in PIECES runs); Z: the floor's
 # margin in standard deviations; BINS: histogram bins per row (4096: ~2.5 candidates a bin
@@ -53,7 +53,8 @@ from .topk_threshold import _key, _unkey, carve, sm_count, threshold_config, top
 # NVIDIA only): the scan's compaction stores and histogram counts, and the select's output
 # stores, as predicated inline PTX in the tile's own layout (`_util.st_where`): compiled for
 # sm_90 offline, the scan loop's PTX went from 353 instructions and 23 barriers a tile to 268
-# and 9; on the H200 64 rows of 131,072 took 40.3 us against 56 without (session 17).
+# and 9; on the H200, with PDL, 64 rows of 131,072 took 40.3 us against 56 with neither (43 with
+# the stores alone; session 17).
 TOPK_CONFIGS: dict[tuple[int, int], dict] = {
     (1, 131072): {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 8, 'TILE': 2048, 'num_warps': 8, 'SAMPLE': 1024, 'PIECES': 64, 'Z': 6.0, 'BINS': 4096, 'CAND': 8192, 'WAYS': 4, 'select_warps': 16, 'ASM_STORES': True},
     (64, 32768): {'ALGO': 'select', 'CHUNK': None, 'PROGRAMS_PER_SM': 4, 'TILE': 1024, 'num_warps': 4, 'SAMPLE': 2048, 'PIECES': 64, 'Z': 5.0, 'BINS': 4096, 'CAND': 4096, 'WAYS': 4, 'select_warps': 8, 'PDL': True, 'ASM_STORES': True},
@@ -500,7 +501,7 @@ def select_paths(x: torch.Tensor, k: int, config: dict | None = None) -> dict:
     register path costs several times more): counts of "tile" (candidates in registers as a
     chunk tile), "search" (in registers, positions searched), "tiled" (too many
     candidates), "row" (fewer than k); and the candidates and k-th bin's keys per row."""
-    cfg = {**topk_config(x.shape[0]), **(config or {})}
+    cfg = {**topk_config(*x.shape), **(config or {})}
     _, n_chunks, log_nb, cnt, *_, hist = _scan(x, k, cfg, _pdl(x, cfg))
     per = cnt.view(x.shape[0], n_chunks).long()
     total, hist = per.sum(1), hist.view(x.shape[0], -1).long()

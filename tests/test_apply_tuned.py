@@ -20,7 +20,9 @@ def decode_config():
     return DECODE_CONFIGS
 '''
 
-RUN = """  tuned mla_decode.DECODE_CONFIGS[('bf16', 8)]: best {'BLOCK_N': 16} at 9.0 us
+RUN = """  tuned mla_decode.DECODE_CONFIGS[('bf16', 8)]: best {'BLOCK_N': 16} at 9.0 us (of 3: 9, 10, 11)
+  tuned mla_decode.DECODE_CONFIGS[('fp8', 8)]: best {'BLOCK_N': 64} at 9.0 us (of 1: 9)
+  tuned topk.TOPK_CONFIGS[64] (n=65536): best {'TILE': 512} at 9.0 us (of 1: 9)
 # tuned configs (paste into the kernel modules):
 #   mla_decode.DECODE_CONFIGS[('bf16', 8)] = {'BLOCK_N': 16}
 #   mla_decode.DECODE_CONFIGS[('bf16', 256, 1024)] = {'BLOCK_N': 32, 'WAVES': 2}
@@ -28,10 +30,12 @@ RUN = """  tuned mla_decode.DECODE_CONFIGS[('bf16', 8)]: best {'BLOCK_N': 16} at
 #   topk.TOPK_CONFIGS[64] (n=32768) = {'TILE': 4096}
 #   topk.TOPK_CONFIGS[64] (n=131072) = {'TILE': 1024}
 #   topk.TOPK_CONFIGS[(1, 131072)] = {'TILE': 2048}
+#   mla_decode.DECODE_CONFIGS[('fp8', 8)] = {'BLOCK_N': 64}
+#   topk.TOPK_CONFIGS[64] (n=65536) = {'TILE': 512}
 """
 
 
-def test_tuned_reads_the_winners_skips_failures_and_keys_topk_by_row_length():
+def test_tuned_reads_the_winners_skips_failures_and_lone_timings_and_keys_topk_by_row_length():
     found = tuned(RUN.splitlines())
     assert found == {("mla_decode", "DECODE_CONFIGS"): {("bf16", 8): {"BLOCK_N": 16},
                                                         ("bf16", 256, 1024): {"BLOCK_N": 32, "WAVES": 2}},

@@ -18,14 +18,20 @@ import sys
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+ALONE = re.compile(r"^\s+tuned (.+?): best .* \(of 1: ")
 LINE = re.compile(r"^#\s+(\w+)\.(\w+)\[(.+?)\](?: \(n=(\d+)\))? = (\{.*\})\s*$")
 
 
 def tuned(lines) -> dict[tuple[str, str], dict]:
-    """(module, table) -> {key: config} from a run's output."""
+    """(module, table) -> {key: config} from a run's output. A config timed alone (the tuning
+    ran out of time after the committed one, or ran with --no-tune) was not tuned: skipped."""
     out: dict[tuple[str, str], dict] = {}
+    lines = list(lines)
+    alone = {m.group(1) for m in map(ALONE.match, lines) if m}
     for line in lines:
         m = LINE.match(line)
+        if m and line.split(" = ", 1)[0].replace("#", "").strip() in alone:
+            continue
         if not m:
             continue
         module, table, key, n, cfg = m.groups()

@@ -162,6 +162,14 @@ class Bench:
             except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
                 tried.append((math.inf, {**cfg, "error": repr(e)[:200]}))
         best = min(tried, key=lambda t: t[0])
+        if len(tried) > 1 and math.isfinite(tried[0][0]):
+            # The first candidate (the committed config) is timed first, ~10% slow on the
+            # H200 (session 17: identical launches later in the list timed 90 us against its
+            # 99): time it again, and let another config replace it only by a clear margin.
+            again = self.graph_us(lambda: run(candidates[0]), iters=10)
+            tried[0] = (min(tried[0][0], again), tried[0][1])
+            if best[1] is not tried[0][1] and best[0] > tried[0][0] * (1 - TUNE_MARGIN):
+                best = tried[0]
         print(f"  tuned {name}: best {best[1]} at {best[0]:.1f} us "
               f"(of {len(tried)}: {', '.join(f'{t:.0f}' for t, _ in tried)})", flush=True)
         self.configs[name] = best[1]
@@ -576,10 +584,13 @@ def decode_candidates(committed: dict, fp8: bool, smoke: bool, bf16_twin: dict |
 
 
 def decode_case(b: Bench, bw: float, name: str, key: tuple, cands: list[dict], ql, qp, cache, scale, tables,
-                lens, ctx: int, sm_scale: float, baseline: bool = True, bound: int | None = None) -> None:
+                lens, ctx: int, sm_scale: float, baseline: bool = True, bound: int | None = None,
+                bucket: int | None = None) -> None:
     """Tune mla_decode over cands (keyed DECODE_CONFIGS[key]), check it where the float32
     reference fits, and time it against its KV bytes (and the torch baseline for bf16).
-    ``ctx``: the sequences' length; ``bound``: the launch's context bound (default ``ctx``)."""
+    ``ctx``: the sequences' length; ``bound``: the launch's context bound (default ``ctx``);
+    ``bucket``: the context the case stands for (default ``ctx``), which decides whether the
+    float32 reference (it gathers everything) is affordable."""
     fp8 = scale is not None
     batch, h, dl = ql.shape
     dr = qp.shape[2]
@@ -590,7 +601,8 @@ def decode_case(b: Bench, bw: float, name: str, key: tuple, cands: list[dict], q
     run = lambda: dec_mod.mla_decode(ql, qp, cache, tables, lens, sm_scale, scale,  # noqa: E731
                                      max_seq_len=bound, config=cfg)
     check = ""
-    if batch * ctx <= 64 * (4096 + DECODE_PAST) or (batch == 1 and ctx <= (1 << 17) + DECODE_PAST):  # the reference gathers everything
+    bucket = bucket or ctx
+    if batch * bucket <= 256 * 1024 or (batch == 1 and bucket <= 1 << 17):  # the reference gathers everything
         ref = dec_mod.mla_decode_reference(ql, qp, cache, tables, lens, sm_scale, scale)
         check = b.check(name, run(), ref)
     per_token = (dl + dr) * (1 if fp8 else 2) + (4 if fp8 else 0)
@@ -621,6 +633,9 @@ def decode_inputs(b: Bench, g: torch.Generator, batch: int, ctx: int, most: int,
     return tables, lens, ql, qp
 
 
+# A tuned config replaces the committed one only when it is this much faster.
+TUNE_MARGIN = 0.02
+
 # Decode cases are timed this many tokens past their context (a decode step of a request whose
 # prompt was that long), with the launch bound the runtime would give them: session 17's
 # re-tune at exactly 1,024 tokens (bound 1,024) picked configs that made the whole model 3%
@@ -650,6 +665,10 @@ def bench_decode(b: Bench, bw: float, cases: set[tuple[str, int, int]] | None = 
     cache16 = torch.randn(most, bs, dl + dr, generator=g, device=b.dev).to(torch.bfloat16)
     cache8, scale8 = quantize_per_token(cache16)
     if cases:
+        missing = sorted(c for c in cases if c[1] not in batches or c[2] not in ctxs)
+        if missing:
+            print(f"--decode-cases: not cases of this section (batches {batches}, contexts {ctxs}): "
+                  f"{missing}", flush=True)
         batches = tuple(x for x in batches if any(c[1] == x for c in cases))
         ctxs = tuple(x for x in ctxs if any(c[2] == x for c in cases))
     for batch in batches:
@@ -671,7 +690,7 @@ def bench_decode(b: Bench, bw: float, cases: set[tuple[str, int, int]] | None = 
                     cands = decode_candidates(dec_mod.decode_config(cache.dtype, batch, ctx), fp8, b.smoke,
                                               dec_mod.decode_config(cache16.dtype, batch, ctx))
                     decode_case(b, bw, name, key, cands, ql, qp, cache, scale, tables, lens, seq, sm_scale,
-                                bound=bound)
+                                bound=bound, bucket=ctx)
                 except Exception:  # noqa: BLE001
                     b.errors[name] = traceback.format_exc()[-1500:]
                     print(b.errors[name], flush=True)
@@ -725,7 +744,7 @@ def bench_decode_long(b: Bench, bw: float) -> None:
                 cands = long_candidates(committed, short, fp8, batch, sms, twin) if not b.smoke else [committed]
                 decode_case(b, bw, name, ("fp8" if fp8 else "bf16", batch, ctx), cands, ql, qp,
                             *((cache8, scale8) if fp8 else (cache16, None)), tables, lens, seq, sm_scale,
-                            baseline=False, bound=bound)
+                            baseline=False, bound=bound, bucket=ctx)
             except Exception:  # noqa: BLE001
                 b.errors[name] = traceback.format_exc()[-1500:]
                 print(b.errors[name], flush=True)
