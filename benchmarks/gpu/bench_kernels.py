@@ -279,9 +279,15 @@ def moe_part_candidates(best: dict, part: str, fp8: bool, smoke: bool) -> list[d
     return out
 
 
-def bench_moe(b: Bench, bw: float) -> None:
+def bench_moe(b: Bench, bw: float, cases: set[tuple[str, int]] | None = None) -> None:
+    """``cases``: {(dtype, batch)} to run (--moe-cases), or None for all."""
     e, h, inter, k = (64, 2048, 1408, 6) if not b.smoke else (8, 256, 128, 2)
     batches = (1, 8, 64, 256) if not b.smoke else (1, 8)
+    if cases:
+        missing = sorted(c for c in cases if c[1] not in batches)
+        if missing:
+            print(f"--moe-cases: not cases of this section (batches {batches}): {missing}", flush=True)
+        batches = tuple(t for t in batches if any(c[1] == t for c in cases))
     g = torch.Generator(device=b.dev).manual_seed(0)
     w13 = (torch.randn(e, 2 * inter, h, generator=g, device=b.dev) * h ** -0.5).to(torch.bfloat16)
     w2 = (torch.randn(e, h, inter, generator=g, device=b.dev) * inter ** -0.5).to(torch.bfloat16)
@@ -301,6 +307,8 @@ def bench_moe(b: Bench, bw: float) -> None:
         weights = top.softmax(-1).float().contiguous()
         distinct = int(ids.unique().numel())
         for fp8 in (False, True):
+            if cases and ("fp8" if fp8 else "bf16", t) not in cases:
+                continue
             key = (e, h, inter, "fp8" if fp8 else "bf16", t)
             name = f"moe {'fp8' if fp8 else 'bf16'} batch {t}"
             try:
@@ -641,6 +649,17 @@ TUNE_MARGIN = 0.02
 # re-tune at exactly 1,024 tokens (bound 1,024) picked configs that made the whole model 3%
 # slower at batch 256, where the runtime launches with bound 2,048.
 DECODE_PAST = 16
+
+
+def _moe_cases(text: str) -> set[tuple[str, int]] | None:
+    """--moe-cases: {(dtype, batch)}, or None for all."""
+    cases = set()
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != 2 or parts[0] not in ("bf16", "fp8") or not parts[1].isdigit():
+            raise SystemExit(f"--moe-cases: {item!r} is not dtype:batch with dtype bf16 or fp8")
+        cases.add((parts[0], int(parts[1])))
+    return cases or None
 
 
 def _decode_cases(text: str) -> set[tuple[str, int, int]] | None:
@@ -1044,11 +1063,14 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="tuning stops trying candidates when less than 60 s of this is left")
     ap.add_argument("--topk-rows", default="", help="comma-separated row counts: top-k's cases of those only")
+    ap.add_argument("--moe-cases", default="",
+                    help="comma-separated dtype:batch (e.g. bf16:256): the fused MoE section's cases of those only")
     ap.add_argument("--decode-cases", default="",
                     help="comma-separated dtype:batch:ctx (e.g. bf16:256:1024): the decode section's cases of those only")
     ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,router,decode,decode_long,dense,kv,prefill,sampling")
     args = ap.parse_args()
     decode_cases = _decode_cases(args.decode_cases)  # a bad one is named before anything runs
+    moe_cases = _moe_cases(args.moe_cases)
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
     info = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
@@ -1061,7 +1083,7 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         b.errors["copy"] = traceback.format_exc()[-1500:]
         bw = 4.19e12
-    for sec, fn in (("moe", lambda: bench_moe(b, bw)), ("moe_ep", lambda: bench_moe_ep(b, bw)),
+    for sec, fn in (("moe", lambda: bench_moe(b, bw, moe_cases)), ("moe_ep", lambda: bench_moe_ep(b, bw)),
                     ("topk", lambda: bench_topk(b, bw, {int(r) for r in args.topk_rows.split(",") if r})),
                     ("router", lambda: bench_router(b, bw)),
                     ("decode", lambda: bench_decode(b, bw, decode_cases)), ("decode_long", lambda: bench_decode_long(b, bw)),
