@@ -48,7 +48,9 @@ LOG2E = 1.4426950408889634
 # (session 16): EARLY_DEQUANT (FP8, default False) dequantizes each tile to bf16 where it is
 # loaded (see _fold); PREFETCH (default False; paged tiles) loads each tile while the one
 # before it is folded, written out, for the FP8 latent tiles, which the compiler does not
-# pipeline on sm_90.
+# pipeline on sm_90. Untimed (session 17): RELOAD (FP8, default False; not with PREFETCH)
+# loads each latent tile twice, once per product, so that both loads are pipelined (see
+# _load_pv); EARLY_DEQUANT takes precedence.
 DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 1): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64},
     ('fp8', 1): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
@@ -107,6 +109,13 @@ def decode_config(kv_dtype: torch.dtype, batch: int, max_seq_len: int | None = N
     return cfg
 
 
+def _quant_mode(cfg: dict) -> int:
+    """The split kernel's QUANT for an FP8 cache: 2 with EARLY_DEQUANT, 3 with RELOAD, else 1."""
+    if cfg.get("EARLY_DEQUANT", False):
+        return 2
+    return 3 if cfg.get("RELOAD", False) else 1
+
+
 def page_group(cfg: dict, block_size: int) -> tuple[int, bool]:
     """(pages whose block ids a split loads at once, whether a tile spans several of them).
     0 pages: a block-table entry per token. 32: a vector one warp searches per tile, and one
@@ -153,15 +162,38 @@ def _load_tile(cache_ptr, rows, pm, scale_ptr, srows, DL: tl.constexpr, DR: tl.c
 
 
 @triton.jit
+def _load_pv(cache_ptr, rows, pm, kva, kvb, DL: tl.constexpr, HALF: tl.constexpr,
+             HALVES: tl.constexpr, QUANT: tl.constexpr):
+    """The latent tile for the value product: with QUANT 3 (config RELOAD, FP8) loaded again,
+    so that each product's tile has one use and the compiler pipelines both loads as async
+    copies to shared memory (a tile with two uses in two layouts is loaded synchronously on
+    sm_90); the second read is served by L2. Otherwise the tile already loaded."""
+    if QUANT == 3:
+        oh = tl.arange(0, HALF)
+        kva = tl.load(cache_ptr + rows[:, None] + oh[None, :], mask=pm[:, None] & (oh < DL)[None, :],
+                      other=0.0, eviction_policy="evict_first")
+        if HALVES == 2:
+            kvb = tl.load(cache_ptr + rows[:, None] + HALF + oh[None, :],
+                          mask=pm[:, None] & (HALF + oh < DL)[None, :], other=0.0,
+                          eviction_policy="evict_first")
+        else:
+            kvb = kva
+    return kva, kvb
+
+
+@triton.jit
 def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
-          HALVES: tl.constexpr, QUANT: tl.constexpr):
+          HALVES: tl.constexpr, QUANT: tl.constexpr, va=None, vb=None):
     """Fold one loaded tile (``_load_tile``) into a head group's running max m, denominator
     den and output acc_a (and acc_b: with HALVES = 2 the latent is two halves, two
     independent tensor-core chains, not one). QUANT 0: a bf16 cache. 1: FP8, widened to
     float16 for the products, its scales applied to the scores and the probabilities. 2
     (config EARLY_DEQUANT): FP8 dequantized to bf16 where loaded, then as a bf16 cache (one
     widening a tile; compiled for sm_90 the first form widens each tile twice, once per
-    product, and shuffles it between layouts)."""
+    product, and shuffles it between layouts). 3 (config RELOAD): as 1, the value product on
+    ``va`` / ``vb``, the latent loaded again (``_load_pv``)."""
+    if QUANT != 3:
+        va, vb = kva, kvb
     if QUANT == 2:  # dequantized to bf16 where loaded: both products as with a bf16 cache
         kva = (kva.to(tl.float32) * ts[:, None]).to(DOT)
         kp = (kp.to(tl.float32) * ts[:, None]).to(DOT)
@@ -169,12 +201,15 @@ def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
             kvb = (kvb.to(tl.float32) * ts[:, None]).to(DOT)
     elif QUANT:
         kva, kp, kvb = kva.to(DOT16), kp.to(DOT16), kvb.to(DOT16)
+        va, vb = va.to(DOT16), vb.to(DOT16)
     else:
         kva, kp, kvb = kva.to(DOT), kp.to(DOT), kvb.to(DOT)
+    if QUANT == 2 or QUANT == 0:
+        va, vb = kva, kvb
     s = tl.dot(qa, tl.trans(kva)) + tl.dot(qp, tl.trans(kp))
     if HALVES == 2:
         s += tl.dot(qb, tl.trans(kvb))
-    if QUANT == 1:
+    if QUANT == 1 or QUANT == 3:
         s = s * ts[None, :]
     s = tl.where(pm[None, :], s * sm_scale_log2, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
@@ -183,19 +218,19 @@ def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
     # The denominator stays per column and is summed once at the end: a row sum here would
     # cost a cross-warp reduction (shared memory and a barrier) per tile.
     den = den * alpha[:, None] + p
-    if QUANT == 1:
+    if QUANT == 1 or QUANT == 3:
         # The value sum weighs token t by p * scale_t. float16 holds p * scale_t / max(scale)
         # in [0, 1] precisely (p * scale_t itself underflows for a cache of small values).
         tmax = tl.maximum(tl.max(ts, 0), 1e-30)
         pw = (p * (ts / tmax)[None, :]).to(DOT16)
-        acc_a = acc_a * alpha[:, None] + tl.dot(pw, kva) * tmax
+        acc_a = acc_a * alpha[:, None] + tl.dot(pw, va) * tmax
         if HALVES == 2:
-            acc_b = acc_b * alpha[:, None] + tl.dot(pw, kvb) * tmax
+            acc_b = acc_b * alpha[:, None] + tl.dot(pw, vb) * tmax
     else:
         pw = p.to(DOT)
-        acc_a = acc_a * alpha[:, None] + tl.dot(pw, kva)
+        acc_a = acc_a * alpha[:, None] + tl.dot(pw, va)
         if HALVES == 2:
-            acc_b = acc_b * alpha[:, None] + tl.dot(pw, kvb)
+            acc_b = acc_b * alpha[:, None] + tl.dot(pw, vb)
     return m_new, den, acc_a, acc_b
 
 
@@ -240,7 +275,7 @@ def _mla_decode_split_kernel(
                  mask=hm[:, None] & (oh < DL)[None, :], other=0.0)
     qp = tl.load(qpe_ptr + b * s_qpb + heads[:, None] * s_qph + orr[None, :],
                  mask=hm[:, None] & (orr < DR)[None, :], other=0.0)
-    if QUANT == 1:
+    if QUANT == 1 or QUANT == 3:
         qa, qp = qa.to(DOT16), qp.to(DOT16)
     else:
         qa, qp = qa.to(DOT), qp.to(DOT)
@@ -286,18 +321,21 @@ def _mla_decode_split_kernel(
                     pm = n0 + toks < end
                     kva, kp, kvb, ts = _load_tile(cache_ptr, rows, pm, scale_ptr, srows, DL, DR, HALF,
                                                   BLOCK_R, HALVES, QUANT)
+                    va, vb = _load_pv(cache_ptr, rows, pm, kva, kvb, DL, HALF, HALVES, QUANT)
                     m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b,
-                                                 sm_scale_log2, HALVES, QUANT)
+                                                 sm_scale_log2, HALVES, QUANT, va, vb)
     else:  # tiles span pages: a block-table entry per token
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + toks
             pm = pos < end
             blk = tl.load(bt_ptr + b * s_btb + pos // BLOCK_SIZE, mask=pm, other=0).to(tl.int64)
             slot = pos % BLOCK_SIZE
-            kva, kp, kvb, ts = _load_tile(cache_ptr, blk * s_cblk + slot * s_ctok, pm, scale_ptr,
+            rows = blk * s_cblk + slot * s_ctok
+            kva, kp, kvb, ts = _load_tile(cache_ptr, rows, pm, scale_ptr,
                                           blk * s_sblk + slot * s_stok, DL, DR, HALF, BLOCK_R, HALVES, QUANT)
+            va, vb = _load_pv(cache_ptr, rows, pm, kva, kvb, DL, HALF, HALVES, QUANT)
             m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b,
-                                         sm_scale_log2, HALVES, QUANT)
+                                         sm_scale_log2, HALVES, QUANT, va, vb)
     total = tl.sum(den, 1)
     some = total > 0.0  # false for an empty split (seq_len shorter than this split's start)
     inv = 1.0 / tl.where(some, total, 1.0)
@@ -399,8 +437,9 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
         h, num_splits,
         DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1],
-        QUANT=(2 if cfg.get("EARLY_DEQUANT", False) else 1) if quant else 0, GROUP=group, MULTI=multi,
-        DIRECT=direct, HALVES=halves, PREFETCH=bool(cfg.get("PREFETCH", False)) and group > 0,
+        QUANT=_quant_mode(cfg) if quant else 0, GROUP=group, MULTI=multi,
+        DIRECT=direct, HALVES=halves,
+        PREFETCH=bool(cfg.get("PREFETCH", False)) and group > 0 and not cfg.get("RELOAD", False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (out, part, None) if direct else (out, part, lse)
 

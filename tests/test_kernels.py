@@ -158,7 +158,9 @@ DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP
                 "early-dequant-per-token": {"BLOCK_N": 16, "PAGED": False, "EARLY_DEQUANT": True},
                 "prefetch": {"BLOCK_N": 4, "PREFETCH": True}, "prefetch-groups": {"BLOCK_N": 8, "MAX_GROUP": 2, "PREFETCH": True},
                 "prefetch-pages": {"BLOCK_N": 8, "MAX_GROUP": 4, "PREFETCH": True},  # two-page tiles, two a group
-                "prefetch-early-halves": {"BLOCK_N": 4, "MAX_GROUP": 2, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True}}
+                "prefetch-early-halves": {"BLOCK_N": 4, "MAX_GROUP": 2, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True},
+                "reload-halves": {"BLOCK_N": 8, "HALVES": 2, "RELOAD": True},
+                "reload-per-token": {"BLOCK_N": 16, "PAGED": False, "RELOAD": True}}
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
                     "pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
@@ -168,7 +170,10 @@ if CUDA:
                     "early-dequant-per-token": {"PAGED": False, "EARLY_DEQUANT": True},
                     "prefetch": {"BLOCK_N": 16, "PREFETCH": True}, "prefetch-groups": {"BLOCK_N": 32, "MAX_GROUP": 2, "PREFETCH": True},
                     "prefetch-pages": {"BLOCK_N": 32, "MAX_GROUP": 4, "PREFETCH": True},
-                    "prefetch-early-halves": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True}}
+                    "prefetch-early-halves": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True},
+                    "reload-halves": {"BLOCK_N": 32, "HALVES": 2, "RELOAD": True},
+                    "reload-pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "RELOAD": True},
+                    "reload-per-token": {"PAGED": False, "RELOAD": True}}
 for _cfg in DECODE_PATHS.values():
     if _cfg is not None and "PAGED" not in _cfg:
         _cfg["PAGED"] = True

@@ -551,10 +551,14 @@ def bench_router(b: Bench, bw: float) -> None:
 # -- 4. MLA decode ------------------------------------------------------------------------------
 
 def fp8_variants(committed: dict, bf16_twin: dict) -> list[dict]:
-    """The FP8 kernel's two untimed forms (session 16, compiled offline for sm_90: the latent
-    tiles are neither pipelined by the compiler nor widened once): EARLY_DEQUANT and PREFETCH
-    (paged tiles), alone and together, on the committed tile and the bf16 cache's."""
+    """The FP8 kernel's other forms: RELOAD (session 17: each latent tile loaded once per
+    product, so that the compiler pipelines both loads; first, as the one untimed), then
+    session 16's EARLY_DEQUANT and PREFETCH (paged tiles), alone and together, on the
+    committed tile and the bf16 cache's."""
     out = []
+    for base in (committed, {**bf16_twin, "PAGED": True}):
+        out.append({**base, "RELOAD": True})
+    out.append({**committed, "RELOAD": True, "num_stages": 2})
     for base in (committed, {**bf16_twin, "PAGED": True}):
         for extra in ({"PREFETCH": True, "PAGED": True}, {"EARLY_DEQUANT": True},
                       {"EARLY_DEQUANT": True, "PREFETCH": True, "PAGED": True}):
