@@ -88,8 +88,8 @@ DECODE_CONFIGS: dict[tuple, dict] = {
     ('fp8', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2, 'PAGED': False},
     ('bf16', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1, 'HALVES': 2},
     ('fp8', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2, 'PAGED': False},
-    ('fp8', 1, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 8, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 512},
-    ('fp8', 8, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 1024},
+    ('fp8', 1, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 8, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 512, 'RELOAD': True},
+    ('fp8', 8, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 1024, 'RELOAD': True},
     ('bf16', 8, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 2048},
 }
 DEFAULT_CONFIG = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 3, "MIN_SPLIT": 256, "WAVES": 2}
