@@ -48,9 +48,10 @@ LOG2E = 1.4426950408889634
 # (session 16): EARLY_DEQUANT (FP8, default False) dequantizes each tile to bf16 where it is
 # loaded (see _fold); PREFETCH (default False; paged tiles) loads each tile while the one
 # before it is folded, written out, for the FP8 latent tiles, which the compiler does not
-# pipeline on sm_90. Untimed (session 17): RELOAD (FP8, default False; not with PREFETCH)
+# pipeline on sm_90. RELOAD (session 17; FP8, default False; PREFETCH is off with it)
 # loads each latent tile twice, once per product, so that both loads are pipelined (see
-# _load_pv); EARLY_DEQUANT takes precedence.
+# _load_pv; EARLY_DEQUANT takes precedence): on the H200 the whole model at batch 1 went
+# 5.09 -> 4.61 ms at 128K and 14.93 -> 13.07 ms at 855K; its 128K entries take 2 stages.
 DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 1): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64},
     ('fp8', 1): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
@@ -199,9 +200,12 @@ def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
         kp = (kp.to(tl.float32) * ts[:, None]).to(DOT)
         if HALVES == 2:
             kvb = (kvb.to(tl.float32) * ts[:, None]).to(DOT)
-    elif QUANT:
+    elif QUANT == 3:
         kva, kp, kvb = kva.to(DOT16), kp.to(DOT16), kvb.to(DOT16)
         va, vb = va.to(DOT16), vb.to(DOT16)
+    elif QUANT:
+        kva, kp, kvb = kva.to(DOT16), kp.to(DOT16), kvb.to(DOT16)
+        va, vb = kva, kvb
     else:
         kva, kp, kvb = kva.to(DOT), kp.to(DOT), kvb.to(DOT)
     if QUANT == 2 or QUANT == 0:
@@ -429,6 +433,7 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
     group, multi = page_group(cfg, cache.shape[1])
     # two latent halves only where each is a whole tensor-core step (16 columns) or more
     halves = 2 if cfg.get("HALVES", 1) == 2 and next_pow2(dl) >= 32 else 1
+    qmode = _quant_mode(cfg) if quant else 0
     _mla_decode_split_kernel[(b, num_splits, groups)](
         q_latent, q_pe, cache, sc, block_tables, seq_lens, part, lse, sm_scale * LOG2E,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -437,9 +442,8 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
         h, num_splits,
         DL=dl, DR=dr, BLOCK_L=next_pow2(dl), BLOCK_R=next_pow2(dr), BLOCK_H=block_h,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1],
-        QUANT=_quant_mode(cfg) if quant else 0, GROUP=group, MULTI=multi,
-        DIRECT=direct, HALVES=halves,
-        PREFETCH=bool(cfg.get("PREFETCH", False)) and group > 0 and not cfg.get("RELOAD", False),
+        QUANT=qmode, GROUP=group, MULTI=multi, DIRECT=direct, HALVES=halves,
+        PREFETCH=bool(cfg.get("PREFETCH", False)) and group > 0 and qmode != 3,  # RELOAD: not both
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (out, part, None) if direct else (out, part, lse)
 

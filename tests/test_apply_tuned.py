@@ -43,6 +43,17 @@ def test_tuned_reads_the_winners_skips_failures_and_lone_timings_and_keys_topk_b
                                                 (1, 131072): {"TILE": 2048}}}
 
 
+def test_a_config_timed_alone_in_one_run_and_tuned_in_the_next_is_applied():
+    first = """  tuned topk.TOPK_CONFIGS[(64, 32768)]: best {'TILE': 1} at 9.0 us (of 1: 9)
+#   topk.TOPK_CONFIGS[(64, 32768)] = {'TILE': 1}
+"""
+    second = """  tuned topk.TOPK_CONFIGS[(64, 32768)]: best {'TILE': 2} at 8.0 us (of 2: 9, 8)
+#   topk.TOPK_CONFIGS[(64, 32768)] = {'TILE': 2}
+"""
+    assert tuned((first + second).splitlines()) == {("topk", "TOPK_CONFIGS"): {(64, 32768): {"TILE": 2}}}
+    assert tuned((second + first).splitlines()) == {("topk", "TOPK_CONFIGS"): {(64, 32768): {"TILE": 2}}}
+
+
 def test_rewrite_sets_keys_keeps_the_others_and_the_rest_of_the_module(tmp_path):
     path = tmp_path / "mla_decode.py"
     path.write_text(MODULE)

@@ -160,7 +160,9 @@ DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP
                 "prefetch-pages": {"BLOCK_N": 8, "MAX_GROUP": 4, "PREFETCH": True},  # two-page tiles, two a group
                 "prefetch-early-halves": {"BLOCK_N": 4, "MAX_GROUP": 2, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True},
                 "reload-halves": {"BLOCK_N": 8, "HALVES": 2, "RELOAD": True},
-                "reload-per-token": {"BLOCK_N": 16, "PAGED": False, "RELOAD": True}}
+                "reload-page": {"BLOCK_N": 4, "MAX_GROUP": 2, "RELOAD": True},
+                "reload-per-token": {"BLOCK_N": 16, "PAGED": False, "RELOAD": True, "HALVES": 2},
+                "reload-prefetch": {"BLOCK_N": 4, "RELOAD": True, "PREFETCH": True}}  # RELOAD: no prefetch
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
                     "pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+TUNED = re.compile(r"^\s+tuned (.+?): best ")
 ALONE = re.compile(r"^\s+tuned (.+?): best .* \(of 1: ")
 LINE = re.compile(r"^#\s+(\w+)\.(\w+)\[(.+?)\](?: \(n=(\d+)\))? = (\{.*\})\s*$")
 
@@ -26,9 +27,12 @@ def tuned(lines) -> dict[tuple[str, str], dict]:
     """(module, table) -> {key: config} from a run's output. A config timed alone (the tuning
     ran out of time after the committed one, or ran with --no-tune) was not tuned: skipped."""
     out: dict[tuple[str, str], dict] = {}
-    lines = list(lines)
-    alone = {m.group(1) for m in map(ALONE.match, lines) if m}
+    alone: set[str] = set()  # as of the latest "tuned" line of each name (outputs may be concatenated)
     for line in lines:
+        tuned_line = TUNED.match(line)
+        if tuned_line:
+            (alone.add if ALONE.match(line) else alone.discard)(tuned_line.group(1))
+            continue
         m = LINE.match(line)
         if m and line.split(" = ", 1)[0].replace("#", "").strip() in alone:
             continue

@@ -148,11 +148,14 @@ class Bench:
         finally:
             del g
 
-    def autotune(self, name: str, candidates: list[dict], run) -> tuple[dict, list]:
+    def autotune(self, name: str, candidates: list[dict], run, committed_first: bool = True) -> tuple[dict, list]:
         """Time run(cfg) for each candidate as a CUDA-graph replay with a cold L2 (timed
         eagerly, a short kernel measures the launcher's host time, not itself); the fastest
         wins. Candidates that fail to compile or capture (too much shared memory, say) are
-        skipped; tuning stops at the deadline."""
+        skipped; tuning stops at the deadline. ``committed_first``: candidates[0] is the
+        committed config, timed again after the others (timed first it runs ~10% slow on the
+        H200: in session 17 identical launches later in the list took 90 us against its 99),
+        and replaced only by a config ``TUNE_MARGIN`` faster."""
         tried = []
         for cfg in candidates if self.tune else candidates[:1]:
             if tried and self.left() < 60:
@@ -161,15 +164,16 @@ class Bench:
                 tried.append((self.graph_us(lambda: run(cfg), iters=10), cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
                 tried.append((math.inf, {**cfg, "error": repr(e)[:200]}))
-        best = min(tried, key=lambda t: t[0])
-        if len(tried) > 1 and math.isfinite(tried[0][0]):
-            # The first candidate (the committed config) is timed first, ~10% slow on the
-            # H200 (session 17: identical launches later in the list timed 90 us against its
-            # 99): time it again, and let another config replace it only by a clear margin.
-            again = self.graph_us(lambda: run(candidates[0]), iters=10)
-            tried[0] = (min(tried[0][0], again), tried[0][1])
-            if best[1] is not tried[0][1] and best[0] > tried[0][0] * (1 - TUNE_MARGIN):
-                best = tried[0]
+        if committed_first and len(tried) > 1 and math.isfinite(tried[0][0]):
+            try:
+                again = self.graph_us(lambda: run(candidates[0]), iters=10)
+                tried[0] = (min(tried[0][0], again), tried[0][1])
+            except Exception:  # noqa: BLE001 - keep its first timing
+                pass
+        i = min(range(len(tried)), key=lambda j: tried[j][0])
+        if committed_first and i and math.isfinite(tried[0][0]) and tried[i][0] > tried[0][0] * (1 - TUNE_MARGIN):
+            i = 0
+        best = tried[i]
         print(f"  tuned {name}: best {best[1]} at {best[0]:.1f} us "
               f"(of {len(tried)}: {', '.join(f'{t:.0f}' for t, _ in tried)})", flush=True)
         self.configs[name] = best[1]
@@ -301,8 +305,9 @@ def bench_moe(b: Bench, bw: float, cases: set[tuple[str, int]] | None = None) ->
     except Exception as err:  # noqa: BLE001 - older torch: the bmm baseline instead
         baseline, base_name = bmm_moe, f"sort+bmm (torch._grouped_mm failed: {err!r:.80})"
     for t in batches:
-        x = torch.randn(t, h, generator=g, device=b.dev).to(torch.bfloat16)
-        scores = torch.randn(t, e, generator=g, device=b.dev)
+        gt = torch.Generator(device=b.dev).manual_seed(100 + t)  # a case's inputs, whichever cases run
+        x = torch.randn(t, h, generator=gt, device=b.dev).to(torch.bfloat16)
+        scores = torch.randn(t, e, generator=gt, device=b.dev)
         top, ids = scores.topk(k, dim=-1)
         weights = top.softmax(-1).float().contiguous()
         distinct = int(ids.unique().numel())
@@ -531,7 +536,8 @@ def bench_router(b: Bench, bw: float) -> None:
             base = lambda: F.linear(x.float(), w)  # noqa: E731
             base_err = float((base().double() - exact).abs().max())
             cfg, _ = b.autotune(f"router.ROUTER_SPLIT_CONFIGS[{t}]", router_candidates(b.smoke),
-                                lambda c: router_mod.router_logits_split(x, w3, config=c))
+                                lambda c: router_mod.router_logits_split(x, w3, config=c),
+                                committed_first=False)  # the default first, not the committed
             run = lambda: router_mod.router_logits_split(x, w3, config=cfg)  # noqa: E731
             err = float((run().double() - exact).abs().max())
             ok = err <= 4 * base_err + 1e-5 * float(exact.abs().max())  # tensor cores add in their own way
@@ -555,11 +561,12 @@ def fp8_variants(committed: dict, bf16_twin: dict) -> list[dict]:
     product, so that the compiler pipelines both loads; first, as the one untimed), then
     session 16's EARLY_DEQUANT and PREFETCH (paged tiles), alone and together, on the
     committed tile and the bf16 cache's."""
-    out = []
-    for base in (committed, {**bf16_twin, "PAGED": True}):
+    plain = {a: v for a, v in committed.items() if a != "RELOAD"}
+    out = [] if plain == committed else [plain]  # a committed RELOAD against the tile without it
+    for base in (plain, {**bf16_twin, "PAGED": True}):
         out.append({**base, "RELOAD": True})
-    out.append({**committed, "RELOAD": True, "num_stages": 2})
-    for base in (committed, {**bf16_twin, "PAGED": True}):
+    out.append({**plain, "RELOAD": True, "num_stages": 2})
+    for base in (plain, {**bf16_twin, "PAGED": True}):
         for extra in ({"PREFETCH": True, "PAGED": True}, {"EARLY_DEQUANT": True},
                       {"EARLY_DEQUANT": True, "PREFETCH": True, "PAGED": True}):
             out.append({**base, **extra})
@@ -701,7 +708,8 @@ def bench_decode(b: Bench, bw: float, cases: set[tuple[str, int, int]] | None = 
             # the config the bucket at or below that bound (ctx's).
             seq = ctx + DECODE_PAST if not b.smoke else ctx
             bound = len_bucket(seq, 1 << 30) if not b.smoke else ctx
-            tables, lens, ql, qp = decode_inputs(b, g, batch, seq, most, bs, h, dl, dr)
+            gc = torch.Generator(device=b.dev).manual_seed(batch * 100_000 + ctx)  # whichever cases run
+            tables, lens, ql, qp = decode_inputs(b, gc, batch, seq, most, bs, h, dl, dr)
             for fp8 in (False, True):
                 if cases and ("fp8" if fp8 else "bf16", batch, ctx) not in cases:
                     continue
@@ -824,7 +832,8 @@ def bench_heads(b: Bench, bw: float) -> None:
             cands = [{"BACKEND": "torch"}] + (gemv_candidates() if not b.smoke else
                                               [{"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}])
             cfg, _ = b.autotune(f"dense.BMM_ROW_CONFIGS[{(h, k, n)}]", cands,
-                                lambda c: [dense_mod.bmm_row_with(x, w, c) for w in ws])
+                                lambda c: [dense_mod.bmm_row_with(x, w, c) for w in ws],
+                                committed_first=False)  # torch first, not the committed
             check = b.check(name, dense_mod.bmm_row_with(x, ws[0], cfg), torch.bmm(x.float()[:, None], ws[0].float())[:, 0])
             us = b.graph_us(lambda: [dense_mod.bmm_row_with(x, w, cfg) for w in ws]) / len(ws)
             base_us = b.graph_us(lambda: [torch.bmm(x[:, None], w) for w in ws]) / len(ws)
@@ -854,7 +863,8 @@ def bench_dense(b: Bench, bw: float) -> None:
             try:
                 x = torch.randn(rows, k, generator=g, device=b.dev).to(torch.bfloat16)
                 cfg, tried = b.autotune(f"dense.DENSE_CONFIGS[{(n, k, rows)}]", dense_candidates(rows, b.smoke),
-                                        lambda c: [dense_mod.linear(x, w, config=c) for w in order])
+                                        lambda c: [dense_mod.linear(x, w, config=c) for w in order],
+                                        committed_first=False)  # cuBLAS first, not the committed
                 check = b.check(name, dense_mod.linear(x, ws[0], config=cfg), x.float() @ ws[0].float().T)
                 nbytes = 2 * (n * k + rows * k + rows * n)
                 us = b.graph_us(lambda: [dense_mod.linear(x, w, config=cfg) for w in order]) / calls
