@@ -55,13 +55,18 @@ class HostTier:
 
     def match(self, hashes: np.ndarray, *, touch: bool = True) -> int:
         """How many leading blocks of ``hashes`` the tier holds."""
-        lru, n = self._lru, 0
-        for k, v in zip(hashes[:, 0].tolist(), hashes[:, 1].tolist()):
-            if lru.get(k) != v:
-                break
-            if touch:
-                lru.move_to_end(k)
-            n += 1
+        lru = self._lru
+        if not len(hashes) or lru.get(hashes.item(0, 0)) != hashes.item(0, 1):
+            return 0  # the usual miss (routing asks every rank): no rows to convert
+        n = 0
+        while n < len(hashes):  # in chunks: a short match converts a short slice only
+            chunk = hashes[n : n + 64]
+            for k, v in zip(chunk[:, 0].tolist(), chunk[:, 1].tolist()):
+                if lru.get(k) != v:
+                    return n
+                if touch:
+                    lru.move_to_end(k)
+                n += 1
         return n
 
 
