@@ -193,22 +193,18 @@ def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
     widening a tile; compiled for sm_90 the first form widens each tile twice, once per
     product, and shuffles it between layouts). 3 (config RELOAD): as 1, the value product on
     ``va`` / ``vb``, the latent loaded again (``_load_pv``)."""
-    if QUANT != 3:
-        va, vb = kva, kvb
     if QUANT == 2:  # dequantized to bf16 where loaded: both products as with a bf16 cache
         kva = (kva.to(tl.float32) * ts[:, None]).to(DOT)
         kp = (kp.to(tl.float32) * ts[:, None]).to(DOT)
         if HALVES == 2:
             kvb = (kvb.to(tl.float32) * ts[:, None]).to(DOT)
-    elif QUANT == 3:
-        kva, kp, kvb = kva.to(DOT16), kp.to(DOT16), kvb.to(DOT16)
-        va, vb = va.to(DOT16), vb.to(DOT16)
     elif QUANT:
         kva, kp, kvb = kva.to(DOT16), kp.to(DOT16), kvb.to(DOT16)
-        va, vb = kva, kvb
     else:
         kva, kp, kvb = kva.to(DOT), kp.to(DOT), kvb.to(DOT)
-    if QUANT == 2 or QUANT == 0:
+    if QUANT == 3:
+        va, vb = va.to(DOT16), vb.to(DOT16)
+    else:
         va, vb = kva, kvb
     s = tl.dot(qa, tl.trans(kva)) + tl.dot(qp, tl.trans(kp))
     if HALVES == 2:

@@ -662,25 +662,16 @@ TUNE_MARGIN = 0.02
 DECODE_PAST = 16
 
 
-def _moe_cases(text: str) -> set[tuple[str, int]] | None:
-    """--moe-cases: {(dtype, batch)}, or None for all."""
+def _cases(text: str, flag: str, form: str) -> set[tuple] | None:
+    """A case filter such as --decode-cases: {(dtype, ints...)} from comma-separated
+    ``form`` items (dtype:batch[:ctx], dtype bf16 or fp8), or None for all."""
     cases = set()
     for item in filter(None, text.split(",")):
         parts = item.split(":")
-        if len(parts) != 2 or parts[0] not in ("bf16", "fp8") or not parts[1].isdigit():
-            raise SystemExit(f"--moe-cases: {item!r} is not dtype:batch with dtype bf16 or fp8")
-        cases.add((parts[0], int(parts[1])))
-    return cases or None
-
-
-def _decode_cases(text: str) -> set[tuple[str, int, int]] | None:
-    """--decode-cases: {(dtype, batch, ctx)}, or None for all."""
-    cases = set()
-    for item in filter(None, text.split(",")):
-        parts = item.split(":")
-        if len(parts) != 3 or parts[0] not in ("bf16", "fp8") or not all(p.isdigit() for p in parts[1:]):
-            raise SystemExit(f"--decode-cases: {item!r} is not dtype:batch:ctx with dtype bf16 or fp8")
-        cases.add((parts[0], int(parts[1]), int(parts[2])))
+        if len(parts) != form.count(":") + 1 or parts[0] not in ("bf16", "fp8") \
+                or not all(p.isdigit() for p in parts[1:]):
+            raise SystemExit(f"{flag}: {item!r} is not {form} with dtype bf16 or fp8")
+        cases.add((parts[0], *map(int, parts[1:])))
     return cases or None
 
 
@@ -1083,8 +1074,8 @@ def main() -> None:
                     help="comma-separated dtype:batch:ctx (e.g. bf16:256:1024): the decode section's cases of those only")
     ap.add_argument("--only", default="", help="comma-separated sections: moe,moe_ep,topk,router,decode,decode_long,dense,kv,prefill,sampling")
     args = ap.parse_args()
-    decode_cases = _decode_cases(args.decode_cases)  # a bad one is named before anything runs
-    moe_cases = _moe_cases(args.moe_cases)
+    decode_cases = _cases(args.decode_cases, "--decode-cases", "dtype:batch:ctx")  # named before anything runs
+    moe_cases = _cases(args.moe_cases, "--moe-cases", "dtype:batch")
     b = Bench(args.smoke, args.budget_s, not args.no_tune)
     only = set(filter(None, args.only.split(",")))
     info = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(),
