@@ -32,6 +32,8 @@ import triton.language as tl
 from ._util import DOT, DOT16, FP8, check, check_cache_scale, check_shape, next_pow2
 
 LOG2E = 1.4426950408889634
+# LAZY_RESCALE: the running max moves only past this many log2 units of growth (weights <= 2^8)
+LAZY_MARGIN = tl.constexpr(8.0)
 
 # Tuned on an H200 by benchmarks/gpu/bench_kernels.py: (cache dtype, batch bucket) -> config,
 # and (cache dtype, batch bucket, context bucket) -> config where the context changes the best
@@ -52,6 +54,9 @@ LOG2E = 1.4426950408889634
 # loads each latent tile twice, once per product, so that both loads are pipelined (see
 # _load_pv; EARLY_DEQUANT takes precedence): on the H200 the whole model at batch 1 went
 # 5.09 -> 4.61 ms at 128K and 14.93 -> 13.07 ms at 855K; its 128K entries take 2 stages.
+# Untimed (session 17): LAZY_RESCALE (default False) rescales the accumulators only where
+# the running max grows by more than LAZY_MARGIN (see _fold): offline for sm_90, ~12% of the
+# tile loop's instructions were that rescale.
 DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 1): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64},
     ('fp8', 1): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 512},
@@ -184,7 +189,7 @@ def _load_pv(cache_ptr, rows, pm, kva, kvb, DL: tl.constexpr, HALF: tl.constexpr
 
 @triton.jit
 def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
-          HALVES: tl.constexpr, QUANT: tl.constexpr, va=None, vb=None):
+          HALVES: tl.constexpr, QUANT: tl.constexpr, va=None, vb=None, LAZY: tl.constexpr = False):
     """Fold one loaded tile (``_load_tile``) into a head group's running max m, denominator
     den and output acc_a (and acc_b: with HALVES = 2 the latent is two halves, two
     independent tensor-core chains, not one). QUANT 0: a bf16 cache. 1: FP8, widened to
@@ -192,7 +197,11 @@ def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
     (config EARLY_DEQUANT): FP8 dequantized to bf16 where loaded, then as a bf16 cache (one
     widening a tile; compiled for sm_90 the first form widens each tile twice, once per
     product, and shuffles it between layouts). 3 (config RELOAD): as 1, the value product on
-    ``va`` / ``vb``, the latent loaded again (``_load_pv``)."""
+    ``va`` / ``vb``, the latent loaded again (``_load_pv``). LAZY (config LAZY_RESCALE): the
+    running max moves only when some head's grows by more than LAZY_MARGIN (log2 units), as
+    FlashAttention-4 does, so most tiles skip rescaling the accumulators; the weights are
+    then at most 2 ** LAZY_MARGIN, and the output (acc / den) and lse (m + log2 den) are the
+    same."""
     if QUANT == 2:  # dequantized to bf16 where loaded: both products as with a bf16 cache
         kva = (kva.to(tl.float32) * ts[:, None]).to(DOT)
         kp = (kp.to(tl.float32) * ts[:, None]).to(DOT)
@@ -212,26 +221,51 @@ def _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b, sm_scale_log2,
     if QUANT == 1 or QUANT == 3:
         s = s * ts[None, :]
     s = tl.where(pm[None, :], s * sm_scale_log2, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    # The denominator stays per column and is summed once at the end: a row sum here would
-    # cost a cross-warp reduction (shared memory and a barrier) per tile.
-    den = den * alpha[:, None] + p
+    if LAZY:
+        m_tile = tl.max(s, 1)
+        if tl.max(m_tile - m, 0) > LAZY_MARGIN:  # one branch for the program: rescale all heads
+            m_new = tl.maximum(m, m_tile)
+            alpha = tl.exp2(m - m_new)
+            den = den * alpha[:, None]
+            acc_a = acc_a * alpha[:, None]
+            if HALVES == 2:
+                acc_b = acc_b * alpha[:, None]
+            m = m_new
+        p = tl.exp2(s - m[:, None])
+        den = den + p
+    else:
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        # The denominator stays per column and is summed once at the end: a row sum here would
+        # cost a cross-warp reduction (shared memory and a barrier) per tile.
+        den = den * alpha[:, None] + p
+        m = m_new
     if QUANT == 1 or QUANT == 3:
         # The value sum weighs token t by p * scale_t. float16 holds p * scale_t / max(scale)
-        # in [0, 1] precisely (p * scale_t itself underflows for a cache of small values).
+        # in [0, 2 ** LAZY_MARGIN] precisely (p * scale_t itself underflows for a cache of
+        # small values).
         tmax = tl.maximum(tl.max(ts, 0), 1e-30)
         pw = (p * (ts / tmax)[None, :]).to(DOT16)
-        acc_a = acc_a * alpha[:, None] + tl.dot(pw, va) * tmax
-        if HALVES == 2:
-            acc_b = acc_b * alpha[:, None] + tl.dot(pw, vb) * tmax
+        if LAZY:
+            acc_a = acc_a + tl.dot(pw, va) * tmax
+            if HALVES == 2:
+                acc_b = acc_b + tl.dot(pw, vb) * tmax
+        else:
+            acc_a = acc_a * alpha[:, None] + tl.dot(pw, va) * tmax
+            if HALVES == 2:
+                acc_b = acc_b * alpha[:, None] + tl.dot(pw, vb) * tmax
     else:
         pw = p.to(DOT)
-        acc_a = acc_a * alpha[:, None] + tl.dot(pw, va)
-        if HALVES == 2:
-            acc_b = acc_b * alpha[:, None] + tl.dot(pw, vb)
-    return m_new, den, acc_a, acc_b
+        if LAZY:  # accumulated in the tensor-core product itself: nothing to rescale first
+            acc_a = tl.dot(pw, va, acc_a)
+            if HALVES == 2:
+                acc_b = tl.dot(pw, vb, acc_b)
+        else:
+            acc_a = acc_a * alpha[:, None] + tl.dot(pw, va)
+            if HALVES == 2:
+                acc_b = acc_b * alpha[:, None] + tl.dot(pw, vb)
+    return m, den, acc_a, acc_b
 
 
 @triton.jit
@@ -258,7 +292,7 @@ def _mla_decode_split_kernel(
         DL: tl.constexpr, DR: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         QUANT: tl.constexpr, GROUP: tl.constexpr, MULTI: tl.constexpr, DIRECT: tl.constexpr,
-        HALVES: tl.constexpr, PREFETCH: tl.constexpr):
+        HALVES: tl.constexpr, PREFETCH: tl.constexpr, LAZY: tl.constexpr = False):
     # DIRECT (one split): op_ptr is the output [B, H, DL] itself (s_os unused), no lse.
     # BLOCK_SIZE (the cache's page size) is a constant: a token's page and slot are a shift and
     # a mask, not a signed division (which was most of the tile loop's instructions).
@@ -312,7 +346,7 @@ def _mla_decode_split_kernel(
                     nkva, nkp, nkvb, nts = _load_tile(cache_ptr, rows, (n1 + toks < end) & (n1 < hi),
                                                       scale_ptr, srows, DL, DR, HALF, BLOCK_R, HALVES, QUANT)
                     m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, n0 + toks < end, qa, qb, qp, m, den,
-                                                 acc_a, acc_b, sm_scale_log2, HALVES, QUANT)
+                                                 acc_a, acc_b, sm_scale_log2, HALVES, QUANT, LAZY=LAZY)
                     kva, kp, kvb, ts = nkva, nkp, nkvb, nts
             else:  # the compiler's pipelining (which the FP8 latent tiles do not get on sm_90)
                 for n0 in range(lo, hi, BLOCK_N):
@@ -323,7 +357,7 @@ def _mla_decode_split_kernel(
                                                   BLOCK_R, HALVES, QUANT)
                     va, vb = _load_pv(cache_ptr, rows, pm, kva, kvb, DL, HALF, HALVES, QUANT)
                     m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b,
-                                                 sm_scale_log2, HALVES, QUANT, va, vb)
+                                                 sm_scale_log2, HALVES, QUANT, va, vb, LAZY)
     else:  # tiles span pages: a block-table entry per token
         for n0 in range(start, end, BLOCK_N):
             pos = n0 + toks
@@ -335,7 +369,7 @@ def _mla_decode_split_kernel(
                                           blk * s_sblk + slot * s_stok, DL, DR, HALF, BLOCK_R, HALVES, QUANT)
             va, vb = _load_pv(cache_ptr, rows, pm, kva, kvb, DL, HALF, HALVES, QUANT)
             m, den, acc_a, acc_b = _fold(kva, kp, kvb, ts, pm, qa, qb, qp, m, den, acc_a, acc_b,
-                                         sm_scale_log2, HALVES, QUANT, va, vb)
+                                         sm_scale_log2, HALVES, QUANT, va, vb, LAZY)
     total = tl.sum(den, 1)
     some = total > 0.0  # false for an empty split (seq_len shorter than this split's start)
     inv = 1.0 / tl.where(some, total, 1.0)
@@ -440,6 +474,7 @@ def _decode(q_latent, q_pe, cache, block_tables, seq_lens, sm_scale, scale, max_
         BLOCK_N=cfg["BLOCK_N"], BLOCK_SIZE=cache.shape[1],
         QUANT=qmode, GROUP=group, MULTI=multi, DIRECT=direct, HALVES=halves,
         PREFETCH=bool(cfg.get("PREFETCH", False)) and group > 0 and qmode != 3,  # RELOAD: not both
+        LAZY=bool(cfg.get("LAZY_RESCALE", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return (out, part, None) if direct else (out, part, lse)
 

@@ -162,7 +162,11 @@ DECODE_PATHS = {"page": {"BLOCK_N": 4}, "page-groups": {"BLOCK_N": 4, "MAX_GROUP
                 "reload-halves": {"BLOCK_N": 8, "HALVES": 2, "RELOAD": True},
                 "reload-page": {"BLOCK_N": 4, "MAX_GROUP": 2, "RELOAD": True},
                 "reload-per-token": {"BLOCK_N": 16, "PAGED": False, "RELOAD": True, "HALVES": 2},
-                "reload-prefetch": {"BLOCK_N": 4, "RELOAD": True, "PREFETCH": True}}  # RELOAD: no prefetch
+                "reload-prefetch": {"BLOCK_N": 4, "RELOAD": True, "PREFETCH": True},  # RELOAD: no prefetch
+                "lazy": {"BLOCK_N": 4, "LAZY_RESCALE": True},
+                "lazy-halves-reload": {"BLOCK_N": 8, "HALVES": 2, "RELOAD": True, "LAZY_RESCALE": True},
+                "lazy-per-token-early": {"BLOCK_N": 16, "PAGED": False, "EARLY_DEQUANT": True, "LAZY_RESCALE": True},
+                "lazy-prefetch": {"BLOCK_N": 4, "MAX_GROUP": 2, "PREFETCH": True, "LAZY_RESCALE": True}}
 if CUDA:
     DECODE_PATHS = {"default": None, "page": {"BLOCK_N": 16}, "page-groups": {"BLOCK_N": 16, "MAX_GROUP": 2},
                     "pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}, "pages-groups": {"BLOCK_N": 32, "MAX_GROUP": 2},
@@ -175,7 +179,10 @@ if CUDA:
                     "prefetch-early-halves": {"BLOCK_N": 32, "HALVES": 2, "EARLY_DEQUANT": True, "PREFETCH": True},
                     "reload-halves": {"BLOCK_N": 32, "HALVES": 2, "RELOAD": True},
                     "reload-pages": {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "RELOAD": True},
-                    "reload-per-token": {"PAGED": False, "RELOAD": True}}
+                    "reload-per-token": {"PAGED": False, "RELOAD": True},
+                    "lazy": {"BLOCK_N": 32, "HALVES": 2, "LAZY_RESCALE": True},
+                    "lazy-reload": {"BLOCK_N": 32, "HALVES": 2, "RELOAD": True, "LAZY_RESCALE": True},
+                    "lazy-per-token": {"PAGED": False, "LAZY_RESCALE": True}}
 for _cfg in DECODE_PATHS.values():
     if _cfg is not None and "PAGED" not in _cfg:
         _cfg["PAGED"] = True
@@ -192,6 +199,38 @@ def test_mla_decode_matches_reference(fp8, splits, path):
     ref = mla_decode_reference(q_lat, q_pe, cache, tables, lens, sm, scale)
     close(out, ref)
     assert not out[1].any()  # seq_len 0 gives zeros
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("halves", [1, 2])
+def test_mla_decode_lazy_rescale_where_the_max_keeps_growing(fp8, halves):
+    """LAZY_RESCALE keeps a running max until some head's grows past LAZY_MARGIN: keys
+    aligned with head 0's query, scaled up token by token, move it tile after tile (and
+    past the margin several times within one split), while head 1's scores fall."""
+    b, h, dl, dr, bs = (1, 16, 512, 64, 16) if CUDA else (1, 4, 32, 16, 4)
+    n = 256 if CUDA else 40
+    g = gen(11)
+    q_lat, q_pe = randn(b, h, dl, g=g, scale=0.2), randn(b, h, dr, g=g, scale=0.2)
+    q_lat[0, 1] = -q_lat[0, 0]
+    q_pe[0, 1] = -q_pe[0, 0]
+    d = torch.cat([q_lat[0, 0], q_pe[0, 0]]).float()
+    d = d / d.norm()
+    ramp = torch.linspace(0, 400.0, n, device=DEV)[:, None] * d[None, :]  # scores 0 .. ~400 * |q|
+    entries = (ramp + randn(n, dl + dr, g=g, scale=0.3).float()).to(BF16)
+    pages = -(-n // bs)
+    cache = torch.zeros(pages, bs, dl + dr, dtype=BF16, device=DEV)
+    cache.view(-1, dl + dr)[:n] = entries
+    scale = None
+    if fp8:
+        cache, scale = quantize_per_token(cache)
+    tables = torch.arange(pages, dtype=torch.int32, device=DEV)[None]
+    lens = torch.tensor([n], dtype=torch.int32, device=DEV)
+    sm = 0.1
+    ref = mla_decode_reference(q_lat, q_pe, cache, tables, lens, sm, scale)
+    for splits in (1, 2):
+        cfg = {"BLOCK_N": 16 if CUDA else 4, "HALVES": halves, "LAZY_RESCALE": True, "PAGED": True}
+        out = mla_decode(q_lat, q_pe, cache, tables, lens, sm, scale, num_splits=splits, config=cfg)
+        close(out, ref)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
