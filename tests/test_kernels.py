@@ -24,7 +24,7 @@ from lockstep.kernels.fused_moe import (  # noqa: E402
     quantize_fp8_blockwise)
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, mla_prep_store, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_decode import (  # noqa: E402
-    merge_reference, mla_decode, mla_decode_partials, mla_decode_reference)
+    LAZY_MARGIN, LOG2E, merge_reference, mla_decode, mla_decode_partials, mla_decode_reference)
 from lockstep.kernels.mla_prefill import mla_attention, mla_prefill, mla_prefill_reference  # noqa: E402
 from lockstep.kernels.topk import topk, topk_config, topk_reference  # noqa: E402
 
@@ -205,18 +205,29 @@ def test_mla_decode_matches_reference(fp8, splits, path):
 @pytest.mark.parametrize("halves", [1, 2])
 def test_mla_decode_lazy_rescale_where_the_max_keeps_growing(fp8, halves):
     """LAZY_RESCALE keeps a running max until some head's grows past LAZY_MARGIN: keys
-    aligned with head 0's query, scaled up token by token, move it tile after tile (and
-    past the margin several times within one split), while head 1's scores fall."""
+    aligned with head 0's query, scaled up token by token (~3.5 log2 units a tile), move
+    the max every tile, so the kernel keeps a stale max for two tiles (weights up to ~2^7)
+    and rescales on the third, while head 1's scores fall."""
     b, h, dl, dr, bs = (1, 16, 512, 64, 16) if CUDA else (1, 4, 32, 16, 4)
-    n = 256 if CUDA else 40
+    n, bn, sm = (256, 16, 0.1) if CUDA else (40, 4, 0.1)
     g = gen(11)
     q_lat, q_pe = randn(b, h, dl, g=g, scale=0.2), randn(b, h, dr, g=g, scale=0.2)
     q_lat[0, 1] = -q_lat[0, 0]
     q_pe[0, 1] = -q_pe[0, 0]
-    d = torch.cat([q_lat[0, 0], q_pe[0, 0]]).float()
-    d = d / d.norm()
-    ramp = torch.linspace(0, 400.0, n, device=DEV)[:, None] * d[None, :]  # scores 0 .. ~400 * |q|
+    q0 = torch.cat([q_lat[0, 0], q_pe[0, 0]]).float()
+    top = 3.5 * (n / bn) / (float(q0.norm()) * sm * LOG2E)  # head 0's score at the last token
+    ramp = torch.linspace(0, top, n, device=DEV)[:, None] * (q0 / q0.norm())[None, :]
     entries = (ramp + randn(n, dl + dr, g=g, scale=0.3).float()).to(BF16)
+    # the data does what the docstring says: with one split, stale-max tiles and rescales both
+    s = torch.cat([q_lat[0], q_pe[0]], 1).float() @ entries.float().T * sm * LOG2E  # (h, n)
+    m, stale, rescaled = torch.full((h,), float("-inf")), 0, 0
+    for t in range(0, n, bn):
+        grow = float((s[:, t : t + bn].max(1).values - m).max())
+        if grow > float(LAZY_MARGIN.value):
+            m, rescaled = torch.maximum(m, s[:, t : t + bn].max(1).values), rescaled + 1
+        elif grow > 0:
+            stale += 1
+    assert stale >= 2 and rescaled >= 3
     pages = -(-n // bs)
     cache = torch.zeros(pages, bs, dl + dr, dtype=BF16, device=DEV)
     cache.view(-1, dl + dr)[:n] = entries
@@ -225,10 +236,9 @@ def test_mla_decode_lazy_rescale_where_the_max_keeps_growing(fp8, halves):
         cache, scale = quantize_per_token(cache)
     tables = torch.arange(pages, dtype=torch.int32, device=DEV)[None]
     lens = torch.tensor([n], dtype=torch.int32, device=DEV)
-    sm = 0.1
     ref = mla_decode_reference(q_lat, q_pe, cache, tables, lens, sm, scale)
     for splits in (1, 2):
-        cfg = {"BLOCK_N": 16 if CUDA else 4, "HALVES": halves, "LAZY_RESCALE": True, "PAGED": True}
+        cfg = {"BLOCK_N": bn, "HALVES": halves, "LAZY_RESCALE": True, "PAGED": True}
         out = mla_decode(q_lat, q_pe, cache, tables, lens, sm, scale, num_splits=splits, config=cfg)
         close(out, ref)
 
