@@ -25,12 +25,15 @@ rank) contribute nothing.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._util import DOT, DOT16, FP8, FP8_MAX, check, check_shape, next_pow2, to_dtype
+from ._util import DOT, DOT16, FP8, FP8_MAX, check, check_shape, hopper_or_later, next_pow2, to_dtype
 
 QBLOCK = 128  # FP8 weight scale block (rows and columns)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -41,6 +44,9 @@ TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 # tunes their tiles apart (64 tokens and up) once BLOCK_M (the alignment both read) is chosen,
 # but only the bf16 256-token entry below comes from such a run so far (and the bf16 one-token
 # entry, tuned apart for the pair blocks by a probe in session 11).
+# TMA (optional, False by default; untimed, session 17): the weight tiles as tensor-descriptor
+# bulk copies (Hopper and later) instead of per-thread async copies; compiled for sm_90 the up
+# GEMM's weight loads become cp.async.bulk.tensor, pipelined num_stages deep.
 def _tiles(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
     t = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
     return {"BLOCK_M": bm, "up": t, "down": dict(t)}
@@ -215,7 +221,10 @@ def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, to
                    n_pairs, top_k, inter, hidden, experts,
                    s_xt, s_we, s_wn, s_se, s_sn, s_sk, s_at,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   QUANT: tl.constexpr, EVEN_K: tl.constexpr, PAIRS: tl.constexpr):
+                   QUANT: tl.constexpr, EVEN_K: tl.constexpr, PAIRS: tl.constexpr,
+                   TMA: tl.constexpr = False):
+    # TMA: w_ptr is a tensor descriptor over the weights as [E * 2I, H] rows (``_weight_desc``):
+    # each weight tile is one bulk copy, out-of-range rows and columns read as zeros.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if PAIRS:  # a block per pair, in pair order: blk_expert_ptr is the ids themselves
         e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
@@ -233,18 +242,26 @@ def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, to
     nm = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * s_xt + offs_k[None, :]
-    g_ptrs = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + inter * s_wn
+    if TMA:
+        row_g = (e * (2 * inter) + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        g_ptrs = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+        u_ptrs = g_ptrs + inter * s_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0)
-            wg = tl.load(g_ptrs, mask=nm[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=nm[:, None], other=0.0)
         else:
             km = (k0 + offs_k) < hidden
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0)
+        if TMA:  # rows past an expert's gate part read its up part: their columns are masked
+            wg = w_ptr.load([row_g, k0])
+            wu = w_ptr.load([row_g + inter, k0])
+        elif EVEN_K:
+            wg = tl.load(g_ptrs, mask=nm[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=nm[:, None], other=0.0)
+        else:
             wg = tl.load(g_ptrs, mask=nm[:, None] & km[None, :], other=0.0)
             wu = tl.load(u_ptrs, mask=nm[:, None] & km[None, :], other=0.0)
         if QUANT:  # float16 operands: see the module notes
@@ -261,8 +278,9 @@ def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, to
             acc_g = tl.dot(a, tl.trans(wg), acc_g)
             acc_u = tl.dot(a, tl.trans(wu), acc_u)
         a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+        if not TMA:
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     act = acc_g * tl.sigmoid(acc_g) * acc_u
     dst = act_ptr + flat[:, None].to(tl.int64) * s_at + offs_n[None, :]
     tl.store(dst, act.to(act_ptr.dtype.element_ty), mask=valid[:, None] & nm[None, :])
@@ -275,7 +293,9 @@ def _moe_down_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, topw_ptr, sorted_ptr, blk_ex
                      total_ptr, n_pairs, hidden, inter, experts,
                      s_at, s_we, s_wn, s_se, s_sn, s_sk, s_yt,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     QUANT: tl.constexpr, EVEN_K: tl.constexpr, PAIRS: tl.constexpr):
+                     QUANT: tl.constexpr, EVEN_K: tl.constexpr, PAIRS: tl.constexpr,
+                     TMA: tl.constexpr = False):
+    # TMA: w_ptr is a tensor descriptor over the weights as [E * H, I] rows (as in the up kernel)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if PAIRS:  # as in the up kernel
         e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
@@ -293,15 +313,22 @@ def _moe_down_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, topw_ptr, sorted_ptr, blk_ex
     nm = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * s_at + offs_k[None, :]
-    w_ptrs = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
+    if TMA:
+        row_w = (e * hidden + pid_n * BLOCK_N).to(tl.int32)
+    else:
+        w_ptrs = w_ptr + e * s_we + offs_n[:, None].to(tl.int64) * s_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=valid[:, None], other=0.0).to(DOT)
-            w = tl.load(w_ptrs, mask=nm[:, None], other=0.0).to(DOT)
         else:
             km = (k0 + offs_k) < inter
             a = tl.load(a_ptrs, mask=valid[:, None] & km[None, :], other=0.0).to(DOT)
+        if TMA:  # rows past an expert's read the next one's: their columns are masked
+            w = w_ptr.load([row_w, k0]).to(DOT)
+        elif EVEN_K:
+            w = tl.load(w_ptrs, mask=nm[:, None], other=0.0).to(DOT)
+        else:
             w = tl.load(w_ptrs, mask=nm[:, None] & km[None, :], other=0.0).to(DOT)
         if QUANT:
             s = tl.load(ws_ptr + e * s_se + (offs_n // 128) * s_sn + (k0 // 128) * s_sk,
@@ -310,7 +337,8 @@ def _moe_down_kernel(act_ptr, w_ptr, ws_ptr, y_ptr, topw_ptr, sorted_ptr, blk_ex
         else:
             acc = tl.dot(a, tl.trans(w), acc)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if not TMA:
+            w_ptrs += BLOCK_K
     acc *= tl.load(topw_ptr + rows, mask=valid, other=0.0)[:, None]
     dst = y_ptr + rows[:, None] * s_yt + offs_n[None, :]
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & nm[None, :])
@@ -410,18 +438,22 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
         y = out if out.dim() == 2 else out.view(n_pairs, h)
     s13 = w_gate_up_scale if quant else topk_weights.view(1, 1, -1)  # unused pointer otherwise
     s2 = w_down_scale if quant else topk_weights.view(1, 1, -1)
+    tma = bool(cfg.get("TMA", False)) and _tma_ok(w_gate_up) and _tma_ok(w_down)
+    w13 = _weight_desc(w_gate_up, up["BLOCK_N"], up["BLOCK_K"]) if tma else w_gate_up
+    w2 = _weight_desc(w_down, down["BLOCK_N"], down["BLOCK_K"]) if tma else w_down
     _moe_up_kernel[(blocks, triton.cdiv(inter, up["BLOCK_N"]))](
-        x, w_gate_up, s13, act, sorted_ids, blk_expert, total, n_pairs, k, inter, h, e,
+        x, w13, s13, act, sorted_ids, blk_expert, total, n_pairs, k, inter, h, e,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         s13.stride(0), s13.stride(1), s13.stride(2), act.stride(0),
         BLOCK_M=bm, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], QUANT=quant,
-        EVEN_K=h % up["BLOCK_K"] == 0, PAIRS=pairs, num_warps=up["num_warps"], num_stages=up["num_stages"])
+        EVEN_K=h % up["BLOCK_K"] == 0, PAIRS=pairs, TMA=tma, num_warps=up["num_warps"],
+        num_stages=up["num_stages"])
     _moe_down_kernel[(blocks, triton.cdiv(h, down["BLOCK_N"]))](
-        act, w_down, s2, y, topk_weights, sorted_ids, blk_expert, total, n_pairs, h, inter, e,
+        act, w2, s2, y, topk_weights, sorted_ids, blk_expert, total, n_pairs, h, inter, e,
         act.stride(0), w_down.stride(0), w_down.stride(1),
         s2.stride(0), s2.stride(1), s2.stride(2), y.stride(0),
         BLOCK_M=bm, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], QUANT=quant,
-        EVEN_K=inter % down["BLOCK_K"] == 0, PAIRS=pairs, num_warps=down["num_warps"],
+        EVEN_K=inter % down["BLOCK_K"] == 0, PAIRS=pairs, TMA=tma, num_warps=down["num_warps"],
         num_stages=down["num_stages"])
     if not reduce:
         return out if out is not None else y.view(t, k, h)
@@ -430,6 +462,32 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
     _moe_sum_kernel[(t, triton.cdiv(h, block))](y, topk_ids, out, k, h, e, y.stride(0),
                                                 out.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+def _tma_ok(w: torch.Tensor) -> bool:
+    """Whether the weight tiles can be bulk copies (config TMA): Hopper or later (or the
+    interpreter), contiguous weights on 16-byte boundaries."""
+    if w.device.type == "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1" and not hopper_or_later(w.device):
+            return False
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0
+
+
+_DESCS: dict[tuple, TensorDescriptor] = {}
+
+
+def _weight_desc(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
+    """A tensor descriptor over ``w`` [E, N, K] as [E * N, K] rows, in [block_n, block_k] tiles;
+    kept per (storage, shape, tile): weights swapped in place keep theirs."""
+    key = (w.data_ptr(), tuple(w.shape), w.dtype, w.device, block_n, block_k)
+    desc = _DESCS.get(key)
+    if desc is None:
+        if len(_DESCS) >= 256:
+            _DESCS.clear()
+        desc = _DESCS[key] = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+    return desc
 
 
 def _check_out(out: torch.Tensor, t: int, k: int, h: int, x: torch.Tensor, reduce: bool) -> None:

@@ -343,6 +343,30 @@ def test_fused_moe_matches_reference(fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_moe_weight_tiles_as_tensor_descriptors(fp8, t):
+    """TMA: the weight tiles as bulk copies (interpreter, or Hopper), pair blocks and aligned
+    blocks; tiles that run past an expert's rows read the next rows (their columns are
+    masked) and past its columns zeros: the same output as the reference."""
+    g = gen(12)
+    e, h, inter, k = (16, 512, 384, 6) if CUDA else (4, 256, 160, 2)
+    x, w13, w2, weights, ids = _moe_case(g, t, e, h, inter, k)
+    scales = {}
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_fp8_blockwise(w13), quantize_fp8_blockwise(w2)
+        scales = {"w_gate_up_scale": s13, "w_down_scale": s2}
+    # up: 160 / 384 rows in tiles of 64 / 256 spill into the up part; down: K = 160 in tiles
+    # of 64 runs past the rows' end (zeros)
+    up = {"BLOCK_N": 64 if not CUDA else 256, "BLOCK_K": 64 if not CUDA else 128, "num_warps": 4, "num_stages": 3}
+    down = {"BLOCK_N": 64 if not CUDA else 128, "BLOCK_K": 64 if not CUDA else 128, "num_warps": 4, "num_stages": 3}
+    cfg = {"BLOCK_M": 16, "up": up, "down": down, "TMA": True}
+    from lockstep.kernels import fused_moe as fm
+    assert fm._tma_ok(w13) == (not CUDA or _util.hopper_or_later(w13.device))  # else the pointer path
+    out = fused_moe(x, w13, w2, weights, ids, config=cfg, **scales)
+    close(out, fused_moe_reference(x, w13, w2, weights, ids, **scales))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 def test_fused_moe_one_token_runs_a_block_per_pair(fp8, monkeypatch):
     """T = 1 takes no alignment: each pair's block in pair order, ids outside [0, E) skipped;
     with reduce=False the unsummed terms, which moe_sum_reference sums as the kernel does."""

@@ -253,6 +253,9 @@ def moe_candidates(committed: dict, batch: int, per_expert: float, fp8: bool, sm
         tiles = [tl for tl in tiles if tl[1] <= 128]
     bms = [16] if per_expert <= 8 else [16, 32] if per_expert <= 12 else [32, 64]
     out = [committed]  # first: what a run with --no-tune uses
+    # the weight tiles as TMA bulk copies (session 17, untimed: offline for sm_90 the up GEMM's
+    # weight loads became cp.async.bulk.tensor, pipelined 3 deep), on the committed tiles
+    out.append({**committed, "TMA": not committed.get("TMA", False)})
     for bm in bms:
         for bn, bk, w, s in tiles:
             t = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
