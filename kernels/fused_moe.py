@@ -25,15 +25,13 @@ rank) contribute nothing.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._util import DOT, DOT16, FP8, FP8_MAX, check, check_shape, hopper_or_later, next_pow2, to_dtype
+from ._util import DOT, DOT16, FP8, FP8_MAX, INTERPRET, check, check_shape, hopper_or_later, next_pow2, to_dtype
 
 QBLOCK = 128  # FP8 weight scale block (rows and columns)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
@@ -224,7 +222,8 @@ def _moe_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ptr, blk_expert_ptr, to
                    QUANT: tl.constexpr, EVEN_K: tl.constexpr, PAIRS: tl.constexpr,
                    TMA: tl.constexpr = False):
     # TMA: w_ptr is a tensor descriptor over the weights as [E * 2I, H] rows (``_weight_desc``):
-    # each weight tile is one bulk copy, out-of-range rows and columns read as zeros.
+    # each weight tile arrives by bulk copies; rows past an expert's read the next ones (their
+    # columns are masked), rows and columns past the tensor read zeros.
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if PAIRS:  # a block per pair, in pair order: blk_expert_ptr is the ids themselves
         e = tl.load(blk_expert_ptr + pid_m).to(tl.int64)
@@ -467,27 +466,17 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
 def _tma_ok(w: torch.Tensor) -> bool:
     """Whether the weight tiles can be bulk copies (config TMA): Hopper or later (or the
     interpreter), contiguous weights on 16-byte boundaries."""
-    if w.device.type == "cuda":
-        if os.environ.get("TRITON_INTERPRET") != "1" and not hopper_or_later(w.device):
-            return False
-    elif os.environ.get("TRITON_INTERPRET") != "1":
+    if not INTERPRET and not (w.device.type == "cuda" and hopper_or_later(w.device)):
         return False
     return w.is_contiguous() and w.data_ptr() % 16 == 0 and (w.shape[-1] * w.element_size()) % 16 == 0
 
 
-_DESCS: dict[tuple, TensorDescriptor] = {}
-
-
 def _weight_desc(w: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
-    """A tensor descriptor over ``w`` [E, N, K] as [E * N, K] rows, in [block_n, block_k] tiles;
-    kept per (storage, shape, tile): weights swapped in place keep theirs."""
-    key = (w.data_ptr(), tuple(w.shape), w.dtype, w.device, block_n, block_k)
-    desc = _DESCS.get(key)
-    if desc is None:
-        if len(_DESCS) >= 256:
-            _DESCS.clear()
-        desc = _DESCS[key] = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
-    return desc
+    """A tensor descriptor over ``w`` [E, N, K] as [E * N, K] rows, in [block_n, block_k]
+    tiles. Built per call (~2 us; the launcher encodes it at every launch anyway), and with no
+    view of ``w``, so it holds nothing longer than the call."""
+    e, n, k = w.shape
+    return TensorDescriptor(w, [e * n, k], [k, 1], [block_n, block_k])
 
 
 def _check_out(out: torch.Tensor, t: int, k: int, h: int, x: torch.Tensor, reduce: bool) -> None:
