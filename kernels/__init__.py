@@ -1,7 +1,7 @@
 """Triton kernels, each above its launcher and next to a torch reference.
 
-- `fused_moe`: routed experts (align, gate/up GEMM + SiLU·mul, down GEMM, top-k sum); bf16
-  or FP8 block-scaled weights.
+- `fused_moe`: routed experts (gate/up GEMM + SiLU·mul, down GEMM, top-k sum); bf16 or FP8
+  block-scaled weights; `moe_align`: its pairs sorted into per-expert blocks.
 - `mla_decode`: absorbed-form MLA decode over the paged latent cache, split-K, bf16 or FP8.
 - `mla_prefill`: new tokens over a long cached prefix, chunked, expanded form.
 - `topk`: exact top-k over long rows (sparse-attention indexer), two launches;

@@ -20,8 +20,8 @@ pytest.importorskip("triton", reason="triton is installed on x86_64 only (see py
 
 from lockstep.kernels import _util  # noqa: E402
 from lockstep.kernels.fused_moe import (  # noqa: E402
-    ALIGN_KERNEL_MAX_PAIRS, fused_moe, fused_moe_reference, moe_align, moe_align_reference, moe_sum_reference,
-    quantize_fp8_blockwise)
+    fused_moe, fused_moe_reference, moe_sum_reference, quantize_fp8_blockwise)
+from lockstep.kernels.moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_reference  # noqa: E402
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, mla_prep_store, quantize_per_token  # noqa: E402
 from lockstep.kernels.mla_decode import (  # noqa: E402
     LAZY_MARGIN, LOG2E, merge_reference, mla_decode, mla_decode_partials, mla_decode_reference)
