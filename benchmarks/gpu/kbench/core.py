@@ -52,29 +52,25 @@ class Bench:
             t = time.perf_counter()
             fn()
             return 1e6 * (time.perf_counter() - t)
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(iters)]
-        for a, b in ev:
-            a.record()
-            fn()
-            b.record()
-        torch.cuda.synchronize()
-        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in ev)
+        return self._events_us(fn, iters, warmup, flush=False)
 
     def flushed_us(self, fn, iters: int = 20, warmup: int = 2) -> float:
         """Median GPU time of fn with a cold L2 (for tuning: no graph capture per config)."""
         if self.smoke:
             return self.eager_us(fn)
+        return self._events_us(fn, iters, warmup, flush=True)
+
+    def _events_us(self, fn, iters: int, warmup: int, flush: bool) -> float:
+        """Median CUDA-event time of fn over ``iters`` calls after ``warmup`` (``flush``: L2
+        zeroed over before each)."""
         for _ in range(warmup):
             fn()
         torch.cuda.synchronize()
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(iters)]
         for a, b in ev:
-            self.flush.zero_()
+            if flush:
+                self.flush.zero_()
             a.record()
             fn()
             b.record()
