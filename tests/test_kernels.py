@@ -219,7 +219,7 @@ def test_mla_decode_lazy_rescale_where_the_max_keeps_growing(fp8, halves):
     ramp = torch.linspace(0, top, n, device=DEV)[:, None] * (q0 / q0.norm())[None, :]
     entries = (ramp + randn(n, dl + dr, g=g, scale=0.3).float()).to(BF16)
     # the data does what the docstring says: with one split, stale-max tiles and rescales both
-    s = torch.cat([q_lat[0], q_pe[0]], 1).float() @ entries.float().T * sm * LOG2E  # (h, n)
+    s = (torch.cat([q_lat[0], q_pe[0]], 1).float() @ entries.float().T * sm * LOG2E).cpu()  # (h, n)
     m, stale, rescaled = torch.full((h,), float("-inf")), 0, 0
     for t in range(0, n, bn):
         grow = float((s[:, t : t + bn].max(1).values - m).max())
