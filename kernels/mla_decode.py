@@ -54,6 +54,10 @@ LAZY_MARGIN = tl.constexpr(8.0)
 # loads each latent tile twice, once per product, so that both loads are pipelined (see
 # _load_pv; EARLY_DEQUANT takes precedence): on the H200 the whole model at batch 1 went
 # 5.09 -> 4.61 ms at 128K and 14.93 -> 13.07 ms at 855K; its 128K entries take 2 stages.
+# Session 18: RELOAD (with paged tiles) at 64 / 256 x 1K / 4K too, the whole model over an
+# FP8 cache new-old-new-old: batch 64 10.21 against 10.70-10.75 ms at 1K and 14.65-14.90
+# against 15.27-15.50 at 4K, batch 256 22.68-22.75 against 24.21-24.46 at 4K; the tuner's
+# pick at 128 x 1K (faster alone) made the model 4% slower and was not taken.
 # LAZY_RESCALE (session 17; default False) rescales the accumulators only where the running
 # max grows by more than LAZY_MARGIN (see _fold): offline for sm_90, ~12% of the tile loop's
 # instructions were that rescale, but timed on the H200 (session 18, bf16 at 64 / 128 / 256 x
@@ -76,7 +80,7 @@ DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 1, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'PAGED': False},
     ('fp8', 1, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'PAGED': False},
     ('bf16', 8, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 4, 'MIN_SPLIT': 256, 'WAVES': 4, 'HALVES': 2},
-    ('fp8', 8, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 256, 'WAVES': 1, 'PAGED': False},
+    ('fp8', 8, 4096): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 256, 'WAVES': 1, 'PAGED': True, 'EARLY_DEQUANT': True, 'PREFETCH': True},
     ('bf16', 8, 1024): {'BLOCK_N': 16, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2},
     ('fp8', 8, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'PAGED': False},
     ('bf16', 32, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 4},
@@ -84,17 +88,17 @@ DECODE_CONFIGS: dict[tuple, dict] = {
     ('bf16', 32, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1, 'HALVES': 2},
     ('fp8', 32, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 2, 'PAGED': False, 'HALVES': 1},
     ('bf16', 64, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 2, 'HALVES': 2},
-    ('fp8', 64, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 2, 'HALVES': 2, 'PREFETCH': True, 'PAGED': True},
+    ('fp8', 64, 4096): {'BLOCK_N': 16, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 4, 'HALVES': 2},
     ('bf16', 64, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2, 'HALVES': 2},
-    ('fp8', 64, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 2, 'HALVES': 2},
+    ('fp8', 64, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 512, 'WAVES': 2, 'HALVES': 2, 'PAGED': True, 'RELOAD': True},
     ('bf16', 128, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 1, 'HALVES': 2},
     ('fp8', 128, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2},
     ('bf16', 128, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 1, 'HALVES': 2},
     ('fp8', 128, 1024): {'BLOCK_N': 64, 'num_warps': 8, 'num_stages': 3, 'MIN_SPLIT': 1024, 'WAVES': 1, 'HALVES': 2, 'EARLY_DEQUANT': True, 'PREFETCH': True, 'PAGED': True},
     ('bf16', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2},
-    ('fp8', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2, 'PAGED': False},
+    ('fp8', 256, 4096): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2, 'PAGED': True, 'RELOAD': True},
     ('bf16', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1, 'HALVES': 2},
-    ('fp8', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 1, 'HALVES': 2, 'PAGED': False},
+    ('fp8', 256, 1024): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 256, 'WAVES': 1, 'HALVES': 2, 'PAGED': True, 'RELOAD': True},
     ('fp8', 1, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 8, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 512, 'RELOAD': True},
     ('fp8', 8, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 2, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 1024, 'RELOAD': True},
     ('bf16', 8, 131072): {'BLOCK_N': 32, 'num_warps': 4, 'num_stages': 3, 'MIN_SPLIT': 64, 'WAVES': 4, 'HALVES': 2, 'PAGED': True, 'MAX_SPLITS': 2048},
