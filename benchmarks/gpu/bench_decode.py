@@ -254,17 +254,29 @@ def compare(ref_results, results) -> dict:
     margin = top[:, 0] - top[:, 1]
     bad = ref_tok != tok
     clear = margin > max(2 * err, 0.05)
+    same = ~bad  # the same token's logprob on both: the noise between the two paths
+    matched = np.abs(lp - lp_ref)[same] if len(lp) == len(bad) else np.abs(lp - lp_ref)
     counts_ok = all(np.array_equal(a.expert_counts.sum(-1), b.expert_counts.sum(-1))
                     for a, b in zip(ref_results, results) if a.expert_counts is not None)
     return {"tokens": int(len(tok)), "greedy_equal": bool(not bad.any()), "mismatches": int(bad.sum()),
             "mismatches_at_clear_margin": int((bad & clear).sum()), "max_logprob_diff": err,
-            "min_ref_margin": float(margin.min()) if len(margin) else 0.0, "expert_count_totals_equal": counts_ok}
+            "min_ref_margin": float(margin.min()) if len(margin) else 0.0, "expert_count_totals_equal": counts_ok,
+            "matched_median_logprob_diff": float(np.median(matched)) if len(matched) else 0.0}
 
 
 def check_correctness(run: Run, name: str, model: str, overrides: dict, device: str, smoke: bool,
                       **options) -> None:
     """``options``: runtime options for all three runtimes (kv_cache_dtype="fp8": the fast path's
-    FP8 cache against the reference path's)."""
+    FP8 cache against the reference path's).
+
+    With an FP8 cache a fourth runtime, the reference path over a bf16 cache, asks the question
+    that matters there: is the fast path's FP8 cache as close to the bf16 model as the
+    reference's FP8 cache is? Two FP8 paths cannot agree as bf16 ones do: an e4m3 step is 32
+    bf16 ulps, so inputs one bf16 ulp apart (different kernels upstream) land on different
+    codes in about 1 element of 32 (session 18: matched logprobs differ by a median 0.23
+    between the FP8 paths, 0.09 between the bf16 ones; benchmarks/gpu/experiments/kv_mismatch.py).
+    The FP8 check passes when the fast path's mismatches and matched-logprob noise against the
+    bf16 reference are within a quarter (plus 2 tokens, 0.02) of the reference FP8 path's."""
     rng = np.random.default_rng(0)
     vocab = preset(model, **overrides).vocab_size
     lens = (1, 17, 40, 5) if smoke else (1, 17, 64, 130, 300, 700, 3, 33)
@@ -272,9 +284,12 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
     kw = dict(blocks=256 if smoke else 1024, max_seqs=4 if smoke else 8, max_len=256 if smoke else 1024,
               overrides=overrides, **options)
     graphs = "padded" if smoke else "on"
+    fp8 = options.get("kv_cache_dtype") == "fp8"
     rts = [runtime(model, device, fast=False, **kw),
            runtime(model, device, fast=True, cuda_graphs=graphs, compile=not smoke, **kw),
            runtime(model, device, fast=True, cuda_graphs="off", compile=False, **kw)]
+    if fp8:  # fed the FP8 reference's tokens, as the others are
+        rts.append(runtime(model, device, fast=False, **{a: v for a, v in kw.items() if a != "kv_cache_dtype"}))
     try:
         res = serve(rts, prompts, max_tokens=6 if smoke else 12, chunk=24 if smoke else 128,
                     max_seqs=kw["max_seqs"], max_len=kw["max_len"], blocks=kw["blocks"])
@@ -282,7 +297,14 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
                "fast_graph_vs_fast_eager": compare(res[2], res[1]), "runner": rts[1].runner.statistics()}
         mixed = sum(1 for r in res[0] if len(r.token_ids) and r.num_sampled.sum() and len(r.num_sampled) > 1)
         got["steps"], got["steps_with_several_requests"] = len(res[0]), mixed
-        ok = got["fast_vs_reference"]["mismatches_at_clear_margin"] == 0 and got["runner"]["replays"] > 0
+        if fp8:
+            ref8, fast8 = compare(res[3], res[0]), compare(res[3], res[1])
+            got["fp8_reference_vs_bf16"], got["fp8_fast_vs_bf16"] = ref8, fast8
+            close_as_ref = (fast8["mismatches"] <= 1.25 * ref8["mismatches"] + 2 and fast8["matched_median_logprob_diff"]
+                            <= 1.25 * ref8["matched_median_logprob_diff"] + 0.02)
+            ok = close_as_ref and got["runner"]["replays"] > 0
+        else:
+            ok = got["fast_vs_reference"]["mismatches_at_clear_margin"] == 0 and got["runner"]["replays"] > 0
         got["ok"] = bool(ok and not got["runner"]["graph_errors"])
         run.checks[name] = got
         print(f"  {name}: {json.dumps(got, default=str)}", flush=True)
