@@ -34,8 +34,11 @@ def emit(bench: str, rows: list[dict], headline: dict, as_json: bool) -> None:
     for r in rows:
         print(" | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-")) for c in cols))
     h = headline
-    print(f"headline: {h['metric']} = {h['value']:.4g} {h['unit']} (baseline {h['baseline']['name']}: "
-          f"{h['baseline']['value']:.4g}; {h['ratio']:.1f}x better; target {h['target']}: "
-          f"{'met' if h['meets_target'] else 'NOT met'})")
+    if h.get("measured") is False:  # a partial run (e.g. other sections only): no figure to judge
+        print(f"headline: {h['metric']}: not measured in this run (target {h['target']})")
+    else:
+        print(f"headline: {h['metric']} = {h['value']:.4g} {h['unit']} (baseline {h['baseline']['name']}: "
+              f"{h['baseline']['value']:.4g}; {h['ratio']:.1f}x better; target {h['target']}: "
+              f"{'met' if h['meets_target'] else 'NOT met'})")
     if as_json:
         print(json.dumps({"bench": bench, "rows": rows, "headline": h}))

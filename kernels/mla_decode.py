@@ -54,10 +54,12 @@ LAZY_MARGIN = tl.constexpr(8.0)
 # loads each latent tile twice, once per product, so that both loads are pipelined (see
 # _load_pv; EARLY_DEQUANT takes precedence): on the H200 the whole model at batch 1 went
 # 5.09 -> 4.61 ms at 128K and 14.93 -> 13.07 ms at 855K; its 128K entries take 2 stages.
-# Session 18: RELOAD (with paged tiles) at 64 / 256 x 1K / 4K too, the whole model over an
-# FP8 cache new-old-new-old: batch 64 10.21 against 10.70-10.75 ms at 1K and 14.65-14.90
-# against 15.27-15.50 at 4K, batch 256 22.68-22.75 against 24.21-24.46 at 4K; the tuner's
-# pick at 128 x 1K (faster alone) made the model 4% slower and was not taken.
+# Session 18, the FP8 cache re-tuned: RELOAD with paged tiles at 64 x 1K and 256 x 1K / 4K,
+# BLOCK_N 16 and 4 waves at 64 x 4K, EARLY_DEQUANT and PREFETCH at 8 x 4K. The whole model over
+# an FP8 cache, new-old-new-old: batch 64 10.21 against 10.70-10.75 ms at 1K and 14.65-14.90
+# against 15.27-15.50 at 4K, batch 256 22.68-22.75 against 24.21-24.46 at 4K (13.57-14.01
+# against 13.92-13.96 at 1K: noise), batch 8 at 4K a tie (5% faster alone); the tuner's pick
+# at 128 x 1K (faster alone) made the model 4% slower and was not taken.
 # LAZY_RESCALE (session 17; default False) rescales the accumulators only where the running
 # max grows by more than LAZY_MARGIN (see _fold): offline for sm_90, ~12% of the tile loop's
 # instructions were that rescale, but timed on the H200 (session 18, bf16 at 64 / 128 / 256 x

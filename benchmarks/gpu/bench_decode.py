@@ -10,7 +10,8 @@ CUDA graphs for decode steps, sampling on the device.
    by the reference runtime path (the model's own forward, host sampling) and by the fast
    path with and without graphs; the fast runtimes are fed the reference's tokens, so greedy
    tokens compare step by step. A mismatch where the reference's top-2 logprob margin is
-   within the observed logprob error is bf16 noise; one at a clear margin is a bug.
+   within the observed logprob error is bf16 noise; one at a clear margin is a bug. (With
+   an FP8 cache, see 5.)
 3. decode, v2-lite in full (27 layers, bf16, random weights drawn on the GPU, 31 GB) at batch
    1, 8, 64, 256 and context 1K and 4K: the runtime's step (plan in, sampled ids out: host
    prep, one graph replay, device sampling, one copy back) one at a time (step_ms), then
@@ -22,7 +23,8 @@ CUDA graphs for decode steps, sampling on the device.
    graphs, and the reference path.
 5. while time is left, in this order: FP8 expert weights (W8A16) at batch 64 and 256; the
    FP8 KV cache (kv_cache_dtype fp8: e4m3 entries, a float32 scale per token) on the fast path,
-   checked against the reference path with an FP8 cache (v2-lite cut to 3 layers) and timed
+   checked to stay as close to the bf16 reference as the reference path's own FP8 cache does
+   (v2-lite cut to 3 layers; ``fp8_close_as_reference``) and timed
    at batch 64 and 256 at the longest context (the roofline reads 1 byte a value and a 4-byte
    scale per token and layer);
    transformers' DeepseekV3ForCausalLM forward loop at batch 64, prompts of 512 (the issue's
@@ -254,29 +256,65 @@ def compare(ref_results, results) -> dict:
     margin = top[:, 0] - top[:, 1]
     bad = ref_tok != tok
     clear = margin > max(2 * err, 0.05)
-    same = ~bad  # the same token's logprob on both: the noise between the two paths
-    matched = np.abs(lp - lp_ref)[same] if len(lp) == len(bad) else np.abs(lp - lp_ref)
+    # the same token's logprob on both: the noise between the two paths (none: NaN)
+    aligned = len(lp) == len(lp_ref) == len(bad)
+    matched = np.abs(lp - lp_ref)[~bad] if aligned else np.zeros(0)
     counts_ok = all(np.array_equal(a.expert_counts.sum(-1), b.expert_counts.sum(-1))
                     for a, b in zip(ref_results, results) if a.expert_counts is not None)
     return {"tokens": int(len(tok)), "greedy_equal": bool(not bad.any()), "mismatches": int(bad.sum()),
             "mismatches_at_clear_margin": int((bad & clear).sum()), "max_logprob_diff": err,
             "min_ref_margin": float(margin.min()) if len(margin) else 0.0, "expert_count_totals_equal": counts_ok,
-            "matched_median_logprob_diff": float(np.median(matched)) if len(matched) else 0.0}
+            "matched_median_logprob_diff": float(np.median(matched)) if len(matched) else float("nan")}
+
+
+def _rows(results) -> tuple[np.ndarray, np.ndarray]:
+    """(sampled tokens, their logprobs) of a runtime's step results, in order."""
+    return (np.concatenate([r.token_ids for r in results]),
+            np.concatenate([r.logprobs for r in results if r.logprobs is not None]))
+
+
+def fp8_close_as_reference(base, ref, fast) -> dict:
+    """Whether the fast path's FP8 cache (``fast``) stays as close to the bf16 reference
+    (``base``) as the reference path's FP8 cache (``ref``) does, all three teacher-forced on
+    one token stream (step results of each).
+
+    Agreement: the rows where each FP8 path picks the bf16 reference's token. Noise: on the
+    rows where both do (the same rows for both), the median distance of each one's logprob of
+    that token from the bf16 one. Passes with agreement at least 0.75 of the reference's less
+    2 rows, at least 3 common rows, and noise within 1.25x (+0.02) of the reference's. A path
+    that agrees nowhere, or has no rows to measure, fails.
+
+    What it cannot see: an error below the FP8 cache's own quantization noise, which with
+    random weights is large (v2-lite cut to 3 layers: the reference's FP8 cache picks the bf16
+    token in only 17 of 96 rows). The kernel tests (``mla_decode`` against its reference over
+    an FP8 cache, ``tests/test_kernels.py``) are the check for those."""
+    tb, lb = _rows(base)
+    tr, lr = _rows(ref)
+    tf, lf = _rows(fast)
+    if not len(tb) == len(tr) == len(tf) == len(lb) == len(lr) == len(lf):
+        return {"ok": False, "why": "the three runs' rows do not line up"}
+    ar, af = tr == tb, tf == tb
+    common = ar & af
+    nr = float(np.median(np.abs(lr - lb)[common])) if common.any() else float("nan")
+    nf = float(np.median(np.abs(lf - lb)[common])) if common.any() else float("nan")
+    ok = int(af.sum()) >= 0.75 * int(ar.sum()) - 2 and int(common.sum()) >= 3 and nf <= 1.25 * nr + 0.02
+    return {"tokens": int(len(tb)), "reference_agrees": int(ar.sum()), "fast_agrees": int(af.sum()),
+            "both_agree": int(common.sum()), "reference_noise": nr, "fast_noise": nf, "ok": bool(ok)}
 
 
 def check_correctness(run: Run, name: str, model: str, overrides: dict, device: str, smoke: bool,
                       **options) -> None:
-    """``options``: runtime options for all three runtimes (kv_cache_dtype="fp8": the fast path's
-    FP8 cache against the reference path's).
+    """``options``: runtime options for the reference and the two fast runtimes
+    (kv_cache_dtype="fp8": FP8 caches on all three).
 
-    With an FP8 cache a fourth runtime, the reference path over a bf16 cache, asks the question
-    that matters there: is the fast path's FP8 cache as close to the bf16 model as the
-    reference's FP8 cache is? Two FP8 paths cannot agree as bf16 ones do: an e4m3 step is 32
-    bf16 ulps, so inputs one bf16 ulp apart (different kernels upstream) land on different
-    codes in about 1 element of 32 (session 18: matched logprobs differ by a median 0.23
-    between the FP8 paths, 0.09 between the bf16 ones; benchmarks/gpu/experiments/kv_mismatch.py).
-    The FP8 check passes when the fast path's mismatches and matched-logprob noise against the
-    bf16 reference are within a quarter (plus 2 tokens, 0.02) of the reference FP8 path's."""
+    bf16: ok when the fast path has no greedy mismatch against the reference at a clear top-2
+    margin. FP8: a fourth runtime, the reference path over a bf16 cache, asks the question
+    that matters there (``fp8_close_as_reference``): is the fast path's FP8 cache as close to
+    the bf16 model as the reference's FP8 cache is? Two FP8 paths cannot agree as two bf16
+    ones do: an e4m3 step is 16 bf16 ulps (3 mantissa bits against 7), so inputs one bf16 ulp
+    apart (different kernels upstream) land on different codes in about 1 element of 16
+    (session 18: matched logprobs differ by a median 0.23 between the FP8 paths, 0.09 between
+    the bf16 ones; benchmarks/gpu/experiments/kv_mismatch.py)."""
     rng = np.random.default_rng(0)
     vocab = preset(model, **overrides).vocab_size
     lens = (1, 17, 40, 5) if smoke else (1, 17, 64, 130, 300, 700, 3, 33)
@@ -285,12 +323,13 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
               overrides=overrides, **options)
     graphs = "padded" if smoke else "on"
     fp8 = options.get("kv_cache_dtype") == "fp8"
-    rts = [runtime(model, device, fast=False, **kw),
-           runtime(model, device, fast=True, cuda_graphs=graphs, compile=not smoke, **kw),
-           runtime(model, device, fast=True, cuda_graphs="off", compile=False, **kw)]
-    if fp8:  # fed the FP8 reference's tokens, as the others are
-        rts.append(runtime(model, device, fast=False, **{a: v for a, v in kw.items() if a != "kv_cache_dtype"}))
+    rts: list[TorchRuntime] = []  # built inside the try: whatever was built is freed if one fails
     try:
+        rts.append(runtime(model, device, fast=False, **kw))
+        rts.append(runtime(model, device, fast=True, cuda_graphs=graphs, compile=not smoke, **kw))
+        rts.append(runtime(model, device, fast=True, cuda_graphs="off", compile=False, **kw))
+        if fp8:  # fed the FP8 reference's tokens, as the others are
+            rts.append(runtime(model, device, fast=False, **{a: v for a, v in kw.items() if a != "kv_cache_dtype"}))
         res = serve(rts, prompts, max_tokens=6 if smoke else 12, chunk=24 if smoke else 128,
                     max_seqs=kw["max_seqs"], max_len=kw["max_len"], blocks=kw["blocks"])
         got = {"fast_vs_reference": compare(res[0], res[1]), "fast_eager_vs_reference": compare(res[0], res[2]),
@@ -298,11 +337,9 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
         mixed = sum(1 for r in res[0] if len(r.token_ids) and r.num_sampled.sum() and len(r.num_sampled) > 1)
         got["steps"], got["steps_with_several_requests"] = len(res[0]), mixed
         if fp8:
-            ref8, fast8 = compare(res[3], res[0]), compare(res[3], res[1])
-            got["fp8_reference_vs_bf16"], got["fp8_fast_vs_bf16"] = ref8, fast8
-            close_as_ref = (fast8["mismatches"] <= 1.25 * ref8["mismatches"] + 2 and fast8["matched_median_logprob_diff"]
-                            <= 1.25 * ref8["matched_median_logprob_diff"] + 0.02)
-            ok = close_as_ref and got["runner"]["replays"] > 0
+            got["fp8_reference_vs_bf16"], got["fp8_fast_vs_bf16"] = compare(res[3], res[0]), compare(res[3], res[1])
+            got["fp8_close_as_reference"] = fp8_close_as_reference(res[3], res[0], res[1])
+            ok = got["fp8_close_as_reference"]["ok"] and got["runner"]["replays"] > 0
         else:
             ok = got["fast_vs_reference"]["mismatches_at_clear_margin"] == 0 and got["runner"]["replays"] > 0
         got["ok"] = bool(ok and not got["runner"]["graph_errors"])

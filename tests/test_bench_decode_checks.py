@@ -1,0 +1,71 @@
+"""bench_decode.py's correctness rules on made-up step results (the GPU run is the real one):
+compare()'s matched-row noise and the FP8 cache's rule, which must fail a path that agrees
+with the bf16 reference nowhere, or has no rows to measure."""
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_decode_under_test", ROOT / "benchmarks/gpu/bench_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bd = _bench()
+
+
+def steps(tokens, logprobs, top=None):
+    """One step result per row, as the runtimes return them."""
+    top = np.zeros((len(tokens), 2)) if top is None else top
+    return [SimpleNamespace(token_ids=np.array([t]), logprobs=np.array([lp]), top_logprobs=np.array([tp]),
+                            expert_counts=None) for t, lp, tp in zip(tokens, logprobs, top)]
+
+
+def test_compare_measures_noise_on_matched_rows_only():
+    ref = steps([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4], top=[[-0.1, -3.0]] * 4)
+    got = steps([1, 2, 9, 4], [-0.15, -0.2, -5.0, -0.4])
+    c = bd.compare(ref, got)
+    assert c["mismatches"] == 1 and c["mismatches_at_clear_margin"] == 0  # margin 2.9 < 2 x 4.7
+    assert np.isclose(c["matched_median_logprob_diff"], 0.0)  # rows 0, 1, 3: 0.05, 0, 0
+
+
+def test_compare_reports_no_noise_when_nothing_matches():
+    c = bd.compare(steps([1, 2], [-0.1, -0.2]), steps([3, 4], [-0.1, -0.2]))
+    assert np.isnan(c["matched_median_logprob_diff"])
+
+
+def _fp8_case(rng, agree_fast: float, noise_fast: float):
+    n = 96
+    base = rng.integers(0, 1000, n)
+    lb = -rng.random(n)
+    ref_tok = np.where(rng.random(n) < 0.2, base, base + 1)  # the reference FP8 path: ~20% agree
+    fast_tok = np.where(rng.random(n) < agree_fast, base, base + 2)
+    lr = lb + 0.3 * rng.standard_normal(n)
+    lf = lb + noise_fast * rng.standard_normal(n)
+    return steps(base, lb), steps(ref_tok, lr), steps(fast_tok, lf)
+
+
+def test_fp8_rule_passes_a_path_as_close_as_the_reference():
+    rng = np.random.default_rng(0)
+    got = bd.fp8_close_as_reference(*_fp8_case(rng, agree_fast=0.5, noise_fast=0.3))
+    assert got["ok"], got
+
+
+def test_fp8_rule_fails_a_path_that_never_agrees_or_is_noisier():
+    rng = np.random.default_rng(1)
+    never = bd.fp8_close_as_reference(*_fp8_case(rng, agree_fast=0.0, noise_fast=0.3))
+    assert not never["ok"] and never["fast_agrees"] == 0 and np.isnan(never["fast_noise"])
+    noisy = bd.fp8_close_as_reference(*_fp8_case(rng, agree_fast=0.5, noise_fast=3.0))
+    assert not noisy["ok"], noisy
+
+
+def test_fp8_rule_fails_rows_that_do_not_line_up():
+    base, ref, fast = _fp8_case(np.random.default_rng(2), 0.5, 0.3)
+    assert not bd.fp8_close_as_reference(base, ref, fast[:-1])["ok"]
