@@ -37,8 +37,8 @@ def emit(bench: str, rows: list[dict], headline: dict, as_json: bool) -> None:
     if h.get("measured") is False:  # a partial run (e.g. other sections only): no figure to judge
         print(f"headline: {h['metric']}: not measured in this run (target {h['target']})")
     else:
+        verdict = "no verdict" if h["meets_target"] is None else "met" if h["meets_target"] else "NOT met"
         print(f"headline: {h['metric']} = {h['value']:.4g} {h['unit']} (baseline {h['baseline']['name']}: "
-              f"{h['baseline']['value']:.4g}; {h['ratio']:.1f}x better; target {h['target']}: "
-              f"{'met' if h['meets_target'] else 'NOT met'})")
+              f"{h['baseline']['value']:.4g}; {h['ratio']:.1f}x better; target {h['target']}: {verdict})")
     if as_json:
         print(json.dumps({"bench": bench, "rows": rows, "headline": h}))

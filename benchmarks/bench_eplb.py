@@ -17,7 +17,13 @@ a replicated expert split to level its replicas' GPUs, "even" = split evenly):
   0.01: every layer within 1% of the fresh plan's heaviest GPU, the fresh plan's own search
   stopped within 0.5%; where the repair cannot get there, fresh nodes are mixed in), with the
   balancedness the fresh and incremental plans reach on the new window; x_fewer = fresh /
-  incremental moves, x_vs_renum = renumbered fresh / incremental;
+  incremental moves, x_vs_renum = renumbered fresh / incremental. The ">= 4x fewer moves"
+  target is judged on x_fewer: its baseline is a stateless fresh plan, as DeepSeek's EPLB
+  makes one (the issue: "a fresh plan moves nearly every slot"). Against our own fresh plan
+  renumbered to keep what stays, a stronger baseline, the factor is lower (x_vs_renum, quoted
+  with the verdict);
+- the verdicts: every target of the issue is printed, and the JSON headline's meets_target is
+  all of them (the list under "targets"); a run of some settings (--settings) gives no verdict;
 - ms: CPU time (process time, single-threaded numpy) of our fresh plan (median of 5), of the
   incremental plan (which includes a fresh plan as its reference), and of the baseline.
 
@@ -234,19 +240,29 @@ def main() -> None:
     settings = args.settings or [(ep, slots, None) for ep, slots in ([(32, 288), (64, 320)] if args.quick else SETTINGS)]
     rows = [run_setting(ep, slots, nodes, skew, args.seed, args.repeat)
             for skew in (0.35, 0.21) for ep, slots, pin in settings for nodes in ((ep // 8, 1) if pin is None else (pin,))]
-    if args.settings:  # a subset: the table, no targets (some need settings left out)
+    if args.settings:  # a subset: the table, and no verdict (some targets need settings left out)
         for r in rows:
             print(f"EP{r['ep']}/{r['slots']} nodes {r['nodes']} skew {r['skew']}: ours/bound {r['ours/bound']:.4f} "
                   f"(ours {r['ours']:.4f}, bound {r['bound']:.4f}), {r['ms']:.0f} ms, incremental x{r['x_fewer']:.2f} fewer moves")
+        r = rows[0]
+        emit("bench_eplb", rows, {
+            "metric": f"same window, ours / bound, EP{r['ep']}/{r['slots']} nodes {r['nodes']} skew {r['skew']} (a subset of settings)",
+            "unit": "fraction", "value": r["ours/bound"], "baseline": {"name": "DeepSeek EPLB, numpy, same run, ds / bound",
+                                                                       "value": r["ds"] / r["bound"]},
+            "ratio": r["ours"] / r["ds"], "target": "judged on the full run only", "meets_target": None,
+        }, args.json)
         return
-    for name, ok, detail in check_targets(rows):
-        print(f"target: {name}: {'met' if ok else 'NOT met'} ({detail})")
+    targets = [{"name": name, "met": bool(ok), "detail": detail} for name, ok, detail in check_targets(rows)]
+    for t in targets:
+        print(f"target: {t['name']}: {'met' if t['met'] else 'NOT met'} ({t['detail']})")
     head = next(r for r in rows if (r["ep"], r["slots"], r["nodes"], r["skew"]) == (32, 288, 4, 0.35))
     emit("bench_eplb", rows, {
         "metric": "balancedness per batch, sigma 0.1 drift, proportional split, EP32/288, 4 nodes, skew 0.35",
         "unit": "mean/max", "value": head["s0.1_ours"],
         "baseline": {"name": "DeepSeek EPLB (hierarchical, as vLLM selects it), numpy, same run", "value": head["s0.1_ds"]},
-        "ratio": head["s0.1_ours"] / head["s0.1_ds"], "target": 0.94, "meets_target": head["s0.1_ours"] >= 0.94,
+        "ratio": head["s0.1_ours"] / head["s0.1_ds"],
+        "target": "all of the issue's targets (listed under targets); the value is one of them (>= 0.94)",
+        "meets_target": all(t["met"] for t in targets), "targets": targets,
     }, args.json)
 
 

@@ -324,7 +324,9 @@ def main() -> None:
         "ratio": value / PUBLISHED,
         "target": ">= 60% of the memcpy ceiling measured in the same run and >= 10x 440K (4.4M) tokens/s, "
                   "both block sizes",
-        "meets_target": all(r["vs_memcpy"] >= 0.6 and r["tokens_per_s"] >= 10 * PUBLISHED for r in head_rows),
+        # the target names NIXL: without it (not installed) the shared-memory figures stand in, unjudged
+        "meets_target": all(r["vs_memcpy"] >= 0.6 and r["tokens_per_s"] >= 10 * PUBLISHED for r in head_rows)
+        if mode == "nixl merged" else None,
     }, args.json)
 
 

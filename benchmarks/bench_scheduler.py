@@ -1,4 +1,5 @@
-"""CPU time of one SchedulerCore decode step (schedule + update) and one chunked-prefill step.
+"""Wall-clock time (median and best of many) of one SchedulerCore decode step (schedule +
+update) and one chunked-prefill step, in one process.
 
 Running requests: prompt 1024, block 16, prefix caching on. Reference (not runnable here):
 vLLM 0.32's V1 scheduler costs 4.1 ms (best) to 8.1 ms (median) per decode step at 256

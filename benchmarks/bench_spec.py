@@ -83,17 +83,19 @@ def main() -> None:
                 base = sorted(trio.run(one_run, dep, c, False)[0] for _ in range(args.repeat))
                 spec_runs = [trio.run(one_run, dep, c, True) for _ in range(args.repeat)]
                 spec = sorted(r[0] for r in spec_runs)
-                st = spec_runs[-1][1]
+                st = spec_runs[-1][1]  # acceptance: the last run's (one seed; the runs differ in timing only)
                 rows.append({"cost": "H200 profile" if profiled else "analytic", "concurrency": c,
                              "tok_s_no_spec": float(np.median(base)), "tok_s_spec": float(np.median(spec)),
                              "speedup": float(np.median(spec) / np.median(base)),
                              "acceptance": st["acceptance_rate"], "mean_accepted_len": st["mean_accepted_length"]})
-    head = next(r for r in rows if r["cost"] == "H200 profile" and r["concurrency"] == 8)
+    # the headline row: the profiled cost at 8 concurrent requests, or the nearest concurrency run
+    prof = [r for r in rows if r["cost"] == "H200 profile"]
+    head = min(prof, key=lambda r: (abs(r["concurrency"] - 8), r["concurrency"]))
     emit("bench_spec", rows, {
-        "metric": "output tokens/s with speculation (k = 3), H200-profiled v2-lite, 8 concurrent requests",
+        "metric": f"output tokens/s with speculation (k = 3), H200-profiled v2-lite, {head['concurrency']} concurrent requests",
         "unit": "tokens/s", "value": head["tok_s_spec"],
         "baseline": {"name": "the same engine without speculation, same run", "value": head["tok_s_no_spec"]},
-        "ratio": head["speedup"], "target": "none (a comparison)", "meets_target": True,
+        "ratio": head["speedup"], "target": "none (a comparison)", "meets_target": None,
     }, args.json)
 
 
