@@ -32,8 +32,24 @@ def test_compare_measures_noise_on_matched_rows_only():
     ref = steps([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4], top=[[-0.1, -3.0]] * 4)
     got = steps([1, 2, 9, 4], [-0.15, -0.2, -5.0, -0.4])
     c = bd.compare(ref, got)
-    assert c["mismatches"] == 1 and c["mismatches_at_clear_margin"] == 0  # margin 2.9 < 2 x 4.7
-    assert np.isclose(c["matched_median_logprob_diff"], 0.0)  # rows 0, 1, 3: 0.05, 0, 0
+    # the wrong token's own logprob (-5.0) does not raise the bar: noise 0.05 on rows 0, 1, 3,
+    # and the reference's margin 2.9 is clear of it
+    assert c["mismatches"] == 1 and c["mismatches_at_clear_margin"] == 1
+    assert np.isclose(c["matched_max_logprob_diff"], 0.05) and np.isclose(c["matched_median_logprob_diff"], 0.0)
+
+
+def test_compare_keeps_near_ties_as_noise():
+    ref = steps([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4], top=[[-0.1, -0.2]] * 4)  # margin 0.1
+    got = steps([1, 2, 9, 4], [-0.05, -0.2, -0.35, -0.4])
+    c = bd.compare(ref, got)
+    assert c["mismatches"] == 1 and c["mismatches_at_clear_margin"] == 0  # 0.1 is not above 2 x 0.05
+
+
+def test_compare_fails_a_path_wrong_everywhere():
+    ref = steps(list(range(10)), [-0.1] * 10, top=[[-0.1, -4.0]] * 10)
+    got = steps(list(range(100, 110)), [-11.5] * 10)
+    c = bd.compare(ref, got)
+    assert c["mismatches"] == 10 and c["mismatches_at_clear_margin"] == 10
 
 
 def test_compare_reports_no_noise_when_nothing_matches():

@@ -13,7 +13,8 @@ CUDA graphs for decode steps, sampling on the device.
    within the observed logprob error is bf16 noise; one at a clear margin is a bug. (With
    an FP8 cache, see 5.)
 3. decode, v2-lite in full (27 layers, bf16, random weights drawn on the GPU, 31 GB) at batch
-   1, 8, 64, 256 and context 1K and 4K: the runtime's step (plan in, sampled ids out: host
+   1, 8, 64, 256 and context 512 (the issue's setting, where its tokens/s targets are judged),
+   1K and 4K: the runtime's step (plan in, sampled ids out: host
    prep, one graph replay, device sampling, one copy back) one at a time (step_ms), then
    launched one ahead as the runtime process runs them (ahead_ms: step N+1 launched before
    step N's tokens are back), and a bare graph replay, against the roofline: all non-expert
@@ -76,7 +77,8 @@ BS = 16  # the scheduler's default block size
 ISSUE_ROOFLINE = {1: (1.18, 851), 8: (4.30, 1859), 64: (7.64, 8381), 256: (8.39, 30498)}
 ISSUE_HF = {"forward_loop_ms": {1: 102, 8: 135, 64: 123, 256: 113},
             "best_ms": {1: 6.7, 64: 138}}  # best: generate with a static cache and compile
-TARGET_TOK_S = {64: 5900, 256: 21000}
+TARGET_TOK_S = {64: 5900, 256: 21000}  # the issue's: about 70% of its roofline with 512-token prompts
+ISSUE_CTX = 512
 COLS = ("section", "case", "batch", "ctx", "step_ms", "ahead_ms", "gpu_ms", "host_ms", "tokens_per_s", "roofline_ms",
         "frac_roofline", "frac_roofline_gpu", "experts_touched", "target", "meets", "note")
 
@@ -246,7 +248,16 @@ def serve(runtimes, prompts, *, max_tokens: int, chunk: int, max_seqs: int, max_
     return out
 
 
+MAX_MISMATCH_SHARE = 0.5  # a path that misses more of the reference's greedy tokens fails outright
+
+
 def compare(ref_results, results) -> dict:
+    """Greedy tokens and logprobs of ``results`` against ``ref_results`` (one token stream).
+
+    The noise between the two paths is measured where they pick the same token (that token's
+    logprob on each): a mismatch is at a "clear" margin when the reference's top-2 margin is
+    over twice the largest such difference. (Measured over every row, the mismatched ones
+    included, the bar would rise with the very errors it should catch.)"""
     ref_tok = np.concatenate([r.token_ids for r in ref_results])
     tok = np.concatenate([r.token_ids for r in results])
     top = np.concatenate([r.top_logprobs for r in ref_results if r.top_logprobs is not None])
@@ -255,14 +266,16 @@ def compare(ref_results, results) -> dict:
     err = float(np.abs(lp - lp_ref).max()) if len(lp) else 0.0
     margin = top[:, 0] - top[:, 1]
     bad = ref_tok != tok
-    clear = margin > max(2 * err, 0.05)
     # the same token's logprob on both: the noise between the two paths (none: NaN)
     aligned = len(lp) == len(lp_ref) == len(bad)
     matched = np.abs(lp - lp_ref)[~bad] if aligned else np.zeros(0)
+    noise = float(matched.max()) if len(matched) else 0.0  # no matched row: every mismatch is clear
+    clear = margin > max(2 * noise, 0.05)
     counts_ok = all(np.array_equal(a.expert_counts.sum(-1), b.expert_counts.sum(-1))
                     for a, b in zip(ref_results, results) if a.expert_counts is not None)
     return {"tokens": int(len(tok)), "greedy_equal": bool(not bad.any()), "mismatches": int(bad.sum()),
             "mismatches_at_clear_margin": int((bad & clear).sum()), "max_logprob_diff": err,
+            "matched_max_logprob_diff": noise,
             "min_ref_margin": float(margin.min()) if len(margin) else 0.0, "expert_count_totals_equal": counts_ok,
             "matched_median_logprob_diff": float(np.median(matched)) if len(matched) else float("nan")}
 
@@ -341,7 +354,9 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
             got["fp8_close_as_reference"] = fp8_close_as_reference(res[3], res[0], res[1])
             ok = got["fp8_close_as_reference"]["ok"] and got["runner"]["replays"] > 0
         else:
-            ok = got["fast_vs_reference"]["mismatches_at_clear_margin"] == 0 and got["runner"]["replays"] > 0
+            fv = got["fast_vs_reference"]
+            ok = (fv["mismatches_at_clear_margin"] == 0 and fv["mismatches"] <= MAX_MISMATCH_SHARE * fv["tokens"]
+                  and fv["expert_count_totals_equal"] and got["runner"]["replays"] > 0)
         got["ok"] = bool(ok and not got["runner"]["graph_errors"])
         run.checks[name] = got
         print(f"  {name}: {json.dumps(got, default=str)}", flush=True)
@@ -389,7 +404,9 @@ def time_decode(run: Run, rt: TorchRuntime, batch: int, ctx: int, first_req: int
     kv_token = rt.model.kv_block_bytes(BS, rt.kv_dtype) / BS  # every layer's entry (and FP8 scale)
     bandwidth = run.info.get("copy_Bps", 4.19e12)
     roof = 1e3 * step_bytes(cfg, batch, ctx + warmup, t_experts, expert_bytes, kv_token) / bandwidth
-    target = TARGET_TOK_S.get(batch, "")
+    # the tokens/s figures are the issue's 70% of its roofline at 512-token prompts: judged there
+    # (ctx <= 512); the fraction of the roofline at every context
+    target = TARGET_TOK_S.get(batch, "") if ctx <= ISSUE_CTX else ""
     frac_target = 0.7 if batch >= 64 else 0.5
     best_ms = min(step_ms, ahead_ms or step_ms)  # the runtime process launches steps ahead
     tok_s = batch / (best_ms / 1e3)
@@ -643,12 +660,16 @@ def headline(run: Run) -> dict:
         base = {"name": "transformers forward loop, batch 64 (issue 8's figure: 123 ms)", "value": 64 / 0.123}
     targets = {f"b{b}_ctx{c}": r["meets"] for (b, c), r in dec.items()}
     correct = [v.get("ok") for k, v in run.checks.items() if isinstance(v, dict) and "ok" in v]
+    # every greedy row's target, and every correctness check that ran (none ran: not judged)
+    verdict = bool(targets) and all(targets.values()) and (not correct or all(correct))
     return {"metric": f"v2-lite decode output tokens/s at batch 64, ctx {ctx0} (27 layers, bf16, runtime step)",
             "unit": "tokens/s", "value": value, "baseline": base,
             "ratio": value / base["value"] if base["value"] else 0.0,
-            "target": ">= 5,900 tokens/s and >= 70% of roofline at batch 64 (>= 21,000 at 256; >= 50% at 1-8)",
-            "meets_target": bool(main and main["meets"]), "targets": targets,
-            "correct": bool(correct) and all(correct), "checks": run.checks, "errors": run.errors, "info": run.info}
+            "target": (">= 70% of roofline at batch 64-256 and >= 50% at 1-8, every context; >= 5,900 / 21,000 "
+                       "tokens/s at batch 64 / 256 with 512-token contexts (the issue's setting); the correctness "
+                       "checks that ran pass"),
+            "meets_target": verdict, "targets": targets,
+            "correct": (all(correct) if correct else None), "checks": run.checks, "errors": run.errors, "info": run.info}
 
 
 def main() -> None:
@@ -657,7 +678,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, interpreter: checks the script only")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--ctx", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 1024, 4096],
+                    help="contexts; the tokens/s targets are judged at 512 (the issue's setting) only")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--router-split", action="store_true",

@@ -354,8 +354,11 @@ def main() -> None:
         "baseline": {"name": "one torch peer copy of the same bytes, GPU 0 -> GPU 1, same run", "value": ceiling},
         "ratio": value / ceiling if xfer else float("nan"),
         "published_per_gpu": PUBLISHED,
-        "target": "the transfer against the copy bandwidth between the GPUs; TTFT and TPOT against colocated",
-        "meets_target": bool(xfer and xfer["verified"]) and info.get("greedy_pd_equals_colocated", True),
+        "target": "the transfer against the copy bandwidth between the GPUs; TTFT and TPOT against colocated "
+                  "(a comparison: the issue gives no figure; the verdict is the checks: bytes verified, greedy equal)",
+        # no threshold to judge: the checks that ran (None where neither did)
+        "meets_target": (None if not xfer and "greedy_pd_equals_colocated" not in info else
+                         bool((not xfer or xfer["verified"]) and info.get("greedy_pd_equals_colocated", True))),
         **info,
     }, args.json)
 

@@ -25,8 +25,11 @@ from lockstep.runtime.models import preset  # noqa: E402
 
 
 def touched(cfg, batch: int) -> float:
+    """Expected distinct experts for ``batch`` tokens, each picking k distinct of e uniformly: an
+    expert is missed by a token with probability 1 - k/e (6 at one token, 34.9 at 8 for v2-lite,
+    as measured; drawing the k with replacement, as before session 18, gave 5.77 and 33.9)."""
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    return e * (1 - (1 - 1 / e) ** (batch * k))
+    return e * (1 - (1 - k / e) ** batch)
 
 
 def main() -> None:

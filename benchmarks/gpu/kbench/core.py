@@ -95,19 +95,30 @@ class Bench:
         finally:
             del g
 
-    def autotune(self, name: str, candidates: list[dict], run, committed_first: bool = True) -> tuple[dict, list]:
+    def autotune(self, name: str, candidates: list[dict], run, committed_first: bool = True,
+                 same=None) -> tuple[dict, list]:
         """Time run(cfg) for each candidate as a CUDA-graph replay with a cold L2 (timed
         eagerly, a short kernel measures the launcher's host time, not itself); the fastest
         wins. Candidates that fail to compile or capture (too much shared memory, say) are
         skipped; tuning stops at the deadline. ``committed_first``: candidates[0] is the
         committed config, timed again after the others (timed first it runs ~10% slow on the
         H200: in session 17 identical launches later in the list took 90 us against its 99),
-        and replaced only by a config ``TUNE_MARGIN`` faster."""
-        tried = []
+        and replaced only by a config ``TUNE_MARGIN`` faster.
+
+        Every candidate's output is compared with the first one's (the committed config's, or
+        the default's) before it is timed: one that differs by more than ``CANDIDATE_TOL`` is
+        out (``same``: another comparison, e.g. for outputs whose order may differ)."""
+        tried, yardstick = [], None
         for cfg in candidates if self.tune else candidates[:1]:
             if tried and self.left() < 60:
                 break
             try:
+                out = _floats(run(cfg))
+                if yardstick is None:
+                    yardstick = out
+                elif not (same or _close)(out, yardstick):
+                    tried.append((math.inf, {**cfg, "error": "output differs from the first candidate's"}))
+                    continue
                 tried.append((self.graph_us(lambda: run(cfg), iters=10), cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
                 tried.append((math.inf, {**cfg, "error": repr(e)[:200]}))
@@ -125,6 +136,28 @@ class Bench:
               f"(of {len(tried)}: {', '.join(f'{t:.0f}' for t, _ in tried)})", flush=True)
         self.configs[name] = best[1]
         return best[1], tried
+
+
+CANDIDATE_TOL = 4e-2  # two configs each within a check's 2e-2 of the reference are within this of each other
+
+
+def _floats(out) -> list[torch.Tensor]:
+    """The floating-point tensors of a candidate's output (a tensor, or lists / tuples of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out.detach().float()] if out.is_floating_point() else []
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _floats(o)]
+    return []
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and bool(torch.allclose(x, y, atol=CANDIDATE_TOL, rtol=CANDIDATE_TOL))
+                                    for x, y in zip(a, b))
+
+
+def same_sorted_rows(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """``_close`` after sorting each row: for selections whose order may differ (top-k)."""
+    return _close([t.sort(dim=-1).values for t in a], [t.sort(dim=-1).values for t in b])
 
 
 # -- 1. copy bandwidth -------------------------------------------------------------------------

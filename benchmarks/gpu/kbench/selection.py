@@ -10,7 +10,7 @@ from lockstep.kernels import sampling as sampling_mod
 from lockstep.kernels import topk as topk_mod
 from lockstep.kernels import topk_threshold as topk_threshold_mod
 
-from .core import Bench
+from .core import Bench, same_sorted_rows
 
 # -- 3. top-k --------------------------------------------------------------------------------------
 
@@ -99,7 +99,7 @@ def bench_topk(b: Bench, bw: float, only_rows: set[int] | None = None) -> None:
                         min(b.eager_us(base_sorted), b.eager_us(base_unsorted)))
             cfg, _ = b.autotune(f"topk.TOPK_CONFIGS[({rows}, {n})]",
                                 topk_candidates(rows, n, b.smoke),
-                                lambda c: topk_mod.topk(x, k, config=c))
+                                lambda c: topk_mod.topk(x, k, config=c), same=same_sorted_rows)
             paths = topk_mod.select_paths(x, k, cfg)
             b.facts[f"topk rows={rows} n={n} select paths"] = str(paths)
             topk_row(b, name, x, k, cfg, torch_us, bw, f"select (2 launches), rows' paths {paths}")
