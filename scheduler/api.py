@@ -73,8 +73,14 @@ class Engine:
 
     def generate(self, prompt, params: SamplingParams | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestError(f"priority must be an integer, got {priority!r}")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}")
         prompt = as_token_array(prompt)
         if not isinstance(prompt, str):
             check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size)
@@ -107,6 +113,7 @@ class Engine:
                     return
         finally:
             if not stream.done:
+                stream.abandoned = True  # before the abort: see RequestStream.abandoned
                 self.abort(p.req_id)
             self.frontend.rank_of.pop(p.req_id, None)
 
@@ -132,13 +139,7 @@ class Engine:
         return IncrementalDetokenizer(self.tokenizer)
 
     async def complete(self, prompt, params: SamplingParams | None = None, **kw) -> Completion:
-        texts, ids, last = [], [], None
-        async for out in self.generate(prompt, params, **kw):
-            texts.append(out.text)
-            ids.append(out.token_ids)
-            last = out
-        return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
-                          last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s)
+        return await _collect(self.generate(prompt, params, **kw))
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request wherever it is; its blocks are freed at the next step boundary."""
@@ -293,14 +294,45 @@ class LLM:
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        return trio.run(self._run, prompts, plist)
+        for i, p in enumerate(plist):  # before an engine starts: bad input costs no processes
+            if p is not None and not isinstance(p, SamplingParams):
+                raise RequestError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+            if p is not None:
+                p.validate()
+        try:
+            return trio.run(self._run, prompts, plist)
+        except BaseExceptionGroup as eg:  # one request's error, as a plain exception
+            leaves = _leaves(eg)
+            if len(leaves) == 1:
+                raise leaves[0] from None
+            raise
 
     async def _run(self, prompts, plist) -> list[Completion]:
         results: list[Completion | None] = [None] * len(prompts)
         async with open_engine(self.config) as engine:
+            gens = [engine.generate(prompts[i], plist[i]) for i in range(len(prompts))]  # all checked first
+
             async def one(i):
-                results[i] = await engine.complete(prompts[i], plist[i])
+                results[i] = await _collect(gens[i])
             async with trio.open_nursery() as n:
                 for i in range(len(prompts)):
                     n.start_soon(one, i)
         return results
+
+
+async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
+    """A request's deltas gathered into its Completion."""
+    texts, ids, last = [], [], None
+    async for out in outputs:
+        texts.append(out.text)
+        ids.append(out.token_ids)
+        last = out
+    return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
+                      last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s)
+
+
+def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
+    out = []
+    for e in eg.exceptions:
+        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
+    return out

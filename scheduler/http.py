@@ -13,14 +13,16 @@ import math
 import secrets
 import time
 
+import attrs
 import msgspec
+import structlog
 import trio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .openai_protocol import BadRequest, Job, parse_body, parse_completion
+from .openai_protocol import BadRequest, Job, _param_of, parse_body, parse_completion
 from .policy.request import RequestError
 from .prom import ServerMetrics, merge_exposition
 
@@ -37,6 +39,8 @@ class Server:
         self.draining = False
         self.created = int(time.time())
 
+
+log = structlog.get_logger("lockstep.http")
 
 def error(message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error") -> Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
@@ -141,9 +145,20 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
             raise BadRequest("this model has no tokenizer, so no chat template", "messages")
         job = parse_completion(body, chat=chat, default_max_tokens=server.default_max_tokens,
                                chat_template=template)
+        # Text prompts are tokenized here (off the event loop), so that one too long, empty or
+        # otherwise refused is a 400 before any response starts, not an error inside a stream.
+        if any(isinstance(p, str) for p in job.prompts):
+            if engine.tokenizer is None:
+                raise BadRequest("this model has no tokenizer: give the prompt as token ids", "prompt")
+            encode = engine.tokenizer.encode
+            ids = [await trio.to_thread.run_sync(encode, p) if isinstance(p, str) else p for p in job.prompts]
+            job = attrs.evolve(job, prompts=tuple(ids))
         gens = _start(engine, job)
-    except (BadRequest, RequestError) as e:
-        return error(str(e), getattr(e, "param", None))
+    except BadRequest as e:
+        return error(str(e), e.param)
+    except RequestError as e:
+        param = _param_of(str(e))
+        return error(str(e), "messages" if chat and param == "prompt" else param)  # chat's prompt is its messages
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if job.stream:
         return _sse(server, job, gens, rid)
@@ -162,7 +177,6 @@ def _start(engine, job: Job) -> list:
         for i in range(job.n):
             params = job.params
             if job.n > 1 and params.seed is not None:
-                import attrs
                 params = attrs.evolve(params, seed=params.seed + i)
             gens.append(engine.generate(p, params, priority=job.priority, cache_salt=job.cache_salt))
     return gens
@@ -186,14 +200,19 @@ async def _run_all(gens: list, on_delta, server: Server) -> None:
             nursery.start_soon(one, i, g)
 
 
-async def _run_checked(gens: list, on_delta, server: Server) -> RequestError | None:
-    """Like ``_run_all``, but a request refused after submission (a text prompt too long once
-    tokenized, say) comes back as its error instead of escaping as a group."""
+async def _run_checked(gens: list, on_delta, server: Server) -> tuple[str, BaseException] | None:
+    """Like ``_run_all``, but a failure comes back as (OpenAI error type, error) instead of
+    escaping as a group: a request refused after submission ("invalid_request_error"), or
+    the engine failing it, a runtime process dying say ("server_error"), so that the client
+    still gets an error in OpenAI's shape (and a stream its end)."""
     failed = None
     try:
         await _run_all(gens, on_delta, server)
     except* RequestError as eg:
-        failed = eg.exceptions[0]
+        failed = ("invalid_request_error", eg.exceptions[0])
+    except* Exception as eg:  # noqa: BLE001 - reported to the client, and logged
+        log.error("request_failed", error=repr(eg.exceptions[0]))
+        failed = failed or ("server_error", eg.exceptions[0])
     return failed
 
 
@@ -215,7 +234,10 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
 
     failed = await _run_checked(gens, on_delta, server)
     if failed is not None:
-        return error(str(failed))
+        kind, exc = failed
+        if kind == "server_error":
+            return error(f"the engine failed this request: {exc}", status=500, kind=kind)
+        return error(str(exc), _param_of(str(exc)))
     choices = []
     for i, f in enumerate(finals):
         text = "".join(texts[i])
@@ -326,8 +348,10 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             emit(chunk([choice(i, "", None, first=True) for i in range(len(gens))]))
         failed = await _run_checked(gens, on_delta, server)
         if failed is not None:
-            emit(b"data: " + _JSON.encode({"error": {"message": str(failed),
-                 "type": "invalid_request_error", "param": None, "code": None}}) + b"\n\n")
+            kind, exc = failed
+            message = f"the engine failed this request: {exc}" if kind == "server_error" else str(exc)
+            emit(b"data: " + _JSON.encode({"error": {"message": message, "type": kind,
+                 "param": None if kind == "server_error" else _param_of(message), "code": None}}) + b"\n\n")
         if job.include_usage and all(f is not None for f in finals):
             emit(chunk([], _usage(finals, job.n)))
         emit(b"data: [DONE]\n\n")

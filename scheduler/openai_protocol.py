@@ -47,10 +47,48 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
+# The fields each endpoint reads. Fields of OpenAI's API (and vLLM's extras) that lockstep does
+# not implement are accepted only at their no-op value (a 400 otherwise: nothing asked for is
+# dropped silently); any other field is a 400.
+_COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k",
+           "seed", "stop_token_ids", "ignore_eos", "logprobs", "priority", "cache_salt", "user"}
+_FIELDS = {False: _COMMON | {"prompt", "echo"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
+_NO_OP = {  # field -> is the value the no-op one
+    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
+    "repetition_penalty": lambda v: v == 1, "min_p": lambda v: v == 0, "min_tokens": lambda v: v == 0,
+    "logit_bias": lambda v: not v, "best_of": lambda v: v == 1, "suffix": lambda v: not v,
+    "tools": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"), "parallel_tool_calls": lambda v: True,
+    "response_format": lambda v: not v or v == {"type": "text"}, "functions": lambda v: not v,
+}
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    for name, v in body.items():
+        if name in _FIELDS[chat] or v is None:
+            continue
+        no_op = _NO_OP.get(name)
+        if no_op is None:
+            other = "prompt (a completions field: chat takes messages)" if chat and name == "prompt" else \
+                "messages (a chat field: completions take prompt)" if not chat and name == "messages" else None
+            raise BadRequest(f"unknown field {other or name!r} for {'chat completions' if chat else 'completions'}", name)
+        try:
+            ok = no_op(v)
+        except Exception:  # noqa: BLE001 - a value of a type the check cannot compare
+            ok = False
+        if not ok:
+            raise BadRequest(f"{name} is not supported; it may only be given at its no-op value, got {v!r}", name)
+
+
 def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_template) -> Job:
+    _check_fields(body, chat)
     model = _get(body, "model", str, required=True)
     if chat:
-        prompts = (chat_template(_messages(body)),)
+        try:
+            prompts = (chat_template(_messages(body)),)
+        except BadRequest:
+            raise
+        except ValueError as e:  # the template refused the conversation (e.g. roles must alternate)
+            raise BadRequest(f"messages: the model's chat template refused them: {e}", "messages") from None
     else:
         prompts = _prompts(body.get("prompt"))
     n = _get(body, "n", int, 1)
@@ -63,9 +101,12 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop) or len(stop) > 8:
         raise BadRequest("stop must be a string or a list of at most 8 strings", "stop")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if max_name == "max_completion_tokens" and body.get("max_tokens") not in (None, body["max_completion_tokens"]):
+        raise BadRequest("give max_completion_tokens or max_tokens, not both with different values", "max_tokens")
+    max_tokens = body.get(max_name)
     params = SamplingParams(
-        max_tokens=default_max_tokens if max_tokens is None else _int("max_tokens", max_tokens),
+        max_tokens=default_max_tokens if max_tokens is None else _int(max_name, max_tokens),
         temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
         top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
@@ -74,13 +115,21 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     try:
         params.validate()
     except RequestError as e:
-        raise BadRequest(str(e), _param_of(str(e))) from None
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise BadRequest("stream_options must be an object", "stream_options")
+        param = _param_of(str(e))
+        raise BadRequest(str(e).replace("max_tokens", max_name, 1) if param == "max_tokens" else str(e),
+                         max_name if param == "max_tokens" else param) from None
+    stream = _get(body, "stream", bool, False)
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise BadRequest("stream_options must be an object with at most include_usage", "stream_options")
+        if not stream:
+            raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
+    include_usage = _get(opts or {}, "include_usage", bool, False)
     salt = _get(body, "cache_salt", str, None)
-    return Job(model=model, prompts=prompts, params=params, n=n, stream=_get(body, "stream", bool, False),
-               include_usage=bool(opts.get("include_usage", False)), priority=_get(body, "priority", int, 0),
+    _get(body, "user", str, None)  # accepted (an end-user id), and checked
+    return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
+               include_usage=include_usage, priority=_get(body, "priority", int, 0),
                cache_salt=salt, chat=chat)
 
 
@@ -118,7 +167,10 @@ def _prompts(p) -> tuple:
 def _ids(p: list) -> np.ndarray:
     if not p or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
         raise BadRequest("a token-id prompt must be a non-empty list of integers", "prompt")
-    arr = np.array(p, dtype=np.int64)
+    try:
+        arr = np.array(p, dtype=np.int64)
+    except OverflowError:  # an id past 64 bits
+        raise BadRequest("prompt token ids must be non-negative 32-bit integers", "prompt") from None
     if arr.min() < 0 or arr.max() >= 2**31:
         raise BadRequest("prompt token ids must be non-negative 32-bit integers", "prompt")
     return arr.astype(np.int32)
@@ -139,6 +191,9 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        extra = set(m) - {"role", "content"}
+        if extra:
+            raise BadRequest(f"messages[{i}]: {', '.join(sorted(extra))} not supported (role and content are)", "messages")
         out.append({"role": m["role"], "content": content})
     return out
 
@@ -175,12 +230,15 @@ def _int(name: str, v) -> int:
 
 
 def _int_list(body: dict, name: str) -> list[int]:
-    v = body.get(name) or []
+    v = body.get(name)
+    if v is None:
+        return []
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise BadRequest(f"{name} must be a list of integers", name)
     return v
 
 
 def _param_of(message: str) -> str | None:
-    head = message.split(" ", 1)[0]
+    """The field a RequestError's message starts with ("top_k must be ...", "prompt: ...")."""
+    head = message.split(" ", 1)[0].rstrip(":,")
     return head if head.isidentifier() else None

@@ -4,6 +4,7 @@ model on CPU, the Python API, aborts, bad input, a runtime killed mid-step, and 
 import functools
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -136,6 +137,40 @@ async def test_leaving_the_loop_aborts_and_frees_blocks():
         engine.scheduler.core.check_integrity()
 
 
+async def test_a_request_abandoned_before_it_reaches_a_scheduler_never_runs():
+    """The consumer leaves while the Frontend still tokenizes and hashes its prompt: the abort
+    finds no scheduler entry, so the request must be dropped where it arrives (it used to run
+    to max_tokens for nobody, holding blocks)."""
+    async with open_engine(config(tokenizer=None)) as engine:
+        entered, gate, left = threading.Event(), threading.Event(), threading.Event()
+        prepare = engine.frontend._prepare
+
+        def held(p):  # the Frontend's worker thread waits here until the consumer is gone
+            entered.set()
+            gate.wait(30)
+            try:
+                return prepare(p)
+            finally:
+                left.set()
+        engine.frontend._prepare = held
+
+        async def consume():
+            async for _ in engine.generate(prompts()[2], SamplingParams(max_tokens=300, ignore_eos=True)):
+                pass
+        async with trio.open_nursery() as n:
+            n.start_soon(consume)
+            await trio.to_thread.run_sync(entered.wait, 30)
+            n.cancel_scope.cancel()  # the consumer leaves; its abort reaches every rank, empty
+        gate.set()
+        await trio.to_thread.run_sync(left.wait, 30)
+        for _ in range(20):  # the Frontend routes, the scheduler takes its message, steps pass
+            await trio.sleep(0.01)
+        stats = engine.statistics()
+        assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
+        assert engine.scheduler.streams == {} and engine.frontend.rank_of == {}
+        engine.scheduler.core.check_integrity()
+
+
 async def test_bad_input_fails_at_submission_and_queues_nothing():
     async with open_engine(config(tokenizer=None)) as engine:
         with pytest.raises(RequestError, match="temperature"):
@@ -185,6 +220,18 @@ def test_sync_llm_generates_text_for_each_prompt():
     assert [o.finish_reason for o in outs] == ["length", "length"]
     assert all(len(o.token_ids) == 5 for o in outs)
     assert outs[1].num_prompt_tokens == len("wörld".encode())
+
+
+def test_sync_llm_rejects_bad_input_plainly_and_leaves_nothing_behind():
+    kids = child_pids()
+    llm = LLM("tiny", dtype="float64")
+    with pytest.raises(RequestError, match="top_k"):  # before any engine starts
+        llm.generate(["a"], SamplingParams(top_k=2.5))
+    with pytest.raises(RequestError, match="params"):
+        llm.generate(["a"], {"max_tokens": 3})
+    with pytest.raises(RequestError, match="prompt"):  # found once the engine is up: still a plain error
+        llm.generate(["a", [5, 10**6]], SamplingParams(max_tokens=2))
+    assert child_pids() == kids
 
 
 async def test_dep2_ranks_step_in_lockstep_and_match_one_rank():

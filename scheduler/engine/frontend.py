@@ -14,7 +14,7 @@ import numpy as np
 import trio
 
 from lockstep.policy.hashing import BlockHasher
-from lockstep.policy.request import Request, RequestError, SamplingParams
+from lockstep.policy.request import FinishReason, Request, RequestError, SamplingParams
 from lockstep.policy.router import PrefixAffinityRouter
 
 from .output import RequestStream
@@ -59,6 +59,9 @@ class Frontend:
             tokens, hashes, acc = await trio.to_thread.run_sync(self._prepare, p)
         except RequestError as e:
             p.stream.fail(e, trio.current_time())
+            return
+        if p.stream.abandoned:  # its consumer left while it was tokenized and hashed
+            p.stream.finish(FinishReason.ABORT, trio.current_time())
             return
         p.stream.num_prompt_tokens = len(tokens)
         req = Request(id=p.req_id, prompt=tokens, params=p.params, arrival_time=p.stream.arrival,

@@ -18,7 +18,8 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 class RequestStream:
     __slots__ = ("req_id", "num_prompt_tokens", "num_cached_tokens", "arrival", "scheduled_at",
-                 "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup", "_logprobs")
+                 "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup", "_logprobs",
+                 "abandoned")
 
     def __init__(self, req_id: int, num_prompt_tokens: int, arrival: float):
         self.req_id = req_id
@@ -33,6 +34,10 @@ class RequestStream:
         self._error: BaseException | None = None
         self._wakeup: trio.Event | None = None
         self._logprobs: list = []  # (logprob, (top ids, top logprobs) or None) per token
+        # The consumer went away before the end. Set before its abort is sent, so a request
+        # still on its way (tokenizing, or its Submit queued behind the abort) is dropped
+        # where it arrives instead of running for nobody.
+        self.abandoned = False
 
     # -- producer (the Scheduler): never blocks ---------------------------------------------------
     def push(self, tokens: np.ndarray, now: float) -> None:

@@ -254,6 +254,9 @@ class Scheduler:
         match msg:
             case Submit(req=req, stream=stream):
                 self.inbound -= req.prompt_len
+                if stream.abandoned:  # its abort may have arrived first and found nothing
+                    stream.finish(FinishReason.ABORT, now)
+                    return
                 if self.role is not None:
                     req = self.role.on_submit(req)
                 try:

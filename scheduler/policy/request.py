@@ -8,6 +8,7 @@ numpy int32 array end to end (an 855K-token ``list[int]`` alone costs ~33 ms to 
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 import numpy as np
@@ -36,6 +37,26 @@ class RequestError(ValueError):
         self.reason = reason
 
 
+INT32_MAX = 2**31 - 1
+# Below this a temperature is rejected, not sampled: logits divided by it overflow float32
+# (1e-40 made the sampler's probabilities NaN and killed the runtime). 0 is greedy.
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _as_stops(v):
+    """One stop string given alone is one stop (not its characters); other values are
+    left for ``validate`` to judge."""
+    return (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
+
+
 @attrs.frozen
 class SamplingParams:
     max_tokens: int = 16
@@ -44,27 +65,33 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_stops)  # matched on the detokenized text
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k's
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k != -1 and self.top_k < 1:
-            raise RequestError(f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
-        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+        """Every field's type and range, so that nothing accepted here fails later in the
+        scheduler or a runtime (where one request's bad value would take others down)."""
+        if not (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX):
+            raise RequestError(f"max_tokens must be an integer in [1, 2**31 - 1], got {self.max_tokens!r}")
+        t = self.temperature
+        if not (_is_num(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
+            raise RequestError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
+        if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not (_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX)):
+            raise RequestError(f"top_k must be -1 (off) or an integer in [1, 2**31 - 1], got {self.top_k!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+        if not isinstance(self.stop_token_ids, (tuple, list)) or any(
+                not (_is_int(t) and 0 <= t <= INT32_MAX) for t in self.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be a tuple of integers in [0, 2**31 - 1], got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise RequestError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError(f"stop must be a non-empty string or a tuple of them, got {self.stop!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
 
 @attrs.define(eq=False, slots=True)

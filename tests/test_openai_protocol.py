@@ -1,0 +1,73 @@
+"""The OpenAI request parser at the HTTP boundary: every bad body is a BadRequest naming its
+field, before anything is queued; nothing asked for is dropped silently."""
+
+import pytest
+
+from lockstep.openai_protocol import BadRequest, parse_completion
+from lockstep.policy.request import SamplingParams
+
+
+def template(messages):
+    roles = [m["role"] for m in messages]
+    if any(a == b for a, b in zip(roles, roles[1:])):
+        raise ValueError("roles must alternate")  # what a model's template raises (TokenizerError is one)
+    return " ".join(m["content"] for m in messages)
+
+
+def parse(body, chat=False):
+    return parse_completion({"model": "tiny", **body}, chat=chat, default_max_tokens=16, chat_template=template)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": [5], "top_k": 10**29}, "top_k"),  # used to pass, then kill the scheduler when encoded
+    ({"prompt": [5], "top_k": 2**31}, "top_k"),
+    ({"prompt": [5], "temperature": 1e-40}, "temperature"),  # used to make the sampler NaN and kill the runtime
+    ({"prompt": [5], "temperature": float("inf")}, "temperature"),
+    ({"prompt": [10**30]}, "prompt"),  # used to be a 500 (an OverflowError converting it)
+    ({"prompt": [5], "bogus": 1}, "bogus"),
+    ({"prompt": [5], "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": [5], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": [5], "messages": [{"role": "user", "content": "x"}]}, "messages"),
+    ({"prompt": [5], "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ({"prompt": [5], "stream": True, "stream_options": {"include_usage": "no"}}, "include_usage"),
+    ({"prompt": [5], "stream": True, "stream_options": {"other": 1}}, "stream_options"),
+    ({"prompt": [5], "max_completion_tokens": 3}, "max_completion_tokens"),  # a chat field
+    ({"prompt": [5], "max_tokens": 2**40}, "max_tokens"),
+])
+def test_bad_completion_bodies_name_their_field(body, field):
+    with pytest.raises(BadRequest) as e:
+        parse(body)
+    assert e.value.param == field, (str(e.value), e.value.param)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "a", "tool_calls": []}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "a"}], "prompt": "x"}, "prompt"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "a"}], "max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+])
+def test_bad_chat_bodies_name_their_field(body, field):
+    with pytest.raises(BadRequest) as e:
+        parse(body, chat=True)
+    assert e.value.param == field, (str(e.value), e.value.param)
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted():
+    job = parse({"prompt": "hi", "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1,
+                 "user": "u1", "stream": True, "stream_options": {"include_usage": True}, "bogus": None})
+    assert job.include_usage and job.stream
+    chat = parse({"messages": [{"role": "user", "content": "a"}], "tools": [], "tool_choice": "none",
+                  "response_format": {"type": "text"}, "max_completion_tokens": 5}, chat=True)
+    assert chat.params.max_tokens == 5 and chat.prompts == ("a",)
+
+
+def test_sampling_params_reject_what_would_fail_later():
+    from lockstep.policy.request import RequestError
+    for bad in (dict(max_tokens=True), dict(top_k=2.5), dict(top_k=2**40), dict(temperature="0.5"),
+                dict(temperature=1e-9), dict(stop_token_ids=(2**40,)), dict(ignore_eos=1), dict(stop=5)):
+        with pytest.raises(RequestError, match=next(iter(bad))):
+            SamplingParams(**bad).validate()
+    assert SamplingParams(stop="END").stop == ("END",)  # one stop string, not its characters
+    SamplingParams(temperature=0, top_k=2**31 - 1).validate()
