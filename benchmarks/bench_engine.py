@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import attrs
 import numpy as np
 import trio
 

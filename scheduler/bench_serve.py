@@ -9,7 +9,6 @@ times, or Poisson (``--burstiness 1``) / gamma arrivals at ``--request-rate``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time

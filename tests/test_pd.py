@@ -232,7 +232,7 @@ def test_decode_core_caps_new_loads_under_a_burst(cap, seed):
         core.add_request(Request(id=rid, prompt=rng.integers(3, 1000, n).astype(np.int32),
                                  params=SamplingParams(max_tokens=2), remote_kv_tokens=n - 1))
     pending: dict[int, int] = {}  # request id -> steps until its load reports
-    started, finished, last = set(), set(), {}
+    started, finished = set(), set()
     for _ in range(400):
         plan = core.schedule(0.0)
         assert len(plan.kv_load_req_ids) <= cap

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .request import FinishReason
 from .step import PLACEHOLDER, EMPTY_I64, StepOutputs, StepPlan, StepResult
 
 
