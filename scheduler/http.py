@@ -104,8 +104,10 @@ def make_app(servers: Server | list[Server]) -> Starlette:
             body = parse_body(await request.body())
             server = pick(body, required=False)
             tokens = body.get("tokens")
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-                raise BadRequest("tokens must be a list of non-negative integers", "tokens")
+            vocab = server.engine.frontend.vocab_size
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                                       for t in tokens):
+                raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
             return JSONResponse({"prompt": _tokenizer(server).decode(tokens)})
         except BadRequest as e:
             return error(str(e), e.param)
@@ -177,6 +179,9 @@ def _start(engine, job: Job) -> list:
         for i in range(job.n):
             params = job.params
             if job.n > 1 and params.seed is not None:
+                if params.seed + job.n > 2**63:  # sample i takes seed + i
+                    raise BadRequest(f"seed must be below 2**63 - n ({2**63 - job.n}) with n = {job.n}: sample i "
+                                     f"uses seed + i; got {params.seed}", "seed")
                 params = attrs.evolve(params, seed=params.seed + i)
             gens.append(engine.generate(p, params, priority=job.priority, cache_salt=job.cache_salt))
     return gens

@@ -239,6 +239,12 @@ def test_openai_client_completions_chat_and_errors(real_server):
     tok = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "hé"}).json()
     assert tok["count"] == 3
     assert httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "hé"
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [5, 10**6]})  # out of the vocabulary: not ""
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    with pytest.raises(openai.BadRequestError, match="seed"):  # sample 1 would take seed + 1 = 2**63
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2, seed=2**63 - 1)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):  # not implemented: not ignored
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, frequency_penalty=0.5)
     metrics = httpx.get(f"{url}/metrics").text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
