@@ -101,9 +101,10 @@ class Bench:
         eagerly, a short kernel measures the launcher's host time, not itself); the fastest
         wins. Candidates that fail to compile or capture (too much shared memory, say) are
         skipped; tuning stops at the deadline. ``committed_first``: candidates[0] is the
-        committed config, timed again after the others (timed first it runs ~10% slow on the
-        H200: in session 17 identical launches later in the list took 90 us against its 99),
-        and replaced only by a config ``TUNE_MARGIN`` faster.
+        committed config, replaced only by a config ``TUNE_MARGIN`` faster (timed first it runs
+        ~10% slow on the H200: in session 17 identical launches later in the list took 90 us
+        against its 99). The ``FINALISTS`` fastest and the committed config are then timed
+        ``FINAL_ROUNDS`` more times, in turn, and compared on their medians.
 
         Every candidate's output is compared with the first one's (the committed config's, or
         the default's) before it is timed: one that differs by more than ``CANDIDATE_TOL`` is
@@ -122,12 +123,24 @@ class Bench:
                 tried.append((self.graph_us(lambda: run(cfg), iters=10), cfg))
             except Exception as e:  # noqa: BLE001 - a config that does not fit is skipped
                 tried.append((math.inf, {**cfg, "error": repr(e)[:200]}))
-        if committed_first and len(tried) > 1 and math.isfinite(tried[0][0]):
-            try:
-                again = self.graph_us(lambda: run(candidates[0]), iters=10)
-                tried[0] = (min(tried[0][0], again), tried[0][1])
-            except Exception:  # noqa: BLE001 - keep its first timing
-                pass
+        # The finalists (the fastest few, and the committed config) are timed again, in turn,
+        # and judged on their medians: a single fastest timing among 100+ candidates is biased
+        # low, and the committed config's first timing runs slow (see above).
+        ranked = sorted((t, j) for j, (t, _) in enumerate(tried) if math.isfinite(t))
+        finalists = sorted({j for _, j in ranked[:FINALISTS]} | ({0} if committed_first and ranked and
+                                                                 math.isfinite(tried[0][0]) else set()))
+        if len(finalists) > 1:
+            times = {j: [tried[j][0]] for j in finalists}
+            for _ in range(FINAL_ROUNDS):
+                for j in finalists:
+                    if self.left() < 30:
+                        break
+                    try:
+                        times[j].append(self.graph_us(lambda: run(tried[j][1]), iters=10))
+                    except Exception:  # noqa: BLE001 - keeps the timings it has
+                        pass
+            for j in finalists:
+                tried[j] = (statistics.median(times[j]), tried[j][1])
         i = min(range(len(tried)), key=lambda j: tried[j][0])
         if committed_first and i and math.isfinite(tried[0][0]) and tried[i][0] > tried[0][0] * (1 - TUNE_MARGIN):
             i = 0
@@ -138,6 +151,8 @@ class Bench:
         return best[1], tried
 
 
+FINALISTS = 3  # the fastest candidates timed again, with the committed config
+FINAL_ROUNDS = 2
 CANDIDATE_TOL = 4e-2  # two configs each within a check's 2e-2 of the reference are within this of each other
 
 
