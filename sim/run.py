@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -19,8 +21,8 @@ from .traces import TraceRequest, agentic_workload, read_trace
 
 def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, limit: int | None,
                   skip_bad_rows: bool, console: Console) -> tuple[list[TraceRequest], str]:
-    if rate_scale <= 0:
-        raise ValueError(f"--rate-scale must be > 0, got {rate_scale}")
+    if not (math.isfinite(rate_scale) and rate_scale > 0):  # NaN arrivals never came: the run hung
+        raise ValueError(f"--rate-scale must be a finite number > 0, got {rate_scale}")
     if trace is None:
         reqs, name = agentic_workload(seed=seed), "synthetic agentic (built-in)"
     else:
@@ -53,7 +55,30 @@ def with_spec_tokens(deployment: Deployment, k: int) -> Deployment:
         raise ConfigError(f"--num-spec-tokens {k}: {deployment.source}: [speculative]: {e}") from None
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def check_outputs(args) -> None:
+    """The flags that only matter at the end, checked before a run that may take minutes."""
+    for flag in ("slo_ttft", "slo_tpot"):
+        v = getattr(args, flag)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds > 0, got {v}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is None:
+            continue
+        p = Path(path)
+        if not path or p.is_dir():
+            raise ValueError(f"{flag}: {path!r} is not a file path")
+        parent = p.parent if str(p.parent) else Path(".")
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ValueError(f"{flag} {path}: directory {parent} does not exist or is not writable")
+    if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
+        raise ValueError(f"--plot {args.plot}: the file name must end in one of {', '.join(PLOT_FORMATS)}")
+
+
 def run_sim(args) -> int:
+    check_outputs(args)
     console = Console(stderr=True)
     deployment: Deployment = load_deployment(args.deployment) if args.deployment else default_deployment()
     if args.max_kv_loads is not None:

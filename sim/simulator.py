@@ -198,6 +198,9 @@ class Simulator(PDFlow):
         while i < len(order) or self._events:
             t_arr = self.workload[order[i]].arrival_s if i < len(order) else np.inf
             t_next = min(self._events[0][0] if self._events else np.inf, t_arr)
+            if not t_next < np.inf:  # work is left, at no finite time: it would never end
+                raise RuntimeError(f"simulated time became {t_next} (an infinite or NaN step time or arrival): "
+                                   "check the deployment's hardware and cost numbers")
             while self._next_window <= t_next:  # expert loads move at window boundaries
                 self._roll_window()
             if self._events and self._events[0][0] < t_arr:

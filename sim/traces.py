@@ -189,11 +189,14 @@ def _flatten_segments(rows: list[_Row]) -> tuple[np.ndarray, np.ndarray, list[in
     return ids, lens, bounds
 
 
+MAX_TOKENS_FIELD = 2**31 - 1  # token counts are int32 downstream (a larger one overflowed there)
+
+
 def _length_error(field: str, value: object, *, generated: bool = False) -> str | None:
-    if isinstance(value, int) and value >= 1:
+    if isinstance(value, int) and 1 <= value <= MAX_TOKENS_FIELD:
         return None
     why = " (every request generates at least one token)" if generated else ""
-    return f"field '{field}' must be an integer >= 1{why}, got {_show(value)}"
+    return f"field '{field}' must be an integer in [1, 2**31 - 1]{why}, got {_show(value)}"
 
 
 def _show(value: object) -> str:
@@ -204,7 +207,7 @@ def _show(value: object) -> str:
 # --- Mooncake (JSONL) --------------------------------------------------------------------------
 
 
-_Count = Annotated[int, msgspec.Meta(ge=1)]
+_Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS_FIELD)]
 _BlockId = Annotated[int, msgspec.Meta(ge=0, lt=SEG_ID_SPACE)]
 
 
@@ -218,8 +221,8 @@ class _MooncakeRow(msgspec.Struct):
 
 _MOONCAKE_RULES = {
     "timestamp": "a number (milliseconds)",
-    "input_length": "an integer >= 1",
-    "output_length": "an integer >= 1 (every request generates at least one token)",
+    "input_length": "an integer in [1, 2**31 - 1]",
+    "output_length": "an integer in [1, 2**31 - 1] (every request generates at least one token)",
     "hash_ids": f"a list of integer block ids in [0, 2**40), one per {MOONCAKE_BLOCK}-token block",
 }
 _MSGSPEC_PATH = re.compile(r"at `\$\.(\w+)(?:\[(\d+)\])?")
@@ -230,7 +233,8 @@ def read_mooncake(path: str | Path, *, skip_bad_rows: bool = False) -> TraceLoad
     """Mooncake JSONL rows {timestamp (ms), input_length, output_length, hash_ids}."""
     path = Path(path)
     decoder = msgspec.json.Decoder(_MooncakeRow)
-    lines = path.read_bytes().splitlines()
+    data = path.read_bytes()
+    lines = data.removeprefix(b"\xef\xbb\xbf").splitlines()  # a UTF-8 BOM is not part of row 1
     # Blank lines are not rows (files often end with one), so they are not counted as skipped.
     rows = ((n, _mooncake_row(decoder, raw, n)) for n, raw in enumerate(lines, 1) if raw.strip())
     return _collect(path, "mooncake", rows, 1000, skip_bad_rows)
@@ -262,7 +266,10 @@ def _mooncake_type_error(raw: bytes, message: str) -> str:
     m = _MSGSPEC_PATH.search(message)
     if m is None or m[1] not in _MOONCAKE_RULES:
         return f"row must be a JSON object with fields {', '.join(_MOONCAKE_RULES)} ({message})"
-    value = msgspec.json.decode(raw)[m[1]]
+    try:
+        value = msgspec.json.decode(raw)[m[1]]
+    except (msgspec.DecodeError, KeyError, TypeError):  # e.g. a number past float range (1e400)
+        return f"field '{m[1]}' must be {_MOONCAKE_RULES[m[1]]} ({message})"
     if m[2] is not None:
         return f"field '{m[1]}' must be {_MOONCAKE_RULES[m[1]]}, got {_show(value[int(m[2])])} at index {m[2]}"
     return f"field '{m[1]}' must be {_MOONCAKE_RULES[m[1]]}, got {_show(value)}"

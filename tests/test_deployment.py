@@ -199,3 +199,37 @@ def test_eplb_table():
     with pytest.raises(ConfigError, match=r"\[eplb\].*window_steps"):
         deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated"}],
                               "eplb": {"window_steps": 0}})
+
+
+@pytest.mark.parametrize("table, field, value", [
+    ("models", "kv_bytes_per_token", 0),  # was a ZeroDivisionError
+    ("models", "bytes_per_param", 0.0),
+    ("models", "hidden_size", 0),
+    ("hardware", "hbm_bandwidth", 1e-310),  # priced steps at infinity: the simulation never ended
+    ("hardware", "flops", float("nan")),
+    ("hardware", "gpu_memory_utilization", 2.0),
+    ("cost", "a2a_overlap", 50.0),  # accepted, and gave a negative all-to-all time
+    ("cost", "expert_balancedness", 0.0),
+    ("host", "scheduler_s", -1.0),
+])
+def test_numbers_out_of_range_are_named(table, field, value):
+    def mutate(d):
+        target = d[table][0] if isinstance(d.get(table), list) else d.setdefault(table, {})
+        target[field] = value
+    msg = bad(mutate)
+    assert field in msg and repr(value) in msg
+
+
+def test_tables_of_the_wrong_kind_and_repeated_names_are_named():
+    assert "cost must be a table" in bad(lambda d: d.update(cost=1))
+    assert "hardware must be a table" in bad(lambda d: d.update(hardware="h200"))
+    assert "pools must be an array of tables" in bad(lambda d: d.update(pools=["main"]))
+    assert "names must be unique" in bad(lambda d: d["pools"].append(dict(d["pools"][0])))
+    assert "names must be unique" in bad(lambda d: d["models"].append(dict(d["models"][0])))
+    assert "seed must be an integer" in bad(lambda d: d.update(seed=1.7))
+    assert "num_blocks is derived" in bad(lambda d: d["scheduler"].update(num_blocks=10))
+
+
+def test_dep_must_divide_the_expert_slots():
+    msg = bad(lambda d: d["pools"][0].update(dep=3))
+    assert "dep 3 must divide the expert slots" in msg and "[[pools]] #1" in msg

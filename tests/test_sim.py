@@ -270,3 +270,15 @@ def test_balancer_raises_balancedness_and_advance_still_equals_stepping():
     assert b_on["mean"] > b_off["mean"] + 0.1
     assert rep_on["tpot_s"]["mean"] < off["tpot_s"]["mean"]
     assert np.array_equal(on.metrics.finish, step.metrics.finish, equal_nan=True)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--rate-scale", "nan"], "--rate-scale"),  # NaN arrivals used to hang the run
+    (["--slo-ttft", "-1"], "--slo-ttft"),
+    (["--slo-tpot", "nan"], "--slo-tpot"),
+    (["--json", "/nonexistent-dir/out.json"], "does not exist"),  # checked before, not after, the run
+    (["--plot", "out.txt"], "must end in"),
+])
+def test_bad_flags_fail_before_simulating(args, says, capsys):
+    assert main(["sim", "--limit", "5", *args]) == 2
+    assert says in capsys.readouterr().err

@@ -150,9 +150,9 @@ def write_mooncake(tmp_path, bad_line: str, at: int = 17) -> pathlib.Path:
 @pytest.mark.parametrize(
     ("bad", "expected"),
     [
-        (mooncake_line(output_length=-3), "field 'output_length' must be an integer >= 1.*got -3"),
+        (mooncake_line(output_length=-3), "field 'output_length' must be an integer in \\[1, 2\\*\\*31 - 1\\].*got -3"),
         (mooncake_line(output_length=0), "field 'output_length'.*at least one token.*got 0"),
-        (mooncake_line(input_length="many"), "field 'input_length' must be an integer >= 1, got 'many'"),
+        (mooncake_line(input_length="many"), "field 'input_length' must be an integer in \\[1, 2\\*\\*31 - 1\\], got 'many'"),
         (mooncake_line(timestamp=True), "field 'timestamp' must be a number.*got True"),
         (mooncake_line(hash_ids=[1, -4]), "field 'hash_ids' must be .*got -4 at index 1"),
         (mooncake_line(hash_ids=[1]), "field 'hash_ids' must hold 2 ids .*input_length=600.*got 1"),
@@ -160,6 +160,10 @@ def write_mooncake(tmp_path, bad_line: str, at: int = 17) -> pathlib.Path:
         ('{"timestamp": 0, "input_length": 600, "output_length": 5}', "missing field 'hash_ids'"),
         ('{"timestamp": 0, "input_length": 6', "not valid JSON"),
         ("[1, 2]", "row must be a JSON object .*got `array`"),
+        # past int32: rejected here, where it used to overflow in the simulator
+        (mooncake_line(output_length=2**31), "field 'output_length' must be an integer in \\[1, 2\\*\\*31 - 1\\].*got 2147483648"),
+        ('{"timestamp": 1e400, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}',
+         "field 'timestamp' must be a number"),  # its value past float range: still a row error
     ],
 )
 def test_mooncake_errors_name_file_line_field(tmp_path, bad, expected):
@@ -184,8 +188,8 @@ AZURE_ROW = "2023-11-16 18:17:03.9799600,4808,10\n"
 @pytest.mark.parametrize(
     ("bad", "expected"),
     [
-        ("2023-11-16 18:17:03.9799600,4808,0", "field 'GeneratedTokens' must be an integer >= 1 .*got 0"),
-        ("2023-11-16 18:17:03.9799600,-3,10", "field 'ContextTokens' must be an integer >= 1, got -3"),
+        ("2023-11-16 18:17:03.9799600,4808,0", "field 'GeneratedTokens' must be an integer in \\[1, 2\\*\\*31 - 1\\] .*got 0"),
+        ("2023-11-16 18:17:03.9799600,-3,10", "field 'ContextTokens' must be an integer in \\[1, 2\\*\\*31 - 1\\], got -3"),
         ("2023-11-16 18:17:03.9799600,12.5,10", "field 'ContextTokens' .*got '12.5'"),
         ("2023-13-16 18:17:03.9799600,4808,10", "field 'TIMESTAMP' must be a date-time .*got '2023-13-16"),
         ("yesterday,4808,10", "field 'TIMESTAMP' .*got 'yesterday'"),
@@ -263,3 +267,9 @@ def test_agentic_respects_max_context():
     assert reqs and all(r.input_len + r.output_len <= 6000 for r in reqs)
     with pytest.raises(ValueError, match="max_context"):
         agentic_workload(seed=5, max_context=1000)
+
+
+def test_mooncake_with_a_utf8_bom_reads(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (mooncake_line(timestamp=0) + "\n").encode())
+    assert len(read_mooncake(path).requests) == 1

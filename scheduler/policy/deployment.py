@@ -8,6 +8,7 @@ Errors name the file, the table and the field.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 
@@ -17,6 +18,22 @@ from .config import ConfigError, SchedulerConfig
 from .rebalance import EplbConfig
 
 ROLES = ("colocated", "prefill", "decode")
+
+
+def _ranges(obj, rules: dict) -> None:
+    """``rules``: field -> (low, high, low inclusive); every value a finite number in range.
+    Checked where the spec is built, so a zero, negative, NaN or infinite number is refused by
+    name here, not found later as a division by zero or a simulation that never ends."""
+    for name, (lo, hi, closed) in rules.items():
+        v = getattr(obj, name)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= hi and (
+            v >= lo if closed else v > lo)
+        if not ok:
+            bound = f"{'>=' if closed else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
+            raise ConfigError(f"field {name!r} must be a finite number {bound}, got {v!r}")
+
+
+_INF = float("inf")
 
 
 @attrs.frozen
@@ -37,6 +54,15 @@ class ModelSpec:
     attn_flops_per_pair: float = 0.0  # per layer, per (query token, context token)
     eos_token_id: int = 1
     checkpoint: str = ""  # Hugging Face checkpoint directory the engine loads (relative to the file)
+
+    def __attrs_post_init__(self) -> None:
+        _ranges(self, {"num_layers": (1, _INF, True), "num_dense_layers": (0, _INF, True),
+                       "hidden_size": (1, _INF, True), "num_routed_experts": (0, _INF, True),
+                       "num_shared_experts": (0, _INF, True), "top_k": (0, _INF, True),
+                       "moe_intermediate_size": (0, _INF, True), "dense_params": (0, _INF, True),
+                       "kv_bytes_per_token": (0, _INF, False), "context_length": (1, 2**31 - 1, True),
+                       "vocab_size": (1, 2**31 - 1, True), "bytes_per_param": (0, _INF, False),
+                       "attn_flops_per_pair": (0, _INF, True)})
 
     @property
     def moe_layers(self) -> int:
@@ -67,6 +93,14 @@ class HardwareSpec:
     host_kv_bytes: float = 0.0  # host DRAM per GPU for the second-level prefix cache
     host_bandwidth: float = 50e9  # bytes/s host -> GPU (PCIe 5 x16)
     gpu_memory_utilization: float = 0.9
+
+    def __attrs_post_init__(self) -> None:
+        # at least 1 MB (/s, FLOP/s): a smaller figure is a unit slip, and prices steps at
+        # centuries (1e-310 B/s made step times infinite and the simulation never end)
+        _ranges(self, {"hbm_bytes": (1e6, _INF, True), "hbm_bandwidth": (1e6, _INF, True),
+                       "flops": (1e6, _INF, True), "link_bandwidth": (1e6, _INF, True),
+                       "gpus_per_node": (1, _INF, True), "host_kv_bytes": (0, _INF, True),
+                       "host_bandwidth": (1e6, _INF, True), "gpu_memory_utilization": (0, 1, False)})
 
 
 @attrs.frozen
@@ -100,8 +134,9 @@ class CostSpec:
     a2a_latency_s: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        if not 0 <= self.a2a_latency_s < float("inf"):
-            raise ConfigError(f"a2a_latency_s must be a number of seconds >= 0, got {self.a2a_latency_s!r}")
+        _ranges(self, {"expert_balancedness": (0, 1, False), "expert_skew": (0, _INF, True),
+                       "expert_drift": (0, _INF, True), "expert_window_s": (0, _INF, False),
+                       "a2a_overlap": (0, 1, True), "a2a_latency_s": (0, _INF, True)})
     # A measured profile (`lockstep profile`, JSON; relative to the deployment file): the
     # simulator prices its model's pools from it instead (lockstep.sim.profile).
     profile: str = ""
@@ -129,6 +164,8 @@ class HostSpec:
     def __attrs_post_init__(self) -> None:
         if self.sync not in SYNC_LINKS:
             raise ConfigError(f"host.sync must be one of {SYNC_LINKS}, got {self.sync!r}")
+        _ranges(self, {"scheduler_s": (0, _INF, True), "dispatch_s": (0, _INF, True),
+                       "sync_round_s": (0, _INF, True), "gloo_hop_s": (0, _INF, True)})
 
     def sync_s(self, dep: int) -> float:
         if dep <= 1:
@@ -376,9 +413,13 @@ HARDWARE_PRESETS: dict[str, dict] = {
 def load_deployment(path: str | Path) -> Deployment:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"deployment file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"deployment file {path} is a directory") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): TOML files are UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     return deployment_from_dict(data, source=str(path))
@@ -391,19 +432,40 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
     if not models:
         raise ConfigError(f"{source}: [[models]] must list at least one model")
-    hardware = _hardware(data.get("hardware", {"preset": "h200"}), source)
-    if "num_spec_tokens" in data.get("scheduler", {}):
+    for kind, names in (("models", [m.name for m in models]),):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"{source}: [[{kind}]]: names must be unique, {dup} repeat")
+    hardware = _hardware(_table(data, "hardware", source, {"preset": "h200"}), source)
+    if "num_spec_tokens" in _table(data, "scheduler", source):
         raise ConfigError(f"{source}: [scheduler]: num_spec_tokens belongs in [speculative], next to "
                           "the draft model that proposes the tokens")
-    sched = _build(SchedulerConfig, data.get("scheduler", {}), source, "[scheduler]")
-    cost = _cost(data.get("cost", {}), source)
-    engine = _build(EngineSpec, data.get("engine", {}), source, "[engine]")
-    host = _build(HostSpec, data.get("host", {}), source, "[host]")
-    eplb = _build(EplbConfig, data["eplb"], source, "[eplb]") if "eplb" in data else None
-    kv_transfer = _build(KVTransferSpec, data.get("kv_transfer", {}), source, "[kv_transfer]")
+    for derived in ("num_blocks", "host_cache_blocks"):
+        if derived in data.get("scheduler", {}):
+            raise ConfigError(f"{source}: [scheduler]: {derived} is derived from [hardware] (hbm_bytes, "
+                              "host_kv_bytes) and the model; set those (or [engine] num_blocks for the engine)")
+    sched = _build(SchedulerConfig, _table(data, "scheduler", source), source, "[scheduler]")
+    cost = _cost(_table(data, "cost", source), source)
+    engine = _build(EngineSpec, _table(data, "engine", source), source, "[engine]")
+    host = _build(HostSpec, _table(data, "host", source), source, "[host]")
+    eplb = _build(EplbConfig, _table(data, "eplb", source), source, "[eplb]") if "eplb" in data else None
+    kv_transfer = _build(KVTransferSpec, _table(data, "kv_transfer", source), source, "[kv_transfer]")
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
+    names = [p.name for p in pools]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{source}: [[pools]]: names must be unique (reports are keyed by them), {dup} repeat")
+    for i, pool in enumerate(pools):  # the expert slots must split evenly over a pool's DEP ranks
+        m = next(m for m in models if m.name == pool.model)
+        slots = m.num_routed_experts + (eplb.redundant_experts if eplb is not None else 0)
+        if pool.dep > 1 and m.num_routed_experts and slots % pool.dep:
+            raise ConfigError(f"{source}: [[pools]] #{i + 1} ({pool.name!r}): dep {pool.dep} must divide the "
+                              f"expert slots, {m.num_routed_experts} routed experts of {m.name!r}"
+                              + (f" + {eplb.redundant_experts} redundant ([eplb])" if eplb is not None else ""))
+    if not isinstance(data.get("seed", 0), int) or isinstance(data.get("seed", 0), bool):
+        raise ConfigError(f"{source}: top level: seed must be an integer, got {data.get('seed')!r}")
     spec = _speculative(data["speculative"], source, models, pools) if "speculative" in data else None
     dep = Deployment(
         name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
@@ -419,8 +481,8 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
 
 def _list(data: dict, key: str, source: str) -> list:
     value = data.get(key, [])
-    if not isinstance(value, list):
-        raise ConfigError(f"{source}: {key} must be an array of tables ([[{key}]])")
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{source}: {key} must be an array of tables ([[{key}]]), got {value!r}")
     return value
 
 
@@ -446,7 +508,17 @@ def _check_types(cls, table: dict, source: str, where: str) -> None:
             )
 
 
+def _table(data: dict, key: str, source: str, default=None) -> dict:
+    """A [key] table (a TOML table, not a value or an array of tables)."""
+    value = data.get(key, {} if default is None else default)
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {key} must be a table ([{key}]), got {value!r}")
+    return value
+
+
 def _build(cls, table: dict, source: str, where: str):
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: {where} must be a table, got {table!r}")
     _no_unknown(table, {f.name for f in attrs.fields(cls)}, source, where)
     _check_types(cls, table, source, where)
     try:
