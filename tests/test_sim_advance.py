@@ -248,7 +248,7 @@ def test_a2a_latency_must_not_be_negative(tmp_path):
     bad = tmp_path / "bad.toml"
     assert "a2a_latency_s = 0.0" in src
     bad.write_text(src.replace("a2a_latency_s = 0.0", "a2a_latency_s = -1e-6", 1))
-    with pytest.raises(ConfigError, match=r"\[cost\].*a2a_latency_s must be a number of seconds >= 0, got -1e-06"):
+    with pytest.raises(ConfigError, match=r"\[cost\].*'a2a_latency_s' must be a finite number >= 0, got -1e-06"):
         load_deployment(bad)
 
 
