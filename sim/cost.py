@@ -17,7 +17,8 @@ time is the slowest rank's):
     attn_r    = attn_flops_per_pair * pairs_r * num_layers    (BF16; GEMMs run at 2x with FP8)
     a2a_r     = moe_layers * (pad * k * hidden * 3 bytes / link_bandwidth   (n > 1 only:
                 FP8 dispatch + BF16 combine) + 2 * a2a_latency_s), of which ``a2a_overlap``
-                hides behind compute
+                hides behind compute; with n > gpus_per_node the off-node share (n - g) / n
+                of the bytes goes over scaleout_bandwidth instead, in parallel (``_a2a``)
     t_r       = max(bytes_r / hbm_bandwidth, gemm_r / gemm_flops + attn_r / flops)
               + (1 - overlap) * a2a_r
               + kv_bytes_per_token * loaded_r / host_bandwidth    (host-tier prefix loads)
@@ -73,9 +74,17 @@ class AnalyticCost:
         self._distinct: dict[tuple[float, float], tuple[float, float]] = {}
 
     def _a2a(self, pad):
-        """Seconds of a step's all-to-alls (before overlap) at ``pad`` tokens a rank."""
-        m = self.m
-        return m.moe_layers * (pad * m.top_k * m.hidden_size * 3 / self.hw.link_bandwidth + 2 * self.c.a2a_latency_s)
+        """Seconds of a step's all-to-alls (before overlap) at ``pad`` tokens a rank. A DEP
+        group wider than one scale-up domain sends the off-node share of its tokens (experts
+        spread evenly: (n - g) / n of them) over the scale-out links, in parallel with the
+        rest over NVLink; the slower of the two sets the time."""
+        m, hw, n = self.m, self.hw, self.dep
+        bytes_ = pad * m.top_k * m.hidden_size * 3
+        t = bytes_ / hw.link_bandwidth
+        if n > hw.gpus_per_node:
+            off = (n - hw.gpus_per_node) / n
+            t = max(bytes_ * (1 - off) / hw.link_bandwidth, bytes_ * off / hw.scaleout_bandwidth)
+        return m.moe_layers * (t + 2 * self.c.a2a_latency_s)
 
     def _weights_and_moe(self, total: float) -> tuple[float, float]:
         """(weight bytes a rank reads, MoE GEMM FLOPs) for ``total`` tokens through the MoE

@@ -24,12 +24,15 @@ MAX_LAYERS = 16  # layers simulated: balancedness is a mean over layers, and pla
 
 class ExpertLoads:
     def __init__(self, model: ModelSpec, dep: int, cost: CostSpec, eplb: EplbConfig | None, seed: int,
-                 balance: bool = True):
+                 balance: bool = True, gpus_per_node: int = 8):
         """``balance=False`` keeps the naive layout on the same slots (for comparison)."""
         self.cost, self.eplb = cost, eplb if balance else None
         e = model.num_routed_experts
         redundant = eplb.redundant_experts if eplb is not None else 0
-        self.topo = Topology(experts=e, slots=e + redundant, ranks=dep, nodes=max(1, dep // 8))
+        # nodes: the scale-up domains the group spans (a GB300 NVL72 rack is one); EPLB keeps
+        # each expert's home copy inside its domain
+        nodes = max(1, dep // gpus_per_node) if dep % gpus_per_node == 0 else 1
+        self.topo = Topology(experts=e, slots=e + redundant, ranks=dep, nodes=nodes)
         layers = min(model.moe_layers, MAX_LAYERS)
         self.rng = np.random.default_rng(seed)
         ranks = np.argsort(self.rng.random((layers, e)), axis=1) + 1  # a random order per layer

@@ -112,7 +112,8 @@ class Simulator(PDFlow):
             model = deployment.model(pool.model)
             cost = self._cost(pool, model, profile)
             if deployment.cost.expert_skew > 0 and pool.dep > 1:
-                loads = ExpertLoads(model, pool.dep, deployment.cost, deployment.eplb, seed, balance=eplb)
+                loads = ExpertLoads(model, pool.dep, deployment.cost, deployment.eplb, seed, balance=eplb,
+                                    gpus_per_node=deployment.hardware.gpus_per_node)
                 self._experts.append((loads, cost))
                 self._next_window = 0.0
             cfg = deployment.scheduler_for(pool)

@@ -270,3 +270,17 @@ def test_host_tier_put_in_bulk_equals_one_at_a_time(seed, capacity):
             while len(single._lru) > capacity:
                 single._lru.popitem(last=False)
         assert list(bulk._lru.items()) == list(single._lru.items())
+
+
+def test_a_dep_group_wider_than_a_node_pays_the_scaleout_links():
+    """Within gpus_per_node the all-to-all runs over NVLink; DEP16 on 8-GPU nodes sends half its
+    bytes over the (slower) scale-out links, so the same per-rank batch costs more there."""
+    from lockstep.policy.deployment import CostSpec, HardwareSpec, MODEL_PRESETS, ModelSpec
+    from lockstep.sim.cost import AnalyticCost
+    hw = HardwareSpec(name="h", hbm_bytes=141e9, hbm_bandwidth=4.8e12, flops=989e12, link_bandwidth=450e9,
+                      gpus_per_node=8, scaleout_bandwidth=50e9)
+    model = ModelSpec(name="v3", **MODEL_PRESETS["deepseek-v3"])
+    a8, a16 = AnalyticCost(model, hw, CostSpec(), 8), AnalyticCost(model, hw, CostSpec(), 16)
+    per_byte = model.moe_layers * 64 * model.top_k * model.hidden_size * 3
+    assert a8._a2a(64) == pytest.approx(per_byte / 450e9)
+    assert a16._a2a(64) == pytest.approx(per_byte * 0.5 / 50e9)  # the off-node half sets the time

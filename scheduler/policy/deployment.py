@@ -93,6 +93,9 @@ class HardwareSpec:
     host_kv_bytes: float = 0.0  # host DRAM per GPU for the second-level prefix cache
     host_bandwidth: float = 50e9  # bytes/s host -> GPU (PCIe 5 x16)
     gpu_memory_utilization: float = 0.9
+    # bytes/s per GPU per direction between scale-up domains (a 400 Gb/s NIC a GPU): what a
+    # DEP group wider than gpus_per_node pays for its off-node share of the all-to-alls
+    scaleout_bandwidth: float = 50e9
 
     def __attrs_post_init__(self) -> None:
         # at least 1 MB (/s, FLOP/s): a smaller figure is a unit slip, and prices steps at
@@ -100,7 +103,8 @@ class HardwareSpec:
         _ranges(self, {"hbm_bytes": (1e6, _INF, True), "hbm_bandwidth": (1e6, _INF, True),
                        "flops": (1e6, _INF, True), "link_bandwidth": (1e6, _INF, True),
                        "gpus_per_node": (1, _INF, True), "host_kv_bytes": (0, _INF, True),
-                       "host_bandwidth": (1e6, _INF, True), "gpu_memory_utilization": (0, 1, False)})
+                       "host_bandwidth": (1e6, _INF, True), "gpu_memory_utilization": (0, 1, False),
+                       "scaleout_bandwidth": (1e6, _INF, True)})
 
 
 @attrs.frozen
@@ -405,7 +409,7 @@ HARDWARE_PRESETS: dict[str, dict] = {
                  link_bandwidth=450e9, gpus_per_node=8),
     # GB300 NVL72: 288 GB HBM3e, one 72-GPU NVLink domain, NVLink 5 per direction.
     "gb300": dict(hbm_bytes=288e9, hbm_bandwidth=7.0e12, flops=2500e12,
-                  link_bandwidth=900e9, gpus_per_node=72),
+                  link_bandwidth=900e9, gpus_per_node=72, scaleout_bandwidth=100e9),
 }
 
 
