@@ -70,6 +70,7 @@ class Engine:
         self.balancer = balancer
         self.scheduler = schedulers[0]
         self._ids = itertools.count()
+        self._live: dict[int, RequestStream] = {}  # request id -> stream, while it is consumed
 
     def generate(self, prompt, params: SamplingParams | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -92,6 +93,7 @@ class Engine:
         stream, params = p.stream, p.params
         detok = self._detokenizer()
         stops, said, n = set(params.stop_token_ids), "", 0
+        self._live[p.req_id] = stream  # here, not in generate: a generator never started holds nothing
         try:
             await self.frontend.send_channel.send(p)
             while True:
@@ -113,8 +115,8 @@ class Engine:
                     return
         finally:
             if not stream.done:
-                stream.abandoned = True  # before the abort: see RequestStream.abandoned
                 self.abort(p.req_id)
+            self._live.pop(p.req_id, None)
             self.frontend.rank_of.pop(p.req_id, None)
 
     def _stopped(self, req_id: int) -> FinishReason:
@@ -143,6 +145,9 @@ class Engine:
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request wherever it is; its blocks are freed at the next step boundary."""
+        stream = self._live.get(request_id)
+        if stream is not None and reason is FinishReason.ABORT:
+            stream.abandoned = True  # still in the Frontend, it is dropped there (RequestStream.abandoned)
         rank = self.frontend.rank_of.get(request_id)
         targets = self.schedulers if rank is None else [self.schedulers[rank]]  # None: not routed yet
         for s in targets:

@@ -159,8 +159,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
     except BadRequest as e:
         return error(str(e), e.param)
     except RequestError as e:
-        param = _param_of(str(e))
-        return error(str(e), "messages" if chat and param == "prompt" else param)  # chat's prompt is its messages
+        return error(str(e), _request_param(e, chat))
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if job.stream:
         return _sse(server, job, gens, rid)
@@ -172,6 +171,13 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
     return result or Response(status_code=499)  # the client went away
 
 
+def _request_param(e: BaseException, chat: bool) -> str | None:
+    """The request field a RequestError names (its message starts with it); a chat request's
+    prompt is its messages."""
+    param = _param_of(str(e))
+    return "messages" if chat and param == "prompt" else param
+
+
 def _start(engine, job: Job) -> list:
     """One generator per (prompt, sample); every one is checked before any is consumed."""
     gens = []
@@ -179,10 +185,7 @@ def _start(engine, job: Job) -> list:
         for i in range(job.n):
             params = job.params
             if job.n > 1 and params.seed is not None:
-                if params.seed + job.n > 2**63:  # sample i takes seed + i
-                    raise BadRequest(f"seed must be below 2**63 - n ({2**63 - job.n}) with n = {job.n}: sample i "
-                                     f"uses seed + i; got {params.seed}", "seed")
-                params = attrs.evolve(params, seed=params.seed + i)
+                params = attrs.evolve(params, seed=params.seed + i)  # in range: parse_completion checked
             gens.append(engine.generate(p, params, priority=job.priority, cache_salt=job.cache_salt))
     return gens
 
@@ -242,7 +245,7 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         kind, exc = failed
         if kind == "server_error":
             return error(f"the engine failed this request: {exc}", status=500, kind=kind)
-        return error(str(exc), _param_of(str(exc)))
+        return error(str(exc), _request_param(exc, job.chat))
     choices = []
     for i, f in enumerate(finals):
         text = "".join(texts[i])
@@ -356,7 +359,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             kind, exc = failed
             message = f"the engine failed this request: {exc}" if kind == "server_error" else str(exc)
             emit(b"data: " + _JSON.encode({"error": {"message": message, "type": kind,
-                 "param": None if kind == "server_error" else _param_of(message), "code": None}}) + b"\n\n")
+                 "param": None if kind == "server_error" else _request_param(exc, job.chat), "code": None}}) + b"\n\n")
         if job.include_usage and all(f is not None for f in finals):
             emit(chunk([], _usage(finals, job.n)))
         emit(b"data: [DONE]\n\n")

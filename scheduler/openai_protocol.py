@@ -87,7 +87,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
             prompts = (chat_template(_messages(body)),)
         except BadRequest:
             raise
-        except ValueError as e:  # the template refused the conversation (e.g. roles must alternate)
+        except Exception as e:  # noqa: BLE001 - the template refused the conversation (roles must
+            # alternate, say: a ValueError, or jinja2's TemplateError from raise_exception)
             raise BadRequest(f"messages: the model's chat template refused them: {e}", "messages") from None
     else:
         prompts = _prompts(body.get("prompt"))
@@ -112,6 +113,9 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
     )
+    if n > 1 and params.seed is not None and params.seed > 2**63 - n:  # sample i takes seed + i
+        raise BadRequest(f"seed must be at most 2**63 - n ({2**63 - n}) with n = {n}: sample i uses seed + i; "
+                         f"got {params.seed}", "seed")
     try:
         params.validate()
     except RequestError as e:
@@ -191,10 +195,17 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        extra = set(m) - {"role", "content"}
+        extra = set(m) - {"role", "content", "name", "tool_call_id"}
         if extra:
-            raise BadRequest(f"messages[{i}]: {', '.join(sorted(extra))} not supported (role and content are)", "messages")
-        out.append({"role": m["role"], "content": content})
+            raise BadRequest(f"messages[{i}]: {', '.join(sorted(extra))} not supported (role, content, name and "
+                             "tool_call_id are)", "messages")
+        msg = {"role": m["role"], "content": content}
+        for key in ("name", "tool_call_id"):  # handed to the chat template, which may use them
+            if key in m:
+                if not isinstance(m[key], str):
+                    raise BadRequest(f"messages[{i}].{key} must be a string", "messages")
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 
@@ -220,7 +231,10 @@ def _num(body: dict, name: str, default: float) -> float:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise BadRequest(f"{name} must be a number, got {v!r}", name)
-    return float(v)
+    try:
+        return float(v)
+    except OverflowError:  # an integer past float range
+        raise BadRequest(f"{name} must be a number in float range", name) from None
 
 
 def _int(name: str, v) -> int:

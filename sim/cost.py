@@ -83,7 +83,7 @@ class AnalyticCost:
         t = bytes_ / hw.link_bandwidth
         if n > hw.gpus_per_node:
             off = (n - hw.gpus_per_node) / n
-            t = max(bytes_ * (1 - off) / hw.link_bandwidth, bytes_ * off / hw.scaleout_bandwidth)
+            t = np.maximum(bytes_ * (1 - off) / hw.link_bandwidth, bytes_ * off / hw.scaleout_bandwidth)
         return m.moe_layers * (t + 2 * self.c.a2a_latency_s)
 
     def _weights_and_moe(self, total: float) -> tuple[float, float]:

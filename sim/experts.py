@@ -31,7 +31,7 @@ class ExpertLoads:
         redundant = eplb.redundant_experts if eplb is not None else 0
         # nodes: the scale-up domains the group spans (a GB300 NVL72 rack is one); EPLB keeps
         # each expert's home copy inside its domain
-        nodes = max(1, dep // gpus_per_node) if dep % gpus_per_node == 0 else 1
+        nodes = dep // gpus_per_node if dep % gpus_per_node == 0 else 1
         self.topo = Topology(experts=e, slots=e + redundant, ranks=dep, nodes=nodes)
         layers = min(model.moe_layers, MAX_LAYERS)
         self.rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""bench_decode.py's correctness rules on made-up step results (the GPU run is the real one):
+"""bench_decode.py's correctness rules (benchmarks/gpu/decode_checks.py) on made-up step results (the GPU run is the real one):
 compare()'s matched-row noise and the FP8 cache's rule, which must fail a path that agrees
 with the bf16 reference nowhere, or has no rows to measure."""
 
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_decode_under_test", ROOT / "benchmarks/gpu/bench_decode.py")
+    spec = importlib.util.spec_from_file_location("decode_checks_under_test", ROOT / "benchmarks/gpu/decode_checks.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -171,6 +171,34 @@ async def test_a_request_abandoned_before_it_reaches_a_scheduler_never_runs():
         engine.scheduler.core.check_integrity()
 
 
+async def test_engine_abort_before_routing_ends_the_request_there():
+    """``Engine.abort`` reaches a request still in the Frontend: it ends as aborted, never runs."""
+    async with open_engine(config(tokenizer=None)) as engine:
+        entered, gate = threading.Event(), threading.Event()
+        prepare = engine.frontend._prepare
+
+        def held(p):
+            entered.set()
+            gate.wait(30)
+            return prepare(p)
+        engine.frontend._prepare = held
+        outs = []
+
+        async def consume():
+            async for out in engine.generate(prompts()[2], SamplingParams(max_tokens=300, ignore_eos=True)):
+                outs.append(out)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                n.start_soon(consume)
+                await trio.to_thread.run_sync(entered.wait, 30)
+                (rid,) = list(engine._live)
+                engine.abort(rid)  # the broadcast finds no scheduler entry
+                gate.set()
+        assert outs[-1].finish_reason == "abort" and outs[-1].num_output_tokens == 0
+        stats = engine.statistics()
+        assert stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
+
+
 async def test_bad_input_fails_at_submission_and_queues_nothing():
     async with open_engine(config(tokenizer=None)) as engine:
         with pytest.raises(RequestError, match="temperature"):

@@ -59,11 +59,11 @@ def compare(ref_results, results) -> dict:
     top = np.concatenate([r.top_logprobs for r in ref_results if r.top_logprobs is not None])
     lp_ref = np.concatenate([r.logprobs for r in ref_results if r.logprobs is not None])
     lp = np.concatenate([r.logprobs for r in results if r.logprobs is not None])
-    err = float(np.abs(lp - lp_ref).max()) if len(lp) else 0.0
     margin = top[:, 0] - top[:, 1]
     bad = ref_tok != tok
     # the same token's logprob on both: the noise between the two paths (none: NaN)
     aligned = len(lp) == len(lp_ref) == len(bad)
+    err = float(np.abs(lp - lp_ref).max()) if aligned and len(lp) else float("nan")
     matched = np.abs(lp - lp_ref)[~bad] if aligned else np.zeros(0)
     noise = float(matched.max()) if len(matched) else 0.0  # no matched row: every mismatch is clear
     clear = margin > max(2 * noise, 0.05)

@@ -55,6 +55,9 @@ class Frontend:
                         raise TypeError(f"Frontend got an unknown message {msg!r}")
 
     async def _admit(self, p: Prompt) -> None:
+        if p.stream.abandoned:  # aborted while it waited here: not worth tokenizing
+            p.stream.finish(FinishReason.ABORT, trio.current_time())
+            return
         try:
             tokens, hashes, acc = await trio.to_thread.run_sync(self._prepare, p)
         except RequestError as e:

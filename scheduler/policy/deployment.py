@@ -436,10 +436,7 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     models = tuple(_model(m, source, i) for i, m in enumerate(_list(data, "models", source)))
     if not models:
         raise ConfigError(f"{source}: [[models]] must list at least one model")
-    for kind, names in (("models", [m.name for m in models]),):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise ConfigError(f"{source}: [[{kind}]]: names must be unique, {dup} repeat")
+    _unique([m.name for m in models], source, "models")
     hardware = _hardware(_table(data, "hardware", source, {"preset": "h200"}), source)
     if "num_spec_tokens" in _table(data, "scheduler", source):
         raise ConfigError(f"{source}: [scheduler]: num_spec_tokens belongs in [speculative], next to "
@@ -457,14 +454,12 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
-    names = [p.name for p in pools]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ConfigError(f"{source}: [[pools]]: names must be unique (reports are keyed by them), {dup} repeat")
-    for i, pool in enumerate(pools):  # the expert slots must split evenly over a pool's DEP ranks
+    _unique([p.name for p in pools], source, "pools")
+    for i, pool in enumerate(pools):  # where expert placement is modelled, its slots split over the ranks
         m = next(m for m in models if m.name == pool.model)
         slots = m.num_routed_experts + (eplb.redundant_experts if eplb is not None else 0)
-        if pool.dep > 1 and m.num_routed_experts and slots % pool.dep:
+        placed = eplb is not None or cost.expert_skew > 0
+        if placed and pool.dep > 1 and m.num_routed_experts and slots % pool.dep:
             raise ConfigError(f"{source}: [[pools]] #{i + 1} ({pool.name!r}): dep {pool.dep} must divide the "
                               f"expert slots, {m.num_routed_experts} routed experts of {m.name!r}"
                               + (f" + {eplb.redundant_experts} redundant ([eplb])" if eplb is not None else ""))
@@ -481,6 +476,14 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     for pool in pools:
         dep.kv_blocks_per_rank(pool)  # fail now if the weights do not fit
     return dep
+
+
+def _unique(names: list[str], source: str, kind: str) -> None:
+    """Names a report or a lookup is keyed by: a repeat would lose one silently."""
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{source}: [[{kind}]]: names must be unique (reports and lookups are keyed by them), "
+                          f"{dup} repeat")
 
 
 def _list(data: dict, key: str, source: str) -> list:
@@ -521,8 +524,6 @@ def _table(data: dict, key: str, source: str, default=None) -> dict:
 
 
 def _build(cls, table: dict, source: str, where: str):
-    if not isinstance(table, dict):
-        raise ConfigError(f"{source}: {where} must be a table, got {table!r}")
     _no_unknown(table, {f.name for f in attrs.fields(cls)}, source, where)
     _check_types(cls, table, source, where)
     try:

@@ -85,7 +85,7 @@ class SamplingParams:
             raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (tuple, list)) or any(
                 not (_is_int(t) and 0 <= t <= INT32_MAX) for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be a tuple of integers in [0, 2**31 - 1], got {self.stop_token_ids!r}")
+            raise RequestError(f"stop_token_ids must be a tuple (or list) of integers in [0, 2**31 - 1], got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise RequestError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
