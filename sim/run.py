@@ -20,23 +20,24 @@ from .traces import TraceRequest, agentic_workload, read_trace
 
 
 def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, limit: int | None,
-                  skip_bad_rows: bool, console: Console) -> tuple[list[TraceRequest], str]:
+                  skip_bad_rows: bool, console: Console) -> tuple[list[TraceRequest], str, int]:
+    """(requests, the workload's name, bad rows skipped)."""
     if not (math.isfinite(rate_scale) and rate_scale > 0):  # NaN arrivals never came: the run hung
         raise ValueError(f"--rate-scale must be a finite number > 0, got {rate_scale}")
     if trace is None:
-        reqs, name = agentic_workload(seed=seed), "synthetic agentic (built-in)"
+        reqs, name, skipped = agentic_workload(seed=seed), "synthetic agentic (built-in)", 0
     else:
         load = read_trace(trace, fmt, skip_bad_rows=skip_bad_rows)
         if load.skipped:
             console.print(f"[yellow]skipped {load.skipped} bad rows of {trace}[/]")
-        reqs, name = load.requests, f"{Path(trace).name} ({load.format})"
+        reqs, name, skipped = load.requests, f"{Path(trace).name} ({load.format})", load.skipped
     if limit is not None:
         if limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
         reqs = reqs[:limit]
     if rate_scale != 1.0:  # rate x2 = arrivals twice as dense
         reqs = [attrs.evolve(r, arrival_s=r.arrival_s / rate_scale) for r in reqs]
-    return reqs, name
+    return reqs, name, skipped
 
 
 def with_spec_tokens(deployment: Deployment, k: int) -> Deployment:
@@ -92,7 +93,7 @@ def run_sim(args) -> int:
         if not Path(args.profile).is_file():
             raise ConfigError(f"--profile {args.profile}: no such file (write it with `lockstep profile`)")
         deployment = attrs.evolve(deployment, cost=attrs.evolve(deployment.cost, profile=args.profile))
-    workload, name = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
+    workload, name, skipped = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
     sim = Simulator(deployment, workload, seed=args.seed, slo_ttft=args.slo_ttft,
                     slo_tpot=args.slo_tpot, use_advance=not args.no_advance, eplb=not args.no_eplb)
@@ -102,6 +103,7 @@ def run_sim(args) -> int:
         task = bar.add_task("sim", total=len(workload))
         report = sim.run(progress=(lambda n: bar.update(task, completed=n)) if show else None)
     report["workload"] = name
+    report["trace_rows_skipped"] = skipped  # bad rows --skip-bad-rows left out (never silently)
     print_table(report, Console())
     if args.json:
         write_json(report, args.json)

@@ -137,8 +137,12 @@ class Simulator(PDFlow):
         self.out_skip = np.zeros(len(self.workload), dtype=np.int64)
         if self.pd:
             self._init_pd()
+        # Too long for every pool that takes arrivals: rejected before its prompt is built (a
+        # request too long only for the pool it is routed to is rejected by that rank's core).
+        longest = max(c.config.max_model_len for _, c in self._ranks)
+        self._mixed_context = any(c.config.max_model_len != longest for _, c in self._ranks)
         self.prompts = Prompts(self.workload, self.hasher, vocab_size=self.model.vocab_size, seed=seed,
-                               max_model_len=self.instances[0].cores[0].config.max_model_len)
+                               max_model_len=longest)
         if private_prefixes and not self.pd and deployment.scheduler.enable_prefix_caching:
             self.prompts.find_private(self.out_tokens, self.out_base)
 
@@ -177,12 +181,17 @@ class Simulator(PDFlow):
             req = Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=w.output_len, ignore_eos=True),
                           arrival_time=now, block_hashes=hashes, hash_acc=acc,
                           private_prefix=self.prompts.private[rid])
-        # One router over every rank of every instance: prefix affinity, then least loaded.
-        if len(self._ranks) > 1:
-            pick = self.router.choose(hashes, [c.pool for _, c in self._ranks], [c.load() for _, c in self._ranks])
+        # One router over every rank of every instance: prefix affinity, then least loaded;
+        # only ranks whose model's context holds the request (pools may serve different models).
+        ranks = self._ranks
+        if self._mixed_context:
+            need = w.input_len + w.output_len
+            ranks = [rc for rc in ranks if rc[1].config.max_model_len >= need]
+        if len(ranks) > 1:
+            pick = self.router.choose(hashes, [c.pool for _, c in ranks], [c.load() for _, c in ranks])
         else:
             pick = 0
-        idx, core = self._ranks[pick]
+        idx, core = ranks[pick]
         inst = self.instances[idx]
         try:
             core.add_request(req)

@@ -185,6 +185,24 @@ def test_context_length_rejection_on_default():
     assert rep["requests"]["completed"] == 2
 
 
+
+def test_context_check_takes_the_longest_pool():
+    """Two pools whose models differ in context: a request too long for the first pool's
+    model but not the second's goes to the second, not rejected up front or by a rank of
+    the first."""
+    data = copy.deepcopy(tomllib.loads(DEFAULT_DEPLOYMENT_TOML))
+    short = {**data["models"][0], "name": "short", "context_length": 4096}
+    data["models"].append(short)
+    data["models"].insert(0, data["models"].pop())  # the short model's pool comes first
+    data["pools"] = [{**data["pools"][0], "name": "a", "model": "short"},
+                     {**data["pools"][0], "name": "b", "model": "deepseek-v3"}]
+    d = deployment_from_dict(data)
+    workload = [trace_req(0.0, 1000, 20, 1), trace_req(1.0, 8000, 5, 2), trace_req(2.0, 200000, 1, 3)]
+    rep = Simulator(d, workload, seed=0).run()
+    # The 8,000-token prompt goes to pool b, whose model holds it; 200,000 fits neither.
+    assert rep["requests"] == {"total": 3, "completed": 2, "rejected": 1,
+                               "rejected_reasons": {"context_length": 1}}
+
 # --- outputs and errors ------------------------------------------------------------------------
 
 
@@ -217,6 +235,7 @@ def test_skip_bad_rows(tmp_path):
                     '{"timestamp": 5, "input_length": 20, "output_length": 3, "hash_ids": [2]}\n')
     _, rep = sim_json(tmp_path, "s.json", "--trace", str(path), "--skip-bad-rows")
     assert rep["requests"]["total"] == rep["requests"]["completed"] == 2
+    assert rep["trace_rows_skipped"] == 1  # the count reaches the JSON report too
 
 
 def test_bad_arguments_exit_2(tmp_path, capsys):
