@@ -85,3 +85,32 @@ def test_fp8_rule_fails_a_path_that_never_agrees_or_is_noisier():
 def test_fp8_rule_fails_rows_that_do_not_line_up():
     base, ref, fast = _fp8_case(np.random.default_rng(2), 0.5, 0.3)
     assert not bd.fp8_close_as_reference(base, ref, fast[:-1])["ok"]
+
+
+def _fp32_case(rng, agree_fast: float, noise_fast: float, n: int = 96):
+    """An oracle's tokens and logprobs, a bf16 reference agreeing on ~90% of rows with noise
+    0.02, and a fast path agreeing on ``agree_fast`` with noise ``noise_fast``."""
+    base = rng.integers(0, 1000, n)
+    lb = -rng.random(n)
+    ref_tok = np.where(rng.random(n) < 0.9, base, base + 1)
+    fast_tok = np.where(rng.permutation(n) < round(agree_fast * n), base, base + 2)  # exactly that many
+    return (steps(base, lb), steps(ref_tok, lb + 0.02 * rng.standard_normal(n)),
+            steps(fast_tok, lb + noise_fast * rng.standard_normal(n)))
+
+
+def test_fp32_rule_passes_a_path_as_close_as_the_reference():
+    got = bd.close_to_fp32(*_fp32_case(np.random.default_rng(0), agree_fast=0.9, noise_fast=0.02))
+    assert got["ok"], got
+
+
+def test_fp32_rule_fails_fewer_agreements_more_noise_or_misaligned_rows():
+    rng = np.random.default_rng(1)
+    # 67 of 96 rows against the reference's ~86: ~19 fewer, past 3 standard deviations (~10)
+    fewer = bd.close_to_fp32(*_fp32_case(rng, agree_fast=0.7, noise_fast=0.02))
+    assert not fewer["ok"] and fewer["reference_agrees"] - fewer["fast_agrees"] > fewer["agree_slack"]
+    never = bd.close_to_fp32(*_fp32_case(rng, agree_fast=0.0, noise_fast=0.02))
+    assert not never["ok"] and never["both_agree"] == 0
+    noisy = bd.close_to_fp32(*_fp32_case(rng, agree_fast=0.9, noise_fast=0.2))
+    assert not noisy["ok"] and noisy["fast_noise"] > 1.5 * noisy["reference_noise"] + 0.01
+    oracle, ref, fast = _fp32_case(rng, 0.9, 0.02)
+    assert not bd.close_to_fp32(oracle, ref, fast[:-1])["ok"]

@@ -9,9 +9,9 @@ CUDA graphs for decode steps, sampling on the device.
    (chunked prefill, staggered arrivals: mixed prefill/decode steps, padded decode graphs)
    by the reference runtime path (the model's own forward, host sampling) and by the fast
    path with and without graphs; the fast runtimes are fed the reference's tokens, so greedy
-   tokens compare step by step. A mismatch where the reference's top-2 logprob margin is
-   within the observed logprob error is bf16 noise; one at a clear margin is a bug. (With
-   an FP8 cache, see 5.)
+   tokens compare step by step. The reference path in float32 on the same weights is the
+   oracle: the fast path must stay as close to it as the bf16 reference does (greedy
+   agreement within binomial noise, logprob distance within 1.5x). (With an FP8 cache, see 5.)
 3. decode, v2-lite in full (27 layers, bf16, random weights drawn on the GPU, 31 GB) at batch
    1, 8, 64, 256 and context 512 (the issue's setting, where its tokens/s targets are judged),
    1K and 4K: the runtime's step (plan in, sampled ids out: host
@@ -70,7 +70,7 @@ from lockstep.runtime.models import preset  # noqa: E402
 from lockstep.runtime.sampling import sample  # noqa: E402
 from lockstep.runtime.torch_runtime import TorchRuntime  # noqa: E402
 
-from decode_checks import BS, MAX_MISMATCH_SHARE, compare, fp8_close_as_reference, serve  # noqa: E402
+from decode_checks import BS, MAX_MISMATCH_SHARE, close_to_fp32, compare, fp8_close_as_reference, serve  # noqa: E402
 
 # Issue 8's H200 facts (transformers 5.17, prompts of 512 tokens): roofline step ms and tokens/s.
 ISSUE_ROOFLINE = {1: (1.18, 851), 8: (4.30, 1859), 64: (7.64, 8381), 256: (8.39, 30498)}
@@ -140,12 +140,12 @@ def copy_bandwidth() -> float:
 
 
 def runtime(model: str, device: str, *, blocks: int, max_seqs: int, max_len: int, overrides=None,
-            **options) -> TorchRuntime:
+            dtype: str = "bfloat16", **options) -> TorchRuntime:
     rt = TorchRuntime()
     opts = {"init_on_device": device != "cpu", **options}
     if overrides:
         opts["preset_overrides"] = overrides
-    rt.load(RuntimeSpec(model=model, device=device, dtype="bfloat16", num_blocks=blocks, block_size=BS,
+    rt.load(RuntimeSpec(model=model, device=device, dtype=dtype, num_blocks=blocks, block_size=BS,
                         max_num_seqs=max_seqs, max_model_len=max_len, seed=0, options=opts))
     return rt
 
@@ -224,8 +224,10 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
     """``options``: runtime options for the reference and the two fast runtimes
     (kv_cache_dtype="fp8": FP8 caches on all three).
 
-    bf16: ok when the fast path has no greedy mismatch against the reference at a clear top-2
-    margin. FP8: a fourth runtime, the reference path over a bf16 cache, asks the question
+    bf16: a fourth runtime, the reference path in float32 on the same weights, is the oracle:
+    ok when the fast path stays as close to it as the bf16 reference does (``close_to_fp32``;
+    the clear-margin count of ``compare`` is reported, not judged: random weights' routing
+    near-ties make it fail correct paths). FP8: a fourth runtime, the reference path over a bf16 cache, asks the question
     that matters there (``fp8_close_as_reference``): is the fast path's FP8 cache as close to
     the bf16 model as the reference's FP8 cache is? Two FP8 paths cannot agree as two bf16
     ones do: an e4m3 step is 16 bf16 ulps (3 mantissa bits against 7), so inputs one bf16 ulp
@@ -247,6 +249,10 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
         rts.append(runtime(model, device, fast=True, cuda_graphs="off", compile=False, **kw))
         if fp8:  # fed the FP8 reference's tokens, as the others are
             rts.append(runtime(model, device, fast=False, **{a: v for a, v in kw.items() if a != "kv_cache_dtype"}))
+        else:  # the oracle: the reference path in float32 on the bf16 weights, fed the same tokens
+            rts.append(runtime(model, device, fast=False, dtype="float32", **kw))
+            with torch.no_grad():
+                rts[-1].model.load_state_dict(rts[0].model.state_dict())
         res = serve(rts, prompts, max_tokens=6 if smoke else 12, chunk=24 if smoke else 128,
                     max_seqs=kw["max_seqs"], max_len=kw["max_len"], blocks=kw["blocks"])
         got = {"fast_vs_reference": compare(res[0], res[1]), "fast_eager_vs_reference": compare(res[0], res[2]),
@@ -258,8 +264,10 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
             got["fp8_close_as_reference"] = fp8_close_as_reference(res[3], res[0], res[1])
             ok = got["fp8_close_as_reference"]["ok"] and got["runner"]["replays"] > 0
         else:
+            got["reference_vs_fp32"], got["fast_vs_fp32"] = compare(res[3], res[0]), compare(res[3], res[1])
+            got["close_to_fp32"] = close_to_fp32(res[3], res[0], res[1])
             fv = got["fast_vs_reference"]
-            ok = (fv["mismatches_at_clear_margin"] == 0 and fv["mismatches"] <= MAX_MISMATCH_SHARE * fv["tokens"]
+            ok = (got["close_to_fp32"]["ok"] and fv["mismatches"] <= MAX_MISMATCH_SHARE * fv["tokens"]
                   and fv["expert_count_totals_equal"] and got["runner"]["replays"] > 0)
         got["ok"] = bool(ok and not got["runner"]["graph_errors"])
         run.checks[name] = got

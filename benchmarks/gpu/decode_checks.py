@@ -82,6 +82,24 @@ def _rows(results) -> tuple[np.ndarray, np.ndarray]:
             np.concatenate([r.logprobs for r in results if r.logprobs is not None]))
 
 
+def _closeness(base, ref, fast) -> dict | None:
+    """How close ``ref`` and ``fast`` each stay to ``base`` (step results of three runtimes
+    teacher-forced on one token stream): rows where each picks base's token, and on the rows
+    where both do, the median distance of each one's logprob of it from base's. None when the
+    rows do not line up."""
+    tb, lb = _rows(base)
+    tr, lr = _rows(ref)
+    tf, lf = _rows(fast)
+    if not len(tb) == len(tr) == len(tf) == len(lb) == len(lr) == len(lf):
+        return None
+    ar, af = tr == tb, tf == tb
+    common = ar & af
+    nr = float(np.median(np.abs(lr - lb)[common])) if common.any() else float("nan")
+    nf = float(np.median(np.abs(lf - lb)[common])) if common.any() else float("nan")
+    return {"tokens": int(len(tb)), "reference_agrees": int(ar.sum()), "fast_agrees": int(af.sum()),
+            "both_agree": int(common.sum()), "reference_noise": nr, "fast_noise": nf}
+
+
 def fp8_close_as_reference(base, ref, fast) -> dict:
     """Whether the fast path's FP8 cache (``fast``) stays as close to the bf16 reference
     (``base``) as the reference path's FP8 cache (``ref``) does, all three teacher-forced on
@@ -97,15 +115,37 @@ def fp8_close_as_reference(base, ref, fast) -> dict:
     random weights is large (v2-lite cut to 3 layers: the reference's FP8 cache picks the bf16
     token in only 17 of 96 rows). The kernel tests (``mla_decode`` against its reference over
     an FP8 cache, ``tests/test_kernels.py``) are the check for those."""
-    tb, lb = _rows(base)
-    tr, lr = _rows(ref)
-    tf, lf = _rows(fast)
-    if not len(tb) == len(tr) == len(tf) == len(lb) == len(lr) == len(lf):
+    c = _closeness(base, ref, fast)
+    if c is None:
         return {"ok": False, "why": "the three runs' rows do not line up"}
-    ar, af = tr == tb, tf == tb
-    common = ar & af
-    nr = float(np.median(np.abs(lr - lb)[common])) if common.any() else float("nan")
-    nf = float(np.median(np.abs(lf - lb)[common])) if common.any() else float("nan")
-    ok = int(af.sum()) >= 0.75 * int(ar.sum()) - 2 and int(common.sum()) >= 3 and nf <= 1.25 * nr + 0.02
-    return {"tokens": int(len(tb)), "reference_agrees": int(ar.sum()), "fast_agrees": int(af.sum()),
-            "both_agree": int(common.sum()), "reference_noise": nr, "fast_noise": nf, "ok": bool(ok)}
+    ok = (c["fast_agrees"] >= 0.75 * c["reference_agrees"] - 2 and c["both_agree"] >= 3
+          and c["fast_noise"] <= 1.25 * c["reference_noise"] + 0.02)
+    return {**c, "ok": bool(ok)}
+
+
+def close_to_fp32(oracle, ref, fast) -> dict:
+    """Whether the bf16 fast path (``fast``) stays as close to the model computed in float32
+    (``oracle``: the reference path with the same weights, upcast) as the bf16 reference path
+    (``ref``) does, all three teacher-forced on one token stream.
+
+    Why not count the fast path's mismatches against the bf16 reference at a clear margin
+    (``compare``): with random weights a model's routing has near-ties, and one rounding
+    difference flips an expert and moves a token's logits by up to ~1. On the H200 (session
+    19, ``benchmarks/gpu/experiments/tiny_mismatch.py``) the tiny preset's routing differed in
+    half the steps between any two paths, even the fast path with and without graphs (same
+    kernels), and every mismatch at a "clear" margin fell in such a step. The float32 model
+    is what both bf16 paths approximate: a bug makes the fast path a worse approximation.
+
+    Passes when the fast path picks the oracle's token in at least as many rows as the
+    reference does, less 3 binomial standard deviations of the reference's count and 1 row,
+    in at least 3 rows both do, and its median logprob distance from the oracle on those
+    rows is within 1.5x (+0.01) of the reference's. A path that agrees nowhere, or has no
+    rows to measure, fails. Errors below bf16 noise are the kernel tests' to find."""
+    c = _closeness(oracle, ref, fast)
+    if c is None:
+        return {"ok": False, "why": "the three runs' rows do not line up"}
+    n, a = c["tokens"], c["reference_agrees"]
+    slack = 3 * float(np.sqrt(n * (a / n) * (1 - a / n))) + 1 if n else 0.0
+    ok = (c["fast_agrees"] >= a - slack and c["both_agree"] >= 3
+          and c["fast_noise"] <= 1.5 * c["reference_noise"] + 0.01)
+    return {**c, "agree_slack": slack, "ok": bool(ok)}
