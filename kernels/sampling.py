@@ -45,8 +45,8 @@ MAX_ROUNDS = 64  # a guard: a round's winner only rises, and the most likely tok
 
 
 @triton.jit
-def _kth_largest(x_row, V, t, k, BLOCK: tl.constexpr):
-    """The k-th largest y = x / t of the row (counted with repeats): a radix select over the
+def _kth_largest(x_row, V, c, t, k, BLOCK: tl.constexpr):
+    """The k-th largest y = (x - c) / t of the row (counted with repeats): a radix select over the
     values' order-preserving keys, a byte a pass, the histogram of each pass kept to the keys
     that share the bytes found so far."""
     offs = tl.arange(0, BLOCK)
@@ -59,7 +59,7 @@ def _kth_largest(x_row, V, t, k, BLOCK: tl.constexpr):
         for v0 in range(0, V, BLOCK):
             idx = v0 + offs
             live = idx < V
-            key = _key(tl.load(x_row + idx, mask=live, other=0.0).to(tl.float32) / t)
+            key = _key((tl.load(x_row + idx, mask=live, other=0.0).to(tl.float32) - c) / t)
             match = live
             if r > 0:
                 match = live & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
@@ -72,9 +72,10 @@ def _kth_largest(x_row, V, t, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _race(x_row, n_row, V, t, m, low, kth, BLOCK: tl.constexpr):
-    """(winner, its scaled logit): argmax of exp(y - m) / E over the tokens with y > low and
-    y >= kth, y = x / t; the first index on ties, as torch.argmax."""
+def _race(x_row, n_row, V, c, t, low, kth, BLOCK: tl.constexpr):
+    """(winner, its scaled logit): argmax of exp(y) / E over the tokens with y > low and
+    y >= kth, y = (x - c) / t (c the row's max: y <= 0); the first index on ties, as
+    torch.argmax."""
     offs = tl.arange(0, BLOCK)
     best_s = tl.full([BLOCK], -1.0, tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
@@ -82,9 +83,9 @@ def _race(x_row, n_row, V, t, m, low, kth, BLOCK: tl.constexpr):
     for v0 in range(0, V, BLOCK):
         idx = v0 + offs
         live = idx < V
-        y = tl.load(x_row + idx, mask=live, other=float("-inf")).to(tl.float32) / t
+        y = (tl.load(x_row + idx, mask=live, other=float("-inf")).to(tl.float32) - c) / t
         e = tl.load(n_row + idx, mask=live, other=1.0)
-        s = tl.exp(y - m) / tl.maximum(e, 1.1754943508222875e-38)  # the smallest normal float
+        s = tl.exp(y) / tl.maximum(e, 1.1754943508222875e-38)  # the smallest normal float
         s = tl.where(live & (y > low) & (y >= kth), s, -1.0)
         take = s > best_s  # strict: a lane keeps its earliest index on ties
         best_s = tl.where(take, s, best_s)
@@ -97,13 +98,13 @@ def _race(x_row, n_row, V, t, m, low, kth, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mass_above(x_row, V, t, m, yj, BLOCK: tl.constexpr):
+def _mass_above(x_row, V, c, t, yj, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for v0 in range(0, V, BLOCK):
         idx = v0 + offs
-        y = tl.load(x_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / t
-        acc += tl.where(y > yj, tl.exp(y - m), 0.0)
+        y = (tl.load(x_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) - c) / t
+        acc += tl.where(y > yj, tl.exp(y), 0.0)
     return tl.sum(acc, 0)
 
 
@@ -126,29 +127,30 @@ def _sample_kernel(x_ptr, noise_ptr, nrow_ptr, temp_ptr, topp_ptr, topk_ptr, out
     xmax = tl.max(best, 0)
     ans = tl.min(tl.where(best == xmax, best_i, V), 0)
     if t > 0.0:
-        m = xmax / t
+        # Scaled logits are (x - xmax) / t: the shift before the division keeps any t > 0
+        # finite (x / t alone overflows for a tiny t), and exp of them is at most 1.
         tp = tl.load(topp_ptr + r)
         kk = tl.load(topk_ptr + r)
         n_row = noise_ptr + tl.load(nrow_ptr + r).to(tl.int64) * s_n
         kth = float("-inf")  # top-k: the tokens at or above the k-th largest value
         if (kk > 0) & (kk < V):
-            kth = _kth_largest(x_row, V, t, kk, BLOCK)
+            kth = _kth_largest(x_row, V, xmax, t, kk, BLOCK)
         z = tl.sum(tl.zeros([BLOCK], tl.float32), 0)  # the softmax's normalizer over them
         if tp < 1.0:
             acc = tl.zeros([BLOCK], tl.float32)
             for v0 in range(0, V, BLOCK):
                 idx = v0 + offs
-                y = tl.load(x_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) / t
-                acc += tl.where(y >= kth, tl.exp(y - m), 0.0)
+                y = (tl.load(x_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) - xmax) / t
+                acc += tl.where(y >= kth, tl.exp(y), 0.0)
             z = tl.sum(acc, 0)
         low = float("-inf")
         got = -1
         rounds = 0
         while (got < 0) & (rounds < MAX_ROUNDS):
-            j, yj = _race(x_row, n_row, V, t, m, low, kth, BLOCK)
+            j, yj = _race(x_row, n_row, V, xmax, t, low, kth, BLOCK)
             if tp >= 1.0:
                 got = j
-            elif _mass_above(x_row, V, t, m, yj, BLOCK) < tp * z:
+            elif _mass_above(x_row, V, xmax, t, yj, BLOCK) < tp * z:
                 got = j
             else:
                 low = yj
@@ -161,7 +163,8 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Te
                 noise: torch.Tensor, noise_rows: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` [S, V] (float32, bfloat16 or float16; unit-stride V):
     the argmax where ``temperature`` [S] (float32) is 0, else the exponential race over the
-    row's top-p nucleus (``top_p`` [S] float32 in (0, 1]) of softmax(logits / temperature)
+    row's top-p nucleus (``top_p`` [S] float32 in (0, 1]) of softmax(logits / temperature) (any
+    temperature > 0: the logits are shifted by their max before the division)
     kept to its ``top_k`` [S] (int32; 0 or at least V: every token) largest values, with noise
     row ``noise_rows[i]`` of ``noise`` [R, V] (float32 Exp(1) draws; int ``noise_rows`` [S],
     in [0, R) for sampled rows (not checked: that would wait for the device), unread for
@@ -193,7 +196,8 @@ def sample_reference(logits: torch.Tensor, temperature: torch.Tensor, top_p: tor
     tokens stand or fall together)."""
     out = logits.float().argmax(-1)
     for i in torch.nonzero(temperature > 0).flatten().tolist():
-        y = logits[i].float() / temperature[i]
+        x = logits[i].float()
+        y = (x - x.max()) / temperature[i]  # shifted first, as the kernel: finite for any t > 0
         k = int(top_k[i])
         if 0 < k < len(y):
             y = y.masked_fill(y < y.sort(descending=True).values[k - 1], float("-inf"))

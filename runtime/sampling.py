@@ -139,7 +139,8 @@ def _noise(shape: tuple[int, int], rand: np.ndarray, seeds: np.ndarray, position
 
 def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> torch.Tensor:
     dev = logits.device
-    x = logits.float() / to_device(np.asarray(temperature, np.float32), dev)[:, None]
+    x = logits.float()  # shifted by the row's max before the division: finite for any temperature > 0
+    x = (x - x.max(dim=-1, keepdim=True).values) / to_device(np.asarray(temperature, np.float32), dev)[:, None]
     if (top_k > 0).any():
         vocab = x.shape[-1]
         k = to_device(np.where(top_k > 0, np.minimum(top_k, vocab), vocab).astype(np.int64), dev)

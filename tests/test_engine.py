@@ -97,6 +97,16 @@ async def test_seeded_sampling_repeats_whatever_shares_the_batch():
     assert together[2] == alone
 
 
+
+async def test_a_tiny_temperature_samples_the_greedy_tokens():
+    """Any temperature > 0 is served (OpenAI's range starts at 0): 1e-30 tends to greedy,
+    where dividing the logits by it first once made the sampler NaN and killed the runtime."""
+    p = prompts()[2]
+    params = SamplingParams(max_tokens=8, temperature=1e-30, top_p=0.9, seed=7, ignore_eos=True)
+    async with open_engine(config(tokenizer=None)) as engine:
+        got, _ = await collect(engine, p, params)
+    assert got == reference_greedy(p, 8)
+
 async def test_stream_deltas_finish_reason_counts_and_text():
     async with open_engine(config()) as engine:
         outs = [o async for o in engine.generate("hello there", SamplingParams(max_tokens=6, ignore_eos=True))]

@@ -987,6 +987,28 @@ def test_sample_rows_reruns_the_race_above_a_losing_winner_and_takes_first_maxim
     assert torch.equal(sample_rows(logits, temp, top_p, no_k, noise, rows), want)
 
 
+
+def test_sample_rows_takes_any_positive_temperature():
+    """A tiny temperature tends to greedy, not to NaN: the logits are shifted by their max
+    before the division (x / 1e-40 alone overflows float32). Every sampled row, with top-k,
+    top-p or neither, picks the argmax, as the reference and the torch sampler do; of tied
+    maxima the race picks one of them."""
+    g = gen(32)
+    v = 300 if not CUDA else 102400 + 77
+    logits = torch.randn(4, v, generator=g, device=DEV) * 3
+    logits[3, 7] = logits[3, 11] = logits[3].max() + 1  # two tied maxima
+    temp = torch.full((4,), 1e-40, device=DEV)
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.5], device=DEV)
+    top_k = torch.tensor([0, 0, 5, 0], device=DEV, dtype=torch.int32)
+    noise = torch.empty(4, v, device=DEV).exponential_(generator=gen(33))
+    rows = torch.arange(4, device=DEV)
+    got = sample_rows(logits, temp, top_p, top_k, noise, rows)
+    assert torch.equal(got[:3], logits[:3].argmax(-1)) and int(got[3]) in (7, 11)
+    assert torch.equal(sample_reference(logits, temp, top_p, top_k, noise, rows), got)
+    from lockstep.runtime.sampling import _probs
+    probs = _probs(logits, temp.cpu().numpy(), top_p.cpu().numpy(), top_k.cpu().numpy())
+    assert not probs.isnan().any() and torch.equal(probs[:3].argmax(-1), got[:3])
+
 def test_sample_rows_rejects_bad_arguments():
     logits, temp, top_p, top_k, noise, rows = _sampling_case(gen(32), 3, 40)
     with pytest.raises(ValueError, match="temperature"):

@@ -38,9 +38,6 @@ class RequestError(ValueError):
 
 
 INT32_MAX = 2**31 - 1
-# Below this a temperature is rejected, not sampled: logits divided by it overflow float32
-# (1e-40 made the sampler's probabilities NaN and killed the runtime). 0 is greedy.
-MIN_TEMPERATURE = 1e-5
 
 
 def _is_int(v) -> bool:
@@ -75,8 +72,10 @@ class SamplingParams:
         if not (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX):
             raise RequestError(f"max_tokens must be an integer in [1, 2**31 - 1], got {self.max_tokens!r}")
         t = self.temperature
-        if not (_is_num(t) and math.isfinite(t) and (t == 0 or t >= MIN_TEMPERATURE)):
-            raise RequestError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}, got {t!r}")
+        # Any t > 0 samples: the samplers shift the logits by their max before dividing by t,
+        # so a tiny t tends to greedy instead of overflowing (1e-40 once made them NaN).
+        if not (_is_num(t) and math.isfinite(t) and t >= 0):
+            raise RequestError(f"temperature must be a finite number >= 0 (0: greedy), got {t!r}")
         if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not (_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX)):
