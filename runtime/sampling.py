@@ -77,7 +77,8 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
     if fused:
         dev, rows = logits.device, np.full(len(logits), -1, np.int64)
         rows[rand] = np.arange(len(rand))
-        temp = np.where(temperature > 0, temperature, 0.0).astype(np.float32)
+        temp = np.zeros(len(logits), np.float32)
+        temp[rand] = temperatures32(temperature[rand])
         k = np.clip(np.asarray(top_k), 0, np.iinfo(np.int32).max).astype(np.int32)  # <= 0: off
         return kernel[0](logits, to_device(temp, dev), to_device(np.asarray(top_p, np.float32), dev),
                          to_device(k, dev), noise, to_device(rows, dev))
@@ -137,10 +138,18 @@ def _noise(shape: tuple[int, int], rand: np.ndarray, seeds: np.ndarray, position
     return noise
 
 
+def temperatures32(temperature: np.ndarray) -> np.ndarray:
+    """Sampled rows' temperatures (> 0) in float32, kept inside its normal positive range:
+    1e-50 would round to 0 (0 / 0 at the row's max; a GPU flushes subnormals to 0 too) and
+    1e39 to inf (-inf / inf)."""
+    f = np.finfo(np.float32)
+    return np.clip(np.asarray(temperature, np.float64), f.tiny, f.max).astype(np.float32)
+
+
 def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> torch.Tensor:
     dev = logits.device
     x = logits.float()  # shifted by the row's max before the division: finite for any temperature > 0
-    x = (x - x.max(dim=-1, keepdim=True).values) / to_device(np.asarray(temperature, np.float32), dev)[:, None]
+    x = (x - x.max(dim=-1, keepdim=True).values) / to_device(temperatures32(temperature), dev)[:, None]
     if (top_k > 0).any():
         vocab = x.shape[-1]
         k = to_device(np.where(top_k > 0, np.minimum(top_k, vocab), vocab).astype(np.int64), dev)

@@ -137,8 +137,8 @@ class Simulator(PDFlow):
         self.out_skip = np.zeros(len(self.workload), dtype=np.int64)
         if self.pd:
             self._init_pd()
-        # Too long for every pool that takes arrivals: rejected before its prompt is built (a
-        # request too long only for the pool it is routed to is rejected by that rank's core).
+        # Too long for every pool that takes arrivals: rejected before its prompt is built. One
+        # too long only for some pools is routed to the others (``_admit``).
         longest = max(c.config.max_model_len for _, c in self._ranks)
         self._mixed_context = any(c.config.max_model_len != longest for _, c in self._ranks)
         self.prompts = Prompts(self.workload, self.hasher, vocab_size=self.model.vocab_size, seed=seed,

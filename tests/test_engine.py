@@ -97,15 +97,19 @@ async def test_seeded_sampling_repeats_whatever_shares_the_batch():
     assert together[2] == alone
 
 
-
 async def test_a_tiny_temperature_samples_the_greedy_tokens():
-    """Any temperature > 0 is served (OpenAI's range starts at 0): 1e-30 tends to greedy,
-    where dividing the logits by it first once made the sampler NaN and killed the runtime."""
+    """Any temperature > 0 is served (OpenAI's range starts at 0): 1e-30, and 1e-50 (0 in
+    float32), tend to greedy, where dividing the logits by them first once made the sampler
+    NaN and killed the runtime; a huge one (inf in float32) samples without NaN."""
     p = prompts()[2]
-    params = SamplingParams(max_tokens=8, temperature=1e-30, top_p=0.9, seed=7, ignore_eos=True)
     async with open_engine(config(tokenizer=None)) as engine:
-        got, _ = await collect(engine, p, params)
-    assert got == reference_greedy(p, 8)
+        for t in (1e-30, 1e-50):
+            got, _ = await collect(engine, p, SamplingParams(max_tokens=8, temperature=t, top_p=0.9, seed=7,
+                                                             ignore_eos=True))
+            assert got == reference_greedy(p, 8), t
+        got, _ = await collect(engine, p, SamplingParams(max_tokens=8, temperature=1e300, seed=7, ignore_eos=True))
+        assert len(got) == 8
+
 
 async def test_stream_deltas_finish_reason_counts_and_text():
     async with open_engine(config()) as engine:
@@ -236,10 +240,6 @@ async def test_killed_runtime_fails_inflight_requests_then_engine_restarts_it():
         assert len(toks) == GREEDY.max_tokens and last.finish_reason == "length"
         assert engine.statistics().runtime_restarts == 1
         assert engine.scheduler.client.ready.pid != pid
-
-
-
-
 
 
 async def test_engine_leaves_no_process_or_fd_behind():

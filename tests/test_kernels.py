@@ -987,7 +987,6 @@ def test_sample_rows_reruns_the_race_above_a_losing_winner_and_takes_first_maxim
     assert torch.equal(sample_rows(logits, temp, top_p, no_k, noise, rows), want)
 
 
-
 def test_sample_rows_takes_any_positive_temperature():
     """A tiny temperature tends to greedy, not to NaN: the logits are shifted by their max
     before the division (x / 1e-40 alone overflows float32). Every sampled row, with top-k,
@@ -1008,6 +1007,7 @@ def test_sample_rows_takes_any_positive_temperature():
     from lockstep.runtime.sampling import _probs
     probs = _probs(logits, temp.cpu().numpy(), top_p.cpu().numpy(), top_k.cpu().numpy())
     assert not probs.isnan().any() and torch.equal(probs[:3].argmax(-1), got[:3])
+
 
 def test_sample_rows_rejects_bad_arguments():
     logits, temp, top_p, top_k, noise, rows = _sampling_case(gen(32), 3, 40)

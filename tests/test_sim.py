@@ -185,7 +185,6 @@ def test_context_length_rejection_on_default():
     assert rep["requests"]["completed"] == 2
 
 
-
 def test_context_check_takes_the_longest_pool():
     """Two pools whose models differ in context: a request too long for the first pool's
     model but not the second's goes to the second, not rejected up front or by a rank of

@@ -10,8 +10,9 @@ CUDA graphs for decode steps, sampling on the device.
    by the reference runtime path (the model's own forward, host sampling) and by the fast
    path with and without graphs; the fast runtimes are fed the reference's tokens, so greedy
    tokens compare step by step. The reference path in float32 on the same weights is the
-   oracle: the fast path must stay as close to it as the bf16 reference does (greedy
-   agreement within binomial noise, logprob distance within 1.5x). (With an FP8 cache, see 5.)
+   oracle: the fast path, with graphs and eager, must stay as close to it as the bf16
+   reference does (``close_to_fp32``: greedy agreement row by row and request by request,
+   logprob distance at the median and the 90th percentile). (With an FP8 cache, see 5.)
 3. decode, v2-lite in full (27 layers, bf16, random weights drawn on the GPU, 31 GB) at batch
    1, 8, 64, 256 and context 512 (the issue's setting, where its tokens/s targets are judged),
    1K and 4K: the runtime's step (plan in, sampled ids out: host
@@ -225,7 +226,7 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
     (kv_cache_dtype="fp8": FP8 caches on all three).
 
     bf16: a fourth runtime, the reference path in float32 on the same weights, is the oracle:
-    ok when the fast path stays as close to it as the bf16 reference does (``close_to_fp32``;
+    ok when both fast runtimes stay as close to it as the bf16 reference does (``close_to_fp32``;
     the clear-margin count of ``compare`` is reported, not judged: random weights' routing
     near-ties make it fail correct paths). FP8: a fourth runtime, the reference path over a bf16 cache, asks the question
     that matters there (``fp8_close_as_reference``): is the fast path's FP8 cache as close to
@@ -253,8 +254,9 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
             rts.append(runtime(model, device, fast=False, dtype="float32", **kw))
             with torch.no_grad():
                 rts[-1].model.load_state_dict(rts[0].model.state_dict())
+        rows: list[int] = []  # each sampled row's request
         res = serve(rts, prompts, max_tokens=6 if smoke else 12, chunk=24 if smoke else 128,
-                    max_seqs=kw["max_seqs"], max_len=kw["max_len"], blocks=kw["blocks"])
+                    max_seqs=kw["max_seqs"], max_len=kw["max_len"], blocks=kw["blocks"], rows=rows)
         got = {"fast_vs_reference": compare(res[0], res[1]), "fast_eager_vs_reference": compare(res[0], res[2]),
                "fast_graph_vs_fast_eager": compare(res[2], res[1]), "runner": rts[1].runner.statistics()}
         mixed = sum(1 for r in res[0] if len(r.token_ids) and r.num_sampled.sum() and len(r.num_sampled) > 1)
@@ -265,10 +267,15 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
             ok = got["fp8_close_as_reference"]["ok"] and got["runner"]["replays"] > 0
         else:
             got["reference_vs_fp32"], got["fast_vs_fp32"] = compare(res[3], res[0]), compare(res[3], res[1])
-            got["close_to_fp32"] = close_to_fp32(res[3], res[0], res[1])
-            fv = got["fast_vs_reference"]
-            ok = (got["close_to_fp32"]["ok"] and fv["mismatches"] <= MAX_MISMATCH_SHARE * fv["tokens"]
-                  and fv["expert_count_totals_equal"] and got["runner"]["replays"] > 0)
+            # both fast runtimes are judged: with graphs, and eager (the path prefill and
+            # batches past the largest graph take)
+            got["close_to_fp32"] = close_to_fp32(res[3], res[0], res[1], rows)
+            got["eager_close_to_fp32"] = close_to_fp32(res[3], res[0], res[2], rows)
+            fv, fe = got["fast_vs_reference"], got["fast_eager_vs_reference"]
+            ok = (got["close_to_fp32"]["ok"] and got["eager_close_to_fp32"]["ok"]
+                  and max(fv["mismatches"], fe["mismatches"]) <= MAX_MISMATCH_SHARE * fv["tokens"]
+                  and fv["expert_count_totals_equal"] and fe["expert_count_totals_equal"]
+                  and got["runner"]["replays"] > 0)
         got["ok"] = bool(ok and not got["runner"]["graph_errors"])
         run.checks[name] = got
         print(f"  {name}: {json.dumps(got, default=str)}", flush=True)

@@ -122,7 +122,8 @@ def bench_sampling(b: Bench, bw: float) -> None:
     def sorted_nucleus(logits, temp, top_p, noise, k=0):
         """The runtime's torch ops before the kernel (``sampling._probs`` and the race), with
         device-side parameters so that a CUDA graph can hold them; ``k`` > 0: top-k first."""
-        x = logits.float() / temp[:, None]
+        x = logits.float()
+        x = (x - x.max(dim=-1, keepdim=True).values) / temp[:, None]
         srt, idx = x.sort(dim=-1, descending=True)
         if k:
             srt[:, k:] = float("-inf")
