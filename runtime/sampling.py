@@ -80,7 +80,7 @@ def sample_on_device(logits: torch.Tensor, temperature: np.ndarray, top_p: np.nd
         temp = np.zeros(len(logits), np.float32)
         temp[rand] = temperatures32(temperature[rand])
         k = np.clip(np.asarray(top_k), 0, np.iinfo(np.int32).max).astype(np.int32)  # <= 0: off
-        return kernel[0](logits, to_device(temp, dev), to_device(np.asarray(top_p, np.float32), dev),
+        return kernel[0](logits, to_device(temp, dev), to_device(top_ps32(top_p), dev),
                          to_device(k, dev), noise, to_device(rows, dev))
     every = len(rand) == len(logits)
     rows = None if every else to_device(rand, logits.device)  # (a numpy index would copy synchronously)
@@ -140,10 +140,15 @@ def _noise(shape: tuple[int, int], rand: np.ndarray, seeds: np.ndarray, position
 
 def temperatures32(temperature: np.ndarray) -> np.ndarray:
     """Sampled rows' temperatures (> 0) in float32, kept inside its normal positive range:
-    1e-50 would round to 0 (0 / 0 at the row's max; a GPU flushes subnormals to 0 too) and
-    1e39 to inf (-inf / inf)."""
+    1e-50 would round to 0 (0 / 0 at the row's max; a subnormal may be flushed to 0 on a
+    GPU) and 1e39 to inf (-inf / inf)."""
     f = np.finfo(np.float32)
     return np.clip(np.asarray(temperature, np.float64), f.tiny, f.max).astype(np.float32)
+
+
+def top_ps32(top_p: np.ndarray) -> np.ndarray:
+    """top_p in (0, 1] as float32 kept above 0: 1e-50 would round to 0, a nucleus of nothing."""
+    return np.clip(np.asarray(top_p, np.float64), np.finfo(np.float32).tiny, 1.0).astype(np.float32)
 
 
 def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray) -> torch.Tensor:
@@ -159,7 +164,8 @@ def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top
         srt, idx = x.sort(dim=-1, descending=True)
         p = srt.softmax(dim=-1)
         # Keep the smallest prefix whose mass reaches top_p (always the first token).
-        drop = (p.cumsum(dim=-1) - p) >= to_device(np.asarray(top_p, np.float32), dev)[:, None]
+        drop = (p.cumsum(dim=-1) - p) >= to_device(top_ps32(top_p), dev)[:, None]
+        drop[:, 0] = False  # the most likely token always stays (its mass above is 0)
         srt = srt.masked_fill(drop, float("-inf"))
         x = torch.full_like(x, float("-inf")).scatter(1, idx, srt)
     return x.softmax(dim=-1)

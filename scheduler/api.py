@@ -76,12 +76,12 @@ class Engine:
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         params.validate()
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestError(f"priority must be an integer, got {priority!r}")
+            raise RequestError(f"priority must be an integer, got {priority!r}", field="priority")
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}")
+            raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}", field="cache_salt")
         prompt = as_token_array(prompt)
         if not isinstance(prompt, str):
             check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size)
@@ -298,10 +298,10 @@ class LLM:
         prompts = [prompts] if single else list(prompts)
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
-            raise RequestError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
+            raise RequestError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts", field="params")
         for i, p in enumerate(plist):  # before an engine starts: bad input costs no processes
             if p is not None and not isinstance(p, SamplingParams):
-                raise RequestError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}")
+                raise RequestError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}", field="params")
             if p is not None:
                 p.validate()
         try:

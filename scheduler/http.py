@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .openai_protocol import BadRequest, Job, _param_of, parse_body, parse_completion
+from .openai_protocol import BadRequest, Job, parse_body, parse_completion
 from .policy.request import RequestError
 from .prom import ServerMetrics, merge_exposition
 
@@ -172,9 +172,9 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
 
 
 def _request_param(e: BaseException, chat: bool) -> str | None:
-    """The request field a RequestError names (its message starts with it); a chat request's
-    prompt is its messages."""
-    param = _param_of(str(e))
+    """The request field a RequestError blames (``field``), if any; a chat request's prompt
+    is its messages."""
+    param = getattr(e, "field", None)
     return "messages" if chat and param == "prompt" else param
 
 

@@ -119,7 +119,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     try:
         params.validate()
     except RequestError as e:
-        param = _param_of(str(e))
+        param = e.field
         raise BadRequest(str(e).replace("max_tokens", max_name, 1) if param == "max_tokens" else str(e),
                          max_name if param == "max_tokens" else param) from None
     stream = _get(body, "stream", bool, False)
@@ -250,9 +250,3 @@ def _int_list(body: dict, name: str) -> list[int]:
     if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise BadRequest(f"{name} must be a list of integers", name)
     return v
-
-
-def _param_of(message: str) -> str | None:
-    """The field a RequestError's message starts with ("top_k must be ...", "prompt: ...")."""
-    head = message.split(" ", 1)[0].rstrip(":,")
-    return head if head.isidentifier() else None

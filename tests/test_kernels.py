@@ -1009,6 +1009,27 @@ def test_sample_rows_takes_any_positive_temperature():
     assert not probs.isnan().any() and torch.equal(probs[:3].argmax(-1), got[:3])
 
 
+def test_runtime_samplers_keep_extreme_parameters_finite():
+    """The runtime's samplers (torch ops and the kernel's launcher) get float64 parameters: a
+    temperature of 1e-50 or a top_p of 1e-50 rounds to 0 in float32 and 1e39 to inf. The
+    first two must still give the argmax, the last a real token, never NaN (a -inf logit /
+    inf was NaN; 0 / 0 at the row's max too)."""
+    import numpy as np
+
+    from lockstep.runtime.sampling import _probs, sample_on_device
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, 0.5], [2.0, 1.0, float("-inf"), 0.0],
+                           [0.0, 3.0, 1.0, float("-inf")], [1.0, float("-inf"), 0.0, 2.0]], device=DEV)
+    temp, top_p = np.array([1e-50, 1.0, 1e39, 1e39]), np.array([1.0, 1e-50, 1.0, 0.5])
+    no_k = np.zeros(4, np.int64)
+    probs = _probs(logits, temp, top_p, no_k)
+    assert not probs.isnan().any() and torch.equal(probs[:2].argmax(-1), logits[:2].argmax(-1))
+    assert (probs[2:, :].sum(-1) - 1).abs().max() < 1e-5 and probs[2, 3] == 0 and probs[3, 1] == 0
+    seeds, pos = np.arange(4), np.zeros(4, np.int64)
+    for k in (no_k, no_k + 3):  # the kernel; with top-k on 4 rows, the torch ops
+        got = sample_on_device(logits, temp, top_p, k, seeds, pos, gen(34)).cpu()
+        assert torch.equal(got[:2], logits[:2].argmax(-1).cpu()) and logits[2:][torch.arange(2), got[2:]].isfinite().all()
+
+
 def test_sample_rows_rejects_bad_arguments():
     logits, temp, top_p, top_k, noise, rows = _sampling_case(gen(32), 3, 40)
     with pytest.raises(ValueError, match="temperature"):

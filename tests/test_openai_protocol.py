@@ -71,3 +71,23 @@ def test_sampling_params_reject_what_would_fail_later():
             SamplingParams(**bad).validate()
     assert SamplingParams(stop="END").stop == ("END",)  # one stop string, not its characters
     SamplingParams(temperature=0, top_k=2**31 - 1).validate()
+
+
+def test_request_errors_carry_the_field_they_blame():
+    """A RequestError says which field is to blame (its HTTP error's ``param``) on the error
+    itself, not in its wording; a chat request's prompt is its messages; an error that
+    blames no field reports none."""
+    import numpy as np
+
+    from lockstep.engine.frontend import check_prompt
+    from lockstep.http import _request_param
+    from lockstep.policy.request import RequestError
+    for tokens, max_tokens in ((np.zeros(0, np.int32), 5), (np.ones(98, np.int32), 5), (np.full(3, 10, np.int32), 5)):
+        with pytest.raises(RequestError) as e:
+            check_prompt(tokens, SamplingParams(max_tokens=max_tokens), 100, 10)
+        assert e.value.field == "prompt" and _request_param(e.value, chat=True) == "messages"
+        assert _request_param(e.value, chat=False) == "prompt"
+    with pytest.raises(RequestError) as e:
+        SamplingParams(top_p=0).validate()
+    assert e.value.field == "top_p" and _request_param(e.value, chat=True) == "top_p"
+    assert _request_param(RequestError("request 3 is already in this scheduler"), chat=False) is None

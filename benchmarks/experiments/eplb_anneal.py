@@ -9,8 +9,8 @@ experts changes). Objective: the sum over GPUs of (load / the layer's bound load
 smooth stand-in for the heaviest GPU, accepted by Metropolis with a falling temperature.
 Prints, per layer, the planner's and the search's fraction of the bound, and their means.
 
-Session 19 (this VM): 1M moves a layer (~2.5 s each) give 0.9859 averaged over the 61 layers
-(planner 0.9811; 54 layers still below 0.99); 10M moves on two single layers 0.988.
+Session 19 (this VM): 1M moves a layer (~2.5 s each) give 0.9858 averaged over the 61 layers
+(planner 0.9811; 52 layers still below 0.99); 10M moves on two single layers, 0.988.
 
 Run from the repository root: python3 benchmarks/experiments/eplb_anneal.py [--iters N] [--layers K]
 (--layers K: the K layers furthest from the bound only).

@@ -264,7 +264,10 @@ def check_correctness(run: Run, name: str, model: str, overrides: dict, device: 
         if fp8:
             got["fp8_reference_vs_bf16"], got["fp8_fast_vs_bf16"] = compare(res[3], res[0]), compare(res[3], res[1])
             got["fp8_close_as_reference"] = fp8_close_as_reference(res[3], res[0], res[1])
-            ok = got["fp8_close_as_reference"]["ok"] and got["runner"]["replays"] > 0
+            got["eager_fp8_close_as_reference"] = fp8_close_as_reference(res[3], res[0], res[2])
+            ok = (got["fp8_close_as_reference"]["ok"] and got["eager_fp8_close_as_reference"]["ok"]
+                  and got["fast_vs_reference"]["expert_count_totals_equal"]
+                  and got["fast_eager_vs_reference"]["expert_count_totals_equal"] and got["runner"]["replays"] > 0)
         else:
             got["reference_vs_fp32"], got["fast_vs_fp32"] = compare(res[3], res[0]), compare(res[3], res[1])
             # both fast runtimes are judged: with graphs, and eager (the path prefill and

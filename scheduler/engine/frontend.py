@@ -86,7 +86,7 @@ class Frontend:
     def _prepare(self, p: Prompt):
         if isinstance(p.prompt, str):
             if self.tokenizer is None:
-                raise RequestError("prompt: this engine has no tokenizer; pass token ids")
+                raise RequestError("prompt: this engine has no tokenizer; pass token ids", field="prompt")
             tokens = np.asarray(self.tokenizer.encode(p.prompt), dtype=np.int32)
         else:
             tokens = p.prompt
@@ -103,19 +103,20 @@ def as_token_array(prompt) -> object:
     arr = np.asarray(prompt)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise RequestError(f"prompt must be a string or a 1-D sequence of integer token ids, "
-                           f"got {type(prompt).__name__} of shape {arr.shape} and dtype {arr.dtype}")
+                           f"got {type(prompt).__name__} of shape {arr.shape} and dtype {arr.dtype}", field="prompt")
     return arr.astype(np.int32, copy=False)
 
 
 def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int, *,
                  check_ids: bool = True) -> None:
     if len(tokens) == 0:
-        raise RequestError("prompt must hold at least one token")
+        raise RequestError("prompt must hold at least one token", field="prompt")
     if len(tokens) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                           f"the model's context of {max_model_len} tokens", reason="context_length")
+                           f"the model's context of {max_model_len} tokens", reason="context_length", field="prompt")
     if not check_ids:
         return
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
-        raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got one of {lo if lo < 0 else hi}")
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got one of {lo if lo < 0 else hi}",
+                           field="prompt")

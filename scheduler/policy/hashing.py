@@ -112,7 +112,7 @@ def _raise_token_range(tokens: np.ndarray, vocab_size: int) -> None:
     """The error for the first id of ``tokens`` out of range."""
     bad = int(np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0])
     raise RequestError(f"prompt token ids must be in [0, {vocab_size}), got {int(tokens[bad])} "
-                       f"at position {bad}")
+                       f"at position {bad}", field="prompt")
 
 
 class BlockHasher:

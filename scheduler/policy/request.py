@@ -30,11 +30,13 @@ class FinishReason(enum.Enum):
 
 class RequestError(ValueError):
     """A request that cannot be accepted; the message names the field and what is allowed,
-    and ``reason`` is a short tag for counting rejections."""
+    ``field`` is that field's name where one is to blame (what an HTTP error's ``param``
+    reports), and ``reason`` is a short tag for counting rejections."""
 
-    def __init__(self, message: str, reason: str = "invalid"):
+    def __init__(self, message: str, reason: str = "invalid", *, field: str | None = None):
         super().__init__(message)
         self.reason = reason
+        self.field = field
 
 
 INT32_MAX = 2**31 - 1
@@ -70,27 +72,32 @@ class SamplingParams:
         """Every field's type and range, so that nothing accepted here fails later in the
         scheduler or a runtime (where one request's bad value would take others down)."""
         if not (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX):
-            raise RequestError(f"max_tokens must be an integer in [1, 2**31 - 1], got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer in [1, 2**31 - 1], got {self.max_tokens!r}",
+                               field="max_tokens")
         t = self.temperature
         # Any t > 0 samples: the samplers shift the logits by their max before dividing by t,
         # so a tiny t tends to greedy instead of overflowing (1e-40 once made them NaN).
         if not (_is_num(t) and math.isfinite(t) and t >= 0):
-            raise RequestError(f"temperature must be a finite number >= 0 (0: greedy), got {t!r}")
+            raise RequestError(f"temperature must be a finite number >= 0 (0: greedy), got {t!r}",
+                               field="temperature")
         if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
-            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", field="top_p")
         if not (_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX)):
-            raise RequestError(f"top_k must be -1 (off) or an integer in [1, 2**31 - 1], got {self.top_k!r}")
+            raise RequestError(f"top_k must be -1 (off) or an integer in [1, 2**31 - 1], got {self.top_k!r}",
+                               field="top_k")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
-            raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
+            raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}", field="seed")
         if not isinstance(self.stop_token_ids, (tuple, list)) or any(
                 not (_is_int(t) and 0 <= t <= INT32_MAX) for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be a tuple (or list) of integers in [0, 2**31 - 1], got {self.stop_token_ids!r}")
+            raise RequestError(f"stop_token_ids must be a tuple (or list) of integers in [0, 2**31 - 1], got {self.stop_token_ids!r}",
+                               field="stop_token_ids")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
-            raise RequestError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}")
+            raise RequestError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}",
+                               field="logprobs")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
-            raise RequestError(f"stop must be a non-empty string or a tuple of them, got {self.stop!r}")
+            raise RequestError(f"stop must be a non-empty string or a tuple of them, got {self.stop!r}", field="stop")
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", field="ignore_eos")
 
 
 @attrs.define(eq=False, slots=True)
