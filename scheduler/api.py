@@ -28,6 +28,7 @@ from lockstep.engine.node_group import NodeGroup, parse_address
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
 from lockstep.engine.output import RequestStream
 from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
+from lockstep.policy.config import ConfigError
 from lockstep.policy.request import FinishReason, RequestError, SamplingParams
 
 
@@ -207,6 +208,18 @@ def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[st
     return text[: max(0, cut - len(said))], True
 
 
+def _check_device(config: EngineConfig) -> None:
+    """A torch runtime on CUDA needs a GPU this process can see: say so before starting
+    runtime processes that would fail one by one (with a modulo by zero GPUs)."""
+    if config.runtime != "torch" or not config.device.startswith("cuda"):
+        return
+    import torch
+
+    if torch.cuda.device_count() == 0:
+        raise ConfigError(f"engine.device is {config.device!r} but no CUDA device is visible here "
+                          "(CUDA_VISIBLE_DEVICES, drivers); use device 'cpu' or run on a GPU machine")
+
+
 @asynccontextmanager
 async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engine]:
     """Start the runtime processes and the actors; stop them all on exit.
@@ -214,6 +227,7 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
     Ranks are laid out flat: with P/D the prefill pool's ranks come first (new requests go
     there), then the decode pool's; otherwise every rank of every instance takes requests."""
     config = config or EngineConfig()
+    _check_device(config)
     balancer = Balancer(config.eplb) if config.eplb is not None else None
     loads = None if balancer is None else balancer.send_channel
     disagg = Disagg(config.kv_transport, config.kv_hold_timeout_s) if config.prefill_instances else None

@@ -19,30 +19,32 @@ import trio
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="benchmarks against a running server").add_subparsers(dest="bench", required=True)
+    b = sub.add_parser("bench", help="benchmarks against a running server").add_subparsers(
+        dest="bench", required=True, metavar="{serve}", title="benchmarks")
     s = b.add_parser("serve", help="load an OpenAI-compatible endpoint and report latencies")
     s.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (default: from --host/--port)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--endpoint", default="/v1/completions")
+    s.add_argument("--host", default="127.0.0.1", help="server address (without --base-url)")
+    s.add_argument("--port", type=int, default=8000, help="server port (without --base-url)")
+    s.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions"],
+                   help="the completions endpoint (prompts are sent as token ids)")
     s.add_argument("--model", help="model id (default: the server's first model)")
     s.add_argument("--dataset-name", default="random", choices=["random", "mooncake", "azure", "agentic"])
     s.add_argument("--dataset-path", help="trace file for mooncake/azure")
-    s.add_argument("--num-prompts", type=int, default=200)
-    s.add_argument("--random-input-len", type=int, default=256)
-    s.add_argument("--random-output-len", type=int, default=32)
+    s.add_argument("--num-prompts", type=int, default=200, help="requests to send")
+    s.add_argument("--random-input-len", type=int, default=256, help="prompt tokens (dataset random)")
+    s.add_argument("--random-output-len", type=int, default=32, help="max_tokens (dataset random)")
     s.add_argument("--request-rate", type=float, default=math.inf, help="requests/s; inf sends all at once "
                    "(default for random), traces keep their own times unless this is given")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1 = Poisson)")
     s.add_argument("--max-concurrency", type=int, help="at most this many requests in flight")
     s.add_argument("--vocab-size", type=int, help="token ids are drawn below this (default: the server's, or 32000)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    s.add_argument("--metric-percentiles", default="50,90,99")
+    s.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    s.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el", help="metrics to report percentiles of")
+    s.add_argument("--metric-percentiles", default="50,90,99", help="percentiles to report")
     s.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
-    s.add_argument("--save-result", action="store_true")
-    s.add_argument("--result-dir", default=".")
-    s.add_argument("--result-filename")
+    s.add_argument("--save-result", action="store_true", help="write the results as JSON")
+    s.add_argument("--result-dir", default=".", help="where --save-result writes")
+    s.add_argument("--result-filename", help="file name for --save-result (default: from the run's settings)")
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 

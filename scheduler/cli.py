@@ -13,11 +13,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sim", help="replay a trace against a deployment in virtual time")
     s.add_argument("--trace", help="trace file (Mooncake JSONL or Azure CSV); default: synthetic agentic")
-    s.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"])
+    s.add_argument("--format", default="auto", choices=["auto", "mooncake", "azure"],
+                   help="trace format; auto: from the file's extension and first row")
     s.add_argument("--deployment", help="deployment TOML; default: the built-in (examples/default.toml)")
     s.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     s.add_argument("--limit", type=int, help="replay only the first N requests")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic workload, generated tokens and expert-load drift")
     s.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
     s.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, seconds")
     s.add_argument("--json", metavar="PATH", help="write the report as JSON")
@@ -43,11 +45,55 @@ def _parser() -> argparse.ArgumentParser:
     serve_cli.add_parser(sub)
     bench_serve.add_parser(sub)
     profile_cli.add_parser(sub)
+    for parser in _subparsers(p):  # every command's help shows its defaults
+        parser.formatter_class = _Defaults
     return p
 
 
+class _Defaults(argparse.HelpFormatter):
+    """Help lines end with the default, where there is one to tell (not None, False or [])."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" not in text and action.option_strings and action.default not in (None, False, [], "",
+                                                                                        argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """Every parser below ``p`` (``bench serve`` is two levels down)."""
+    out = []
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                out += [child, *_subparsers(child)]
+    return out
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse; an unknown flag is reported by the command it was given to, with the closest
+    flags it has (argparse reports it from the top level, with the top-level usage)."""
+    import difflib
+
+    p = _parser()
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        cmd = p
+        for name in (args.command, getattr(args, "bench", None)):
+            subs = [a for a in cmd._actions if isinstance(a, argparse._SubParsersAction)]
+            if name is None or not subs or name not in subs[0].choices:
+                break
+            cmd = subs[0].choices[name]
+        flags = [o for a in cmd._actions for o in a.option_strings]
+        hints = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], flags, 1)]
+        cmd.error(f"unrecognized arguments: {' '.join(extra)}"
+                  + (f" (did you mean {', '.join(dict.fromkeys(hints))}?)" if hints else ""))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     if args.command == "sim":
         from lockstep.policy.config import ConfigError
         from lockstep.sim.run import run_sim
@@ -81,10 +127,19 @@ def _run(module: str, fn: str, label: str, args) -> int:
     from lockstep.policy.request import RequestError
     from lockstep.sim.traces import TraceFormatError
 
+    handled = (ConfigError, RequestError, TraceFormatError, ValueError, OSError)
     try:
         return getattr(import_module(module), fn)(args)
-    except (ConfigError, RequestError, TraceFormatError, ValueError, OSError) as e:
+    except handled as e:
         print(f"lockstep {label}: error: {e}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as eg:  # trio wraps what a task raised: one bad input is still one line
+        leaf = eg
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if not isinstance(leaf, handled):
+            raise
+        print(f"lockstep {label}: error: {leaf}", file=sys.stderr)
         return 2
 
 

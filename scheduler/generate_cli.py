@@ -12,11 +12,11 @@ def add_parser(sub) -> None:
     g = sub.add_parser("generate", help="stream one completion from a model")
     g.add_argument("prompt", help="prompt text")
     add_engine_flags(g)
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int)
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1: off")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: off")
+    g.add_argument("--seed", type=int, help="sampling seed (a fixed seed repeats the same answer)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
@@ -25,8 +25,8 @@ def add_engine_flags(p) -> None:
     """What model to run and how: the flags `generate` and `serve` share."""
     p.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
     p.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float64 (weights and activations)")
     p.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
     p.add_argument("--redundant-experts", type=int, default=0,
                    help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")

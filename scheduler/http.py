@@ -57,8 +57,10 @@ def make_app(servers: Server | list[Server]) -> Starlette:
 
     def pick(body: dict, required: bool = True) -> Server:
         model = body.get("model")
-        if model is None and not required:
+        if model is None and (not required or len(servers) == 1):  # one model: it needs no name, as in vLLM
             return first
+        if model is None:
+            raise BadRequest(f"model is required: this server serves {sorted(by_name)}", "model")
         if model not in by_name:
             raise BadRequest(f"model {model!r} is not served here; available: {sorted(by_name)}", "model")
         return by_name[model]
@@ -136,6 +138,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
     try:
         body = parse_body(await request.body())
         server = pick(body)
+        body.setdefault("model", server.model_name)  # the one model served, if the body named none
     except BadRequest as e:
         return error(str(e), e.param)
     if server.draining:

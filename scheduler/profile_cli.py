@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-gb", type=float, default=80.0, help="KV cache size; cells that need more are left out")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="stop measuring after this long (left-out cells are noted)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
 
 def _ints(text: str) -> list[int]:

@@ -43,19 +43,21 @@ def add_parser(sub) -> None:
     s.add_argument("--node-rejoin-timeout", type=float, default=60.0,
                    help="seconds the nodes of a failed instance wait for every node to rejoin (a lost one "
                         "restarted by its supervisor) before stopping; 0: stop at once")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     s.add_argument("--num-blocks", type=int, default=4096, help="KV-cache blocks on this rank")
-    s.add_argument("--block-size", type=int, default=16)
-    s.add_argument("--max-num-seqs", type=int, default=256)
-    s.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    s.add_argument("--max-model-len", type=int, default=4096)
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once per rank")
+    s.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per step (prefill chunks plus decodes) per rank")
+    s.add_argument("--max-model-len", type=int, default=4096, help="prompt + max_tokens at most, per request")
     s.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request omits it")
     s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the runtime (e.g. sleep=false for the timing runtime)")
     s.add_argument("--backlog", type=int, default=4096, help="listen backlog (pending connections)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
-    s.add_argument("--log-format", choices=["console", "json"], default="console")
+    s.add_argument("--log-format", choices=["console", "json"], default="console",
+                   help="server logs as readable lines or one JSON object per line")
 
 
 def configure_logging(fmt: str) -> None:

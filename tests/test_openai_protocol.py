@@ -82,11 +82,14 @@ def test_request_errors_carry_the_field_they_blame():
     from lockstep.engine.frontend import check_prompt
     from lockstep.http import _request_param
     from lockstep.policy.request import RequestError
-    for tokens, max_tokens in ((np.zeros(0, np.int32), 5), (np.ones(98, np.int32), 5), (np.full(3, 10, np.int32), 5)):
+    for tokens, max_tokens in ((np.zeros(0, np.int32), 5), (np.ones(100, np.int32), 5), (np.full(3, 10, np.int32), 5)):
         with pytest.raises(RequestError) as e:
             check_prompt(tokens, SamplingParams(max_tokens=max_tokens), 100, 10)
         assert e.value.field == "prompt" and _request_param(e.value, chat=True) == "messages"
         assert _request_param(e.value, chat=False) == "prompt"
+    with pytest.raises(RequestError) as e:  # the prompt fits: max_tokens is what is too large
+        check_prompt(np.ones(98, np.int32), SamplingParams(max_tokens=5), 100, 10)
+    assert e.value.field == "max_tokens" and e.value.reason == "context_length"
     with pytest.raises(RequestError) as e:
         SamplingParams(top_p=0).validate()
     assert e.value.field == "top_p" and _request_param(e.value, chat=True) == "top_p"

@@ -245,6 +245,12 @@ def test_openai_client_completions_chat_and_errors(real_server):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2, seed=2**63 - 1)
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):  # not implemented: not ignored
         client.completions.create(model="tiny", prompt="x", max_tokens=1, frequency_penalty=0.5)
+    # one model served: a body may leave it out, as vLLM allows
+    unnamed = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True})
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == "tiny"
+    # a prompt that fits with max_tokens too large: the error blames max_tokens
+    long = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 10**6})
+    assert long.status_code == 400 and long.json()["error"]["param"] == "max_tokens"
     metrics = httpx.get(f"{url}/metrics").text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prefix_cache_hits_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
@@ -279,6 +285,8 @@ def test_one_server_serves_two_models_by_name(real_server):
         assert b["usage"]["completion_tokens"] == 6 and b["model"] == "tiny-draft"
         bad = httpx.post(f"{url}/v1/completions", json={**body, "model": "gpt-4"})
         assert bad.status_code == 400 and "tiny-draft" in bad.json()["error"]["message"]
+        unnamed = httpx.post(f"{url}/v1/completions", json=body)  # two models: which one?
+        assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "model"
         metrics = httpx.get(f"{url}/metrics").text
         assert 'vllm:generation_tokens_total{model_name="tiny"} 4.0' in metrics
         assert 'vllm:generation_tokens_total{model_name="tiny-draft"} 6.0' in metrics

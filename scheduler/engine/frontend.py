@@ -113,7 +113,8 @@ def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int,
         raise RequestError("prompt must hold at least one token", field="prompt")
     if len(tokens) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                           f"the model's context of {max_model_len} tokens", reason="context_length", field="prompt")
+                           f"the model's context of {max_model_len} tokens", reason="context_length",
+                           field="prompt" if len(tokens) >= max_model_len else "max_tokens")
     if not check_ids:
         return
     lo, hi = int(tokens.min()), int(tokens.max())
