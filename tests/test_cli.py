@@ -1,0 +1,34 @@
+"""The `lockstep` command's own behaviour: help that shows defaults, unknown flags reported
+by their command with a suggestion, and bad input as one line (exit 2), not a traceback."""
+
+import pytest
+
+from lockstep.cli import _parser, main
+
+
+def test_an_unknown_flag_is_named_by_its_command_with_the_closest_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sim", "--trce", "x.jsonl"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: lockstep sim" in err and "did you mean --trace?" in err
+    with pytest.raises(SystemExit):
+        main(["bench", "serve", "--num-promts", "3"])
+    err = capsys.readouterr().err
+    assert "usage: lockstep bench serve" in err and "--num-prompts" in err
+
+
+def test_every_command_help_shows_defaults(capsys):
+    for argv in (["sim", "--help"], ["serve", "--help"], ["generate", "--help"], ["bench", "serve", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        assert "(default: " in out, argv
+    p = _parser()
+    assert "(default: 8000)" in p._subparsers._group_actions[0].choices["serve"].format_help()
+
+
+def test_bad_input_raised_inside_the_engine_is_one_line(capsys):
+    """max_tokens past the context is found inside trio's task groups: still one error line."""
+    assert main(["generate", "--max-tokens", "100000", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lockstep generate: error: prompt") and "context" in err and "Traceback" not in err
