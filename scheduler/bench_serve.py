@@ -125,7 +125,7 @@ def summarize(recs: list[dict], duration: float, args) -> dict:
         for p in pcts:
             out[f"p{p:g}_{name}_ms"] = float(np.percentile(v, p)) if len(v) else float("nan")
     if args.goodput:
-        slo = {k: float(v) for k, v in (g.split(":") for g in args.goodput)}
+        slo = _goodput(args.goodput)
         good = 0
         for r in ok:
             t = {"ttft": r["chunks"][0] * 1e3, "e2el": r["e2e"] * 1e3,
@@ -211,7 +211,27 @@ def print_table(res: dict, args) -> None:
         print("error:", e)
 
 
+_SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+def _goodput(items: list[str]) -> dict[str, float]:
+    """--goodput KEY:MS ... as {key: ms}, or a ValueError naming the item that is not."""
+    slo = {}
+    for item in items:
+        key, _, ms = item.partition(":")
+        try:
+            value = float(ms)
+        except ValueError:
+            value = float("nan")
+        if key not in _SLO_KEYS or not value > 0:
+            raise ValueError(f"--goodput takes KEY:MS with KEY one of {', '.join(_SLO_KEYS)} and MS > 0, "
+                             f"e.g. ttft:500; got {item!r}")
+        slo[key] = value
+    return slo
+
+
 def run_bench(args) -> int:
+    _goodput(args.goodput)  # checked before any request is sent
     res = trio.run(run, args)
     print_table(res, args)
     if args.save_result:

@@ -18,6 +18,7 @@ import msgspec
 import structlog
 import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -120,12 +121,35 @@ def make_app(servers: Server | list[Server]) -> Starlette:
     async def chat(request: Request) -> Response:
         return await _complete(pick, request, chat=True)
 
+    async def model(request: Request) -> Response:
+        s = by_name.get(request.path_params["name"])
+        if s is None:
+            return error(f"model {request.path_params['name']!r} is not served here; available: {sorted(by_name)}",
+                         "model", status=404, kind="not_found_error")
+        return JSONResponse({"id": s.model_name, "object": "model", "created": s.created, "owned_by": "lockstep",
+                             "max_model_len": s.engine.frontend.max_model_len,
+                             "vocab_size": s.engine.frontend.vocab_size})
+
+    async def version(request: Request) -> Response:
+        from importlib.metadata import PackageNotFoundError, version as installed
+
+        try:
+            return JSONResponse({"version": installed("lockstep")})
+        except PackageNotFoundError:
+            return JSONResponse({"version": "unknown"})
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        """Unknown routes and methods in OpenAI's error shape, as every other error."""
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code, kind=kind)
+
     return Starlette(routes=[
-        Route("/health", health), Route("/v1/models", models), Route("/metrics", metrics),
+        Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
+        Route("/version", version), Route("/metrics", metrics),
         Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
-    ])
+    ], exception_handlers={HTTPException: http_error})
 
 
 def _tokenizer(server: Server):
@@ -186,7 +210,7 @@ def _start(engine, job: Job) -> list:
     gens = []
     for p in job.prompts:
         for i in range(job.n):
-            params = job.params
+            params = job.capped(p, engine.frontend.max_model_len)
             if job.n > 1 and params.seed is not None:
                 params = attrs.evolve(params, seed=params.seed + i)  # in range: parse_completion checked
             gens.append(engine.generate(p, params, priority=job.priority, cache_salt=job.cache_salt))

@@ -35,6 +35,19 @@ class Job:
     priority: int
     cache_salt: str | None
     chat: bool
+    # The body gave no max_tokens: params carries the server's default, which each prompt
+    # caps at what the context leaves it (``capped``), as vLLM fills the context.
+    default_max_tokens: bool = False
+
+    def capped(self, prompt, max_model_len: int) -> SamplingParams:
+        """The params for one token-id ``prompt``: with no max_tokens given, the default or
+        what the context leaves after the prompt, whichever is less (at least 1)."""
+        if not self.default_max_tokens or isinstance(prompt, str):
+            return self.params
+        room = max_model_len - len(prompt)
+        if room >= self.params.max_tokens or room < 1:  # room < 1: the prompt alone is too long
+            return self.params
+        return attrs.evolve(self.params, max_tokens=room)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -134,7 +147,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     _get(body, "user", str, None)  # accepted (an end-user id), and checked
     return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
-               cache_salt=salt, chat=chat)
+               cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

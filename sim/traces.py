@@ -164,7 +164,8 @@ def _collect(
     for line, row in rows:
         if isinstance(row, str):
             if not skip:
-                raise TraceFormatError(f"{path} line {line}: {row} (to skip bad rows and count them: --skip-bad-rows, or skip_bad_rows=True)")
+                raise TraceFormatError(f"{path} line {line}: {row} (to skip bad rows and count them: "
+                                       "lockstep sim --skip-bad-rows; read_trace(..., skip_bad_rows=True))")
             skipped += 1
         else:
             good.append(row)
@@ -362,8 +363,8 @@ def detect_format(path: str | Path) -> str:
     raise TraceFormatError(
         f"{path}: cannot tell the trace format from extension {path.suffix!r} "
         f"or first line {first[:80]!r}; "
-        "pass fmt='mooncake' (JSONL: timestamp, input_length, output_length, hash_ids) "
-        "or fmt='azure' (CSV: TIMESTAMP,ContextTokens,GeneratedTokens)"
+        "give the format: --format mooncake (JSONL: timestamp, input_length, output_length, hash_ids) "
+        "or --format azure (CSV: TIMESTAMP,ContextTokens,GeneratedTokens); read_trace(..., fmt=...) in Python"
     )
 
 

@@ -245,6 +245,16 @@ def test_openai_client_completions_chat_and_errors(real_server):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2, seed=2**63 - 1)
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):  # not implemented: not ignored
         client.completions.create(model="tiny", prompt="x", max_tokens=1, frequency_penalty=0.5)
+    # vLLM's read-only routes, and unknown routes and methods as JSON errors
+    assert httpx.get(f"{url}/v1/models/tiny").json()["id"] == "tiny"
+    assert httpx.get(f"{url}/v1/models/nope").status_code == 404
+    assert httpx.get(f"{url}/version").json()["version"]
+    for resp, status in ((httpx.get(f"{url}/nope"), 404), (httpx.get(f"{url}/v1/completions"), 405)):
+        assert resp.status_code == status and resp.json()["error"]["message"], resp.text
+    # no max_tokens: the server's default, capped by what the context leaves the prompt
+    room = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [7] * 4090, "ignore_eos": True},
+                      timeout=60).json()
+    assert room["usage"]["completion_tokens"] == 6 and room["choices"][0]["finish_reason"] == "length"
     # one model served: a body may leave it out, as vLLM allows
     unnamed = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True})
     assert unnamed.status_code == 200 and unnamed.json()["model"] == "tiny"

@@ -186,9 +186,16 @@ class EngineConfig:
             spec = dict(draft_model=(d.checkpoint and str((Path(dep.source).parent / d.checkpoint).resolve()))
                         or d.name, num_spec_tokens=dep.speculative.num_spec_tokens,
                         spec_adaptive=dep.speculative.adaptive)
-        return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
-                   scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb,
-                   instances=pool.instances, kv_cache_dtype=eng.kv_cache_dtype, **pd, **spec)
+        try:
+            return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
+                       scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb,
+                       instances=pool.instances, kv_cache_dtype=eng.kv_cache_dtype, **pd, **spec)
+        except ConfigError as e:  # named by the file it came from, as the schema's own errors are
+            hint = ""
+            if not ref and str(e).startswith("engine.model"):
+                hint = (f"; preset {model.name!r} is the simulator's (shape only): to serve it, give its "
+                        "[[models]] a checkpoint directory")
+            raise ConfigError(f"{dep.source}: {e}{hint}") from None
 
     def runtime_spec(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
                      options: dict | None = None) -> RuntimeSpec:

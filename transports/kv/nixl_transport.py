@@ -21,6 +21,7 @@ by NIXL; only when it refuses a pull do we look at them again, to say what was w
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +30,10 @@ import numpy as np
 
 from lockstep.transports.kv.base import (KVTransferError, PeerInfo, Region, as_block_ids, check_blocks, pool_device,
                                           pool_region)
+
+# NIXL logs each agent's start at INFO to stdout, which is where `lockstep generate` streams
+# its answer: warnings and errors only, unless the user asks for more.
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 try:  # the CUDA 12 build alone (the `nixl` meta package would pull both CUDA variants)
     from nixl_cu12._api import nixl_agent, nixl_agent_config
