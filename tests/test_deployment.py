@@ -168,8 +168,13 @@ def test_engine_config_from_a_deployment_file():
     dep2 = deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated", "dep": 2}],
                                  "engine": {"device": "cpu", "num_blocks": 64}})
     assert EngineConfig.from_deployment(dep2).dep == 2
-    with pytest.raises(ConfigError, match="engine.model must be a preset"):  # no checkpoint to run
+    with pytest.raises(ConfigError, match="engine.model must be a preset") as e:  # no checkpoint to run
         EngineConfig.from_deployment(load_deployment(EXAMPLES / "h200-dep8.toml"))
+    assert "h200-dep8.toml" in str(e.value) and "give its [[models]] a checkpoint" in str(e.value)
+    bad = deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated"}],
+                                "engine": {"device": "cpu", "dtype": "fp32"}}, source="x.toml")
+    with pytest.raises(ConfigError, match=r"^x.toml: engine.dtype"):  # named by its file
+        EngineConfig.from_deployment(bad)
     pd = EngineConfig.from_deployment(load_deployment(EXAMPLES / "serve-pd-cpu.toml"))
     assert (pd.prefill_instances, pd.instances, pd.kv_transport) == (1, 1, "nixl")
     two = load_deployment(EXAMPLES / "serve-two-models-cpu.toml")
