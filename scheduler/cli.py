@@ -5,6 +5,7 @@ OpenAI-compatible endpoint) and `profile` (measure step times for the simulator)
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 
@@ -54,9 +55,10 @@ class _Defaults(argparse.HelpFormatter):
     """Help lines end with the default, where there is one to tell (not None, False or [])."""
 
     def _get_help_string(self, action):
-        text = action.help or ""
-        if "%(default)" not in text and action.option_strings and action.default not in (None, False, [], "",
-                                                                                        argparse.SUPPRESS):
+        text, d = action.help or "", action.default
+        # identity, not ==: a default of 0 is one to tell (0 == False)
+        untold = d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, (str, list)) and not d)
+        if "%(default)" not in text and action.option_strings and not untold:
             text += " (default: %(default)s)"
         return text
 
@@ -137,7 +139,10 @@ def _run(module: str, fn: str, label: str, args) -> int:
         leaf = eg
         while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
             leaf = leaf.exceptions[0]
-        if not isinstance(leaf, handled):
+        # Only input errors, and a port or address that cannot be bound: anything else raised
+        # inside the engine (a runtime's broken pipe, a bug's ValueError) keeps its traceback.
+        bind = isinstance(leaf, OSError) and leaf.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+        if not (isinstance(leaf, (ConfigError, RequestError, TraceFormatError)) or bind):
             raise
         print(f"lockstep {label}: error: {leaf}", file=sys.stderr)
         return 2

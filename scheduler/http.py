@@ -122,6 +122,8 @@ def make_app(servers: Server | list[Server]) -> Starlette:
         return await _complete(pick, request, chat=True)
 
     async def model(request: Request) -> Response:
+        if not request.path_params["name"]:  # /v1/models/
+            return await models(request)
         s = by_name.get(request.path_params["name"])
         if s is None:
             return error(f"model {request.path_params['name']!r} is not served here; available: {sorted(by_name)}",
@@ -139,9 +141,12 @@ def make_app(servers: Server | list[Server]) -> Starlette:
             return JSONResponse({"version": "unknown"})
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
-        """Unknown routes and methods in OpenAI's error shape, as every other error."""
+        """Unknown routes and methods in OpenAI's error shape, as every other error (a 405
+        keeps its Allow header)."""
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code, kind=kind)
+        resp = error(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code, kind=kind)
+        resp.headers.update(exc.headers or {})
+        return resp
 
     return Starlette(routes=[
         Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model),
@@ -162,7 +167,8 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
     try:
         body = parse_body(await request.body())
         server = pick(body)
-        body.setdefault("model", server.model_name)  # the one model served, if the body named none
+        if body.get("model") is None:  # the one model served, if the body named none (or null)
+            body["model"] = server.model_name
     except BadRequest as e:
         return error(str(e), e.param)
     if server.draining:
@@ -186,7 +192,10 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
     except BadRequest as e:
         return error(str(e), e.param)
     except RequestError as e:
-        return error(str(e), _request_param(e, chat))
+        param = _request_param(e, chat)
+        if param == "max_tokens" and body.get("max_completion_tokens") is not None:  # the name it was given
+            param = "max_completion_tokens"
+        return error(str(e), param)
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if job.stream:
         return _sse(server, job, gens, rid)

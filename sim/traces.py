@@ -164,8 +164,8 @@ def _collect(
     for line, row in rows:
         if isinstance(row, str):
             if not skip:
-                raise TraceFormatError(f"{path} line {line}: {row} (to skip bad rows and count them: "
-                                       "lockstep sim --skip-bad-rows; read_trace(..., skip_bad_rows=True))")
+                raise TraceFormatError(f"{path} line {line}: {row} (bad rows can be skipped and counted: "
+                                       "`lockstep sim --skip-bad-rows`, or skip_bad_rows=True in Python)")
             skipped += 1
         else:
             good.append(row)

@@ -251,13 +251,20 @@ def test_openai_client_completions_chat_and_errors(real_server):
     assert httpx.get(f"{url}/version").json()["version"]
     for resp, status in ((httpx.get(f"{url}/nope"), 404), (httpx.get(f"{url}/v1/completions"), 405)):
         assert resp.status_code == status and resp.json()["error"]["message"], resp.text
+    assert "POST" in httpx.get(f"{url}/v1/completions").headers["allow"]  # a 405 says what is allowed
+    assert httpx.get(f"{url}/v1/models/").json()["data"][0]["id"] == "tiny"
     # no max_tokens: the server's default, capped by what the context leaves the prompt
     room = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [7] * 4090, "ignore_eos": True},
                       timeout=60).json()
     assert room["usage"]["completion_tokens"] == 6 and room["choices"][0]["finish_reason"] == "length"
     # one model served: a body may leave it out, as vLLM allows
-    unnamed = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True})
-    assert unnamed.status_code == 200 and unnamed.json()["model"] == "tiny"
+    for model in ({}, {"model": None}):
+        unnamed = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "ignore_eos": True,
+                                                            **model})
+        assert unnamed.status_code == 200 and unnamed.json()["model"] == "tiny", model
+    chat_long = httpx.post(f"{url}/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 10**6})
+    assert chat_long.status_code == 400 and chat_long.json()["error"]["param"] == "max_completion_tokens"
     # a prompt that fits with max_tokens too large: the error blames max_tokens
     long = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 10**6})
     assert long.status_code == 400 and long.json()["error"]["param"] == "max_tokens"

@@ -79,7 +79,7 @@ def test_read_trace_detects_format(tmp_path):
 def test_read_trace_rejects_unknown(tmp_path):
     odd = tmp_path / "odd.txt"
     odd.write_text("hello world\n")
-    with pytest.raises(TraceFormatError, match="odd.txt.*fmt='mooncake'"):
+    with pytest.raises(TraceFormatError, match="odd.txt.*--format mooncake"):
         read_trace(odd)
     with pytest.raises(ValueError, match="unknown trace format 'sharegpt'"):
         read_trace(MOONCAKE, "sharegpt")
