@@ -21,19 +21,18 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
 import bench_decode as bd  # noqa: E402
+import kv_mismatch  # noqa: E402
 
 
 def rows(results):
-    tok = np.concatenate([r.token_ids for r in results])
-    lp = np.concatenate([r.logprobs for r in results if r.logprobs is not None])
-    ids = np.concatenate([r.top_ids for r in results if r.top_ids is not None])
-    top = np.concatenate([r.top_logprobs for r in results if r.top_logprobs is not None])
+    """kv_mismatch's rows (tokens, logprobs, top ids, top logprobs), and each row's step."""
     step = np.concatenate([np.full(len(r.token_ids), i) for i, r in enumerate(results)])
-    return tok, lp, ids, top, step
+    return (*kv_mismatch.rows(results), step)
 
 
 def report(name, ref, fast):
