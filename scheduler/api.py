@@ -21,7 +21,7 @@ import numpy as np
 import trio
 
 from lockstep.engine.balancer import Balancer, BalancerStats
-from lockstep.engine.config import EngineConfig
+from lockstep.engine.config import EngineConfig, model_context
 from lockstep.engine.disagg import DecodeSide, Disagg, PrefillSide
 from lockstep.engine.group import LocalGroup
 from lockstep.engine.node_group import NodeGroup, parse_address
@@ -208,6 +208,15 @@ def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[st
     return text[: max(0, cut - len(said))], True
 
 
+def _check_context(config: EngineConfig) -> None:
+    """A max_model_len past the model's own context would be accepted, advertised and then
+    served past the positions the model was built for: refused at start."""
+    context = model_context(config.model)
+    if context is not None and config.scheduler.max_model_len > context:
+        raise ConfigError(f"max_model_len {config.scheduler.max_model_len} exceeds the context of model "
+                          f"{config.model!r} ({context} tokens, its max_position_embeddings): lower it")
+
+
 def _check_device(config: EngineConfig) -> None:
     """A torch runtime on CUDA needs a GPU this process can see: say so before starting
     runtime processes that would fail one by one (with a modulo by zero GPUs)."""
@@ -228,6 +237,7 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
     there), then the decode pool's; otherwise every rank of every instance takes requests."""
     config = config or EngineConfig()
     _check_device(config)
+    _check_context(config)
     balancer = Balancer(config.eplb) if config.eplb is not None else None
     loads = None if balancer is None else balancer.send_channel
     disagg = Disagg(config.kv_transport, config.kv_hold_timeout_s) if config.prefill_instances else None

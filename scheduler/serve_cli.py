@@ -50,7 +50,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once per rank")
     s.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens per step (prefill chunks plus decodes) per rank")
-    s.add_argument("--max-model-len", type=int, default=4096, help="prompt + max_tokens at most, per request")
+    s.add_argument("--max-model-len", type=int,
+                   help="prompt + max_tokens at most, per request (default: the model's context, or 4096 where "
+                        "it cannot be read)")
     s.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request omits it")
     s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the runtime (e.g. sleep=false for the timing runtime)")
@@ -76,11 +78,31 @@ def engine_configs(args) -> list[tuple[str, object]]:
     from lockstep.engine.config import EngineConfig
     from lockstep.policy.deployment import load_deployment
 
+    _no_engine_flags(args)
     dep = load_deployment(args.deployment)
     served = sorted({p.model for p in dep.pools}, key=[p.model for p in dep.pools].index)
     if args.served_model_name and len(served) > 1:
         raise ValueError(f"--served-model-name names one model, but {args.deployment} serves {served}")
     return [(args.served_model_name or m, EngineConfig.from_deployment(dep, model=m)) for m in served]
+
+
+# What a deployment file sets for itself: given with --deployment, these flags would be ignored.
+_DEPLOYMENT_SETS = ("model", "runtime", "device", "dtype", "num_blocks", "block_size", "max_num_seqs",
+                    "max_num_batched_tokens", "max_model_len", "dep", "redundant_experts", "instances",
+                    "prefill_instances", "prefill_dep", "kv_transport", "draft_model", "num_spec_tokens")
+
+
+def _no_engine_flags(args) -> None:
+    """With --deployment the file says what to run: a flag that would say otherwise is an
+    error naming it, not silently ignored."""
+    from lockstep.cli import _parser
+
+    defaults = vars(_parser().parse_args(["serve"]))
+    given = [f"--{k.replace('_', '-')}" for k in _DEPLOYMENT_SETS
+             if hasattr(args, k) and getattr(args, k) != defaults.get(k)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: with --deployment {args.deployment} the deployment file sets "
+                         "these ([[models]], [[pools]], [scheduler], [engine]); drop the flags or edit the file")
 
 
 def engine_config(args):
@@ -92,8 +114,11 @@ def engine_config(args):
         from lockstep.policy.deployment import load_deployment
         return EngineConfig.from_deployment(load_deployment(args.deployment))
 
+    from lockstep.engine.config import model_context
+
+    max_len = args.max_model_len or model_context(args.model) or 4096
     sched = SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len)
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                         scheduler=sched, runtime_options=_options(args.runtime_option),
                         tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model), dep=args.dep,

@@ -32,3 +32,20 @@ def test_bad_input_raised_inside_the_engine_is_one_line(capsys):
     assert main(["generate", "--max-tokens", "100000", "hi"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lockstep generate: error: prompt") and "context" in err and "Traceback" not in err
+
+
+def test_serve_takes_the_models_context_and_refuses_more(capsys):
+    from lockstep.serve_cli import engine_config
+
+    for model, context in (("tiny", 4096), ("v2-lite", 32768)):  # the default: the model's own context
+        cfg = engine_config(_parser().parse_args(["serve", "--model", model]))
+        assert cfg.scheduler.max_model_len == context
+    assert main(["serve", "--model", "tiny", "--max-model-len", "100000", "--port", "0"]) == 2
+    assert "exceeds the context of model 'tiny' (4096 tokens" in capsys.readouterr().err
+
+
+def test_serve_with_a_deployment_refuses_flags_it_would_ignore(capsys):
+    assert main(["serve", "--deployment", "examples/serve-tiny-cpu.toml", "--max-model-len", "8192",
+                 "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype, --max-model-len: with --deployment" in err

@@ -254,3 +254,16 @@ class EngineConfig:
             return None
         from lockstep.runtime.tokenizer import load_tokenizer
         return load_tokenizer(self.tokenizer or self.model)
+
+
+def model_context(model: str) -> int | None:
+    """The context a model was built for (``max_position_embeddings``): a preset's, or a
+    checkpoint directory's config.json; None where it cannot be read here (the runtime then
+    reports what is wrong with the model when it loads it)."""
+    from lockstep.runtime.models.config import ModelConfigError, ModelConfig, preset, preset_names
+
+    try:
+        cfg = preset(model) if model in preset_names() else ModelConfig.from_pretrained(model)
+    except (ModelConfigError, OSError, TypeError, ValueError):
+        return None
+    return int(cfg.max_position_embeddings)
