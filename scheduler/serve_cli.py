@@ -86,10 +86,11 @@ def engine_configs(args) -> list[tuple[str, object]]:
     return [(args.served_model_name or m, EngineConfig.from_deployment(dep, model=m)) for m in served]
 
 
-# What a deployment file sets for itself: given with --deployment, these flags would be ignored.
+# Flags a deployment file's tables replace: given with --deployment, they would be ignored.
 _DEPLOYMENT_SETS = ("model", "runtime", "device", "dtype", "num_blocks", "block_size", "max_num_seqs",
                     "max_num_batched_tokens", "max_model_len", "dep", "redundant_experts", "instances",
-                    "prefill_instances", "prefill_dep", "kv_transport", "draft_model", "num_spec_tokens")
+                    "prefill_instances", "prefill_dep", "kv_transport", "draft_model", "num_spec_tokens",
+                    "spec_adaptive", "eplb_window", "runtime_option", "nodes")
 
 
 def _no_engine_flags(args) -> None:
@@ -101,8 +102,8 @@ def _no_engine_flags(args) -> None:
     given = [f"--{k.replace('_', '-')}" for k in _DEPLOYMENT_SETS
              if hasattr(args, k) and getattr(args, k) != defaults.get(k)]
     if given:
-        raise ValueError(f"{', '.join(given)}: with --deployment {args.deployment} the deployment file sets "
-                         "these ([[models]], [[pools]], [scheduler], [engine]); drop the flags or edit the file")
+        raise ValueError(f"{', '.join(given)}: not used with --deployment {args.deployment}, whose [[models]], "
+                         "[[pools]], [scheduler] and [engine] tables say what to run; drop the flags or edit the file")
 
 
 def engine_config(args):

@@ -48,4 +48,4 @@ def test_serve_with_a_deployment_refuses_flags_it_would_ignore(capsys):
     assert main(["serve", "--deployment", "examples/serve-tiny-cpu.toml", "--max-model-len", "8192",
                  "--dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
-    assert "--dtype, --max-model-len: with --deployment" in err
+    assert "--dtype, --max-model-len: not used with --deployment" in err
