@@ -62,11 +62,17 @@ def add_parser(sub) -> None:
                    help="server logs as readable lines or one JSON object per line")
 
 
+def _stderr_logger(*args) -> structlog.PrintLogger:
+    """A logger on whatever sys.stderr is when it logs (not the stream of the moment the
+    logging was configured: an embedding program, or a test harness, may swap it since)."""
+    return structlog.PrintLogger(sys.stderr)
+
+
 def configure_logging(fmt: str) -> None:
     render = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(processors=[structlog.processors.add_log_level,
                                     structlog.processors.TimeStamper(fmt="iso"), render],
-                        logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+                        logger_factory=_stderr_logger)
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
 
 
