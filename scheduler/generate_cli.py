@@ -41,7 +41,7 @@ def add_engine_flags(p) -> None:
     p.add_argument("--draft-model", default="",
                    help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
                         "(the target's first N layers)")
-    p.add_argument("--num-spec-tokens", type=int, default=3, help="draft tokens per decode step")
+    p.add_argument("--num-spec-tokens", type=int, help="draft tokens per decode step (with --draft-model; default 3)")
     p.add_argument("--spec-adaptive", action="store_true", help="propose fewer drafts while acceptance is low")
 
 
@@ -54,9 +54,14 @@ def eplb_config(args):
 
 
 def pd_options(args) -> dict:
-    """Instances, prefill/decode disaggregation and speculative decoding from the command line."""
+    """Instances, prefill/decode disaggregation and speculative decoding from the command line
+    (the speculation flags need a draft: alone they would do nothing)."""
+    if not args.draft_model and (args.num_spec_tokens is not None or args.spec_adaptive):
+        flag = "--num-spec-tokens" if args.num_spec_tokens is not None else "--spec-adaptive"
+        raise ValueError(f"{flag} needs --draft-model (the model that proposes the drafts)")
     return dict(instances=args.instances, prefill_instances=args.prefill_instances, prefill_dep=args.prefill_dep,
-                kv_transport=args.kv_transport, draft_model=args.draft_model, num_spec_tokens=args.num_spec_tokens,
+                kv_transport=args.kv_transport, draft_model=args.draft_model,
+                num_spec_tokens=3 if args.num_spec_tokens is None else args.num_spec_tokens,
                 spec_adaptive=args.spec_adaptive)
 
 

@@ -58,6 +58,7 @@ def add_parser(sub) -> None:
                    help="passed to the runtime (e.g. sleep=false for the timing runtime)")
     s.add_argument("--backlog", type=int, default=4096, help="listen backlog (pending connections)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
+    s.add_argument("--access-log", action="store_true", help="log one line per HTTP request to stdout")
     s.add_argument("--log-format", choices=["console", "json"], default="console",
                    help="server logs as readable lines or one JSON object per line")
 
@@ -182,7 +183,7 @@ async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]
         hc.graceful_timeout = args.drain_timeout
-        hc.accesslog = None
+        hc.accesslog = "-" if args.access_log else None  # "-": stdout, one line a request
         hc.keep_alive_timeout = 75
         hc.backlog = args.backlog  # bursts of thousands of connects must not be reset
 

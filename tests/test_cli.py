@@ -49,3 +49,10 @@ def test_serve_with_a_deployment_refuses_flags_it_would_ignore(capsys):
                  "--dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
     assert "--dtype, --max-model-len: not used with --deployment" in err
+
+
+def test_speculation_flags_without_a_draft_are_refused(capsys):
+    assert main(["generate", "--num-spec-tokens", "2", "hi"]) == 2
+    assert "--num-spec-tokens needs --draft-model" in capsys.readouterr().err
+    assert main(["serve", "--spec-adaptive", "--port", "0"]) == 2
+    assert "--spec-adaptive needs --draft-model" in capsys.readouterr().err
