@@ -59,6 +59,8 @@ def add_parser(sub) -> None:
     s.add_argument("--backlog", type=int, default=4096, help="listen backlog (pending connections)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request to stdout")
+    s.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between throughput log lines while requests run (0: none)")
     s.add_argument("--log-format", choices=["console", "json"], default="console",
                    help="server logs as readable lines or one JSON object per line")
 
@@ -164,6 +166,26 @@ async def wait_for_signal() -> None:
             return
 
 
+async def log_stats(servers, interval: float) -> None:
+    """Every ``interval`` seconds while a model has requests, or had some since the last line:
+    its prompt and generated tokens per second over the interval, requests running and
+    waiting, and KV-cache use (as vLLM's periodic line)."""
+    last = {s.model_name: (trio.current_time(), s.engine.statistics()) for s in servers}
+    while True:
+        await trio.sleep(interval)
+        for s in servers:
+            now, st = trio.current_time(), s.engine.statistics()
+            t0, old = last[s.model_name]
+            last[s.model_name] = (now, st)
+            gen, prompt = st.generated_tokens - old.generated_tokens, st.prefix_queries - old.prefix_queries
+            if not (st.running or st.waiting or gen or prompt):
+                continue  # idle: no line
+            dt = max(now - t0, 1e-9)
+            log.info("stats", model=s.model_name, prompt_tokens_per_s=round(prompt / dt, 1),
+                     generation_tokens_per_s=round(gen / dt, 1), running=st.running, waiting=st.waiting,
+                     kv_cache_usage=round(st.kv_blocks_used / max(st.kv_blocks_total, 1), 3))
+
+
 async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve until ``shutdown()`` returns (a signal, by default), then drain and stop.
     ``task_status.started`` gets the server (its engine, for tests) and the bound URLs."""
@@ -193,11 +215,25 @@ async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_
             for s in servers:
                 s.draining = True
 
+        stats_scope = trio.CancelScope()  # the stats lines end when the HTTP server does
+
+        async def http(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await hypercorn_serve(make_app(servers), hc, shutdown_trigger=shutdown_trigger,
+                                      task_status=task_status)
+            finally:
+                stats_scope.cancel()
+
+        async def stats() -> None:
+            with stats_scope:
+                await log_stats(servers, args.log_stats_interval)
+
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(lambda task_status: hypercorn_serve(
-                make_app(servers), hc, shutdown_trigger=shutdown_trigger, task_status=task_status))
+            binds = await nursery.start(http)
             log.info("serving", models=[s.model_name for s in servers], urls=binds,
                      runtime_pid=server.engine.scheduler.client.ready.pid)
+            if args.log_stats_interval > 0:
+                nursery.start_soon(stats)
             task_status.started((server, binds))
     log.info("stopped")
 

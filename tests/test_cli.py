@@ -56,3 +56,29 @@ def test_speculation_flags_without_a_draft_are_refused(capsys):
     assert "--num-spec-tokens needs --draft-model" in capsys.readouterr().err
     assert main(["serve", "--spec-adaptive", "--port", "0"]) == 2
     assert "--spec-adaptive needs --draft-model" in capsys.readouterr().err
+
+
+async def test_serve_logs_throughput_while_requests_run_and_nothing_when_idle(autojump_clock):
+    """The periodic line, as vLLM's: tokens per second over the interval, running and waiting
+    requests, KV-cache use; no line for a model that stayed idle."""
+    from types import SimpleNamespace
+
+    import structlog
+    import trio
+
+    from lockstep.engine.scheduler import SchedulerStats
+    from lockstep.serve_cli import log_stats
+
+    def stats(gen, prompt, running):
+        return SchedulerStats(running=running, waiting=0, kv_blocks_used=25, kv_blocks_total=100,
+                              prefix_queries=prompt, prefix_hits=0, preemptions=0, steps=0, generated_tokens=gen,
+                              runtime_restarts=0)
+    seq = iter([stats(0, 0, 0), stats(0, 0, 0), stats(100, 40, 1), stats(100, 40, 0)])
+    server = SimpleNamespace(model_name="tiny", engine=SimpleNamespace(statistics=lambda: next(seq)))
+    with structlog.testing.capture_logs() as logs:
+        with trio.move_on_after(35):
+            await log_stats([server], 10.0)
+    lines = [e for e in logs if e["event"] == "stats"]
+    assert len(lines) == 1  # idle at 10 s and at 30 s: no line
+    assert lines[0]["generation_tokens_per_s"] == 10.0 and lines[0]["prompt_tokens_per_s"] == 4.0
+    assert lines[0]["running"] == 1 and lines[0]["kv_cache_usage"] == 0.25
