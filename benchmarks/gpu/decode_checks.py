@@ -86,11 +86,10 @@ def _rows(results) -> tuple[np.ndarray, np.ndarray]:
             np.concatenate([r.logprobs for r in results if r.logprobs is not None]))
 
 
-def _closeness(base, ref, fast) -> dict | None:
-    """How close ``ref`` and ``fast`` each stay to ``base`` (step results of three runtimes
-    teacher-forced on one token stream): rows where each picks base's token, and on the rows
-    where both do, the median distance of each one's logprob of it from base's. None when the
-    rows do not line up."""
+def _agreement(base, ref, fast):
+    """Rows of three runtimes teacher-forced on one token stream, against ``base``: (rows where
+    ``ref`` picks base's token, the same for ``fast``, and each one's logprob distance from
+    base's on the rows where both do); None when the rows do not line up."""
     tb, lb = _rows(base)
     tr, lr = _rows(ref)
     tf, lf = _rows(fast)
@@ -98,10 +97,21 @@ def _closeness(base, ref, fast) -> dict | None:
         return None
     ar, af = tr == tb, tf == tb
     common = ar & af
-    nr = float(np.median(np.abs(lr - lb)[common])) if common.any() else float("nan")
-    nf = float(np.median(np.abs(lf - lb)[common])) if common.any() else float("nan")
-    return {"tokens": int(len(tb)), "reference_agrees": int(ar.sum()), "fast_agrees": int(af.sum()),
-            "both_agree": int(common.sum()), "reference_noise": nr, "fast_noise": nf}
+    return ar, af, np.abs(lr - lb)[common], np.abs(lf - lb)[common]
+
+
+def _summary(ar, af, dr, df) -> dict:
+    """``_agreement``'s rows as counts, and the median distance of each one's logprob."""
+    nr, nf = (float(np.median(dr)), float(np.median(df))) if len(dr) else (float("nan"), float("nan"))
+    return {"tokens": int(len(ar)), "reference_agrees": int(ar.sum()), "fast_agrees": int(af.sum()),
+            "both_agree": int(len(dr)), "reference_noise": nr, "fast_noise": nf}
+
+
+def _closeness(base, ref, fast) -> dict | None:
+    """How close ``ref`` and ``fast`` each stay to ``base`` (``_summary``); None when the rows
+    do not line up."""
+    got = _agreement(base, ref, fast)
+    return None if got is None else _summary(*got)
 
 
 def fp8_close_as_reference(base, ref, fast) -> dict:
@@ -152,20 +162,16 @@ def close_to_fp32(oracle, ref, fast, requests=None) -> dict:
       percentile within 1.5x (+0.05) (a minority of bad rows moves no median).
     A path that agrees nowhere, or has no rows to measure, fails. Errors below bf16 noise are
     the kernel tests' to find."""
-    tb, lb = _rows(oracle)
-    tr, lr = _rows(ref)
-    tf, lf = _rows(fast)
-    if not len(tb) == len(tr) == len(tf) == len(lb) == len(lr) == len(lf) or (
-            requests is not None and len(requests) != len(tb)):
+    got = _agreement(oracle, ref, fast)
+    if got is None or (requests is not None and len(requests) != len(got[0])):
         return {"ok": False, "why": "the three runs' rows do not line up"}
-    ar, af = tr == tb, tf == tb
-    common = ar & af
+    ar, af, dr, df = got
+    c = _summary(*got)
     only_ref, only_fast = int((ar & ~af).sum()), int((af & ~ar).sum())
     paired = only_ref - only_fast <= 3 * float(np.sqrt(only_ref + only_fast)) + 2
-    dr, df = np.abs(lr - lb)[common], np.abs(lf - lb)[common]
+    nr, nf = c["reference_noise"], c["fast_noise"]
     nan = float("nan")
-    nr, nf = (float(np.median(dr)), float(np.median(df))) if common.any() else (nan, nan)
-    tr90, tf90 = (float(np.quantile(dr, 0.9)), float(np.quantile(df, 0.9))) if common.any() else (nan, nan)
+    tr90, tf90 = (float(np.quantile(dr, 0.9)), float(np.quantile(df, 0.9))) if len(dr) else (nan, nan)
     worst = []  # requests where the fast path agrees in too few rows
     if requests is not None:
         req = np.asarray(requests)
@@ -173,9 +179,8 @@ def close_to_fp32(oracle, ref, fast, requests=None) -> dict:
             a_r, a_f = int(ar[req == r].sum()), int(af[req == r].sum())
             if a_f < a_r / 2 - 2:
                 worst.append({"request": r, "reference_agrees": a_r, "fast_agrees": a_f})
-    ok = (paired and not worst and int(common.sum()) >= 3
+    ok = (paired and not worst and c["both_agree"] >= 3
           and nf <= 1.5 * nr + 0.01 and tf90 <= 1.5 * tr90 + 0.05)
-    return {"tokens": int(len(tb)), "reference_agrees": int(ar.sum()), "fast_agrees": int(af.sum()),
-            "both_agree": int(common.sum()), "only_reference_agrees": only_ref, "only_fast_agrees": only_fast,
-            "reference_noise": nr, "fast_noise": nf, "reference_noise_p90": tr90, "fast_noise_p90": tf90,
+    return {**c, "only_reference_agrees": only_ref, "only_fast_agrees": only_fast,
+            "reference_noise_p90": tr90, "fast_noise_p90": tf90,
             "requests_checked": requests is not None, "requests_failing": worst, "ok": bool(ok)}
