@@ -210,11 +210,18 @@ def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[st
 
 def _check_context(config: EngineConfig) -> None:
     """A max_model_len past the model's own context would be accepted, advertised and then
-    served past the positions the model was built for: refused at start."""
+    served past the positions the model was built for; one past what a rank's KV cache holds
+    for one request would be advertised and then refused request by request: both are
+    refused at start (as vLLM refuses a max_model_len its KV cache cannot hold)."""
+    s = config.scheduler
     context = model_context(config.model)
-    if context is not None and config.scheduler.max_model_len > context:
-        raise ConfigError(f"max_model_len {config.scheduler.max_model_len} exceeds the context of model "
+    if context is not None and s.max_model_len > context:
+        raise ConfigError(f"max_model_len {s.max_model_len} exceeds the context of model "
                           f"{config.model!r} ({context} tokens, its max_position_embeddings): lower it")
+    if s.max_model_len > s.request_tokens:
+        raise ConfigError(f"max_model_len {s.max_model_len} exceeds what one rank's KV cache holds for one request "
+                          f"({s.request_tokens} tokens: num_blocks {s.num_blocks} x block_size {s.block_size}, "
+                          f"less the {s.watermark:g} watermark): lower max_model_len or raise num_blocks")
 
 
 def _check_device(config: EngineConfig) -> None:

@@ -13,6 +13,7 @@ import logging
 import signal
 import sys
 
+import attrs
 import structlog
 import trio
 
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
                    help="tokens per step (prefill chunks plus decodes) per rank")
     s.add_argument("--max-model-len", type=int,
                    help="prompt + max_tokens at most, per request (default: the model's context, or 4096 where "
-                        "it cannot be read)")
+                        "it cannot be read, at most what --num-blocks hold for one request)")
     s.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request omits it")
     s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the runtime (e.g. sleep=false for the timing runtime)")
@@ -126,9 +127,11 @@ def engine_config(args):
 
     from lockstep.engine.config import model_context
 
-    max_len = args.max_model_len or model_context(args.model) or 4096
     sched = SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len)
+                            max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len or 4096)
+    if not args.max_model_len:  # the model's context, as far as one rank's KV cache holds it
+        sched = attrs.evolve(sched, max_model_len=min(model_context(args.model) or 4096, sched.request_tokens))
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                         scheduler=sched, runtime_options=_options(args.runtime_option),
                         tokenizer="" if args.runtime == "torch" else _timing_tokenizer(args.model), dep=args.dep,
@@ -159,11 +162,30 @@ def _options(items: list[str]) -> dict:
     return out
 
 
-async def wait_for_signal() -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async for sig in signals:
-            log.info("signal", signal=signal.Signals(sig).name)
-            return
+class Signals:
+    """SIGTERM and SIGINT for the whole life of a server: the first starts the drain
+    (``first``), a second stops at once (``force`` is cancelled: in-flight requests are cut
+    off, the engines still stop and release everything), later ones are only logged. The
+    receiver stays open until the server has stopped, so no signal meets Python's default
+    handler (a KeyboardInterrupt traceback) halfway through a shutdown."""
+
+    def __init__(self):
+        self.first = trio.Event()
+        self.force = trio.CancelScope()
+
+    async def watch(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            task_status.started()
+            async for sig in signals:
+                name = signal.Signals(sig).name
+                if not self.first.is_set():
+                    log.info("signal", signal=name)
+                    self.first.set()
+                elif not self.force.cancel_called:
+                    log.warning("signal again: stopping now, without waiting for in-flight requests", signal=name)
+                    self.force.cancel()
+                else:
+                    log.info("signal", signal=name, note="already stopping")
 
 
 async def log_stats(servers, interval: float) -> None:
@@ -186,16 +208,37 @@ async def log_stats(servers, interval: float) -> None:
                      kv_cache_usage=round(st.kv_blocks_used / max(st.kv_blocks_total, 1), 3))
 
 
-async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until ``shutdown()`` returns (a signal, by default), then drain and stop.
-    ``task_status.started`` gets the server (its engine, for tests) and the bound URLs."""
+async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until ``shutdown()`` returns, then drain and stop; by default until SIGTERM or
+    SIGINT, a second of which stops at once (``Signals``). ``task_status.started`` gets the
+    server (its engine, for tests) and the bound URLs."""
+    if shutdown is not None:
+        await _serve(args, shutdown, trio.CancelScope(), task_status)
+        return
+    signals = Signals()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(signals.watch)
+        await _serve(args, signals.first.wait, signals.force, task_status)
+        nursery.cancel_scope.cancel()
+
+
+async def _serve(args, shutdown, force: trio.CancelScope, task_status) -> None:
+    configs = engine_configs(args)
+    with force:
+        await _run_servers(args, configs, shutdown, task_status)
+    if force.cancelled_caught:
+        log.warning("stopped without draining")
+        return
+    log.info("stopped")
+
+
+async def _run_servers(args, configs, shutdown, task_status) -> None:
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
     from lockstep.api import open_engine
     from lockstep.http import Server, make_app
 
-    configs = engine_configs(args)
     async with contextlib.AsyncExitStack() as stack:
         servers = []
         for name, config in configs:  # a deployment that lists several models: an engine each
@@ -235,7 +278,6 @@ async def serve(args, *, shutdown=wait_for_signal, task_status=trio.TASK_STATUS_
             if args.log_stats_interval > 0:
                 nursery.start_soon(stats)
             task_status.started((server, binds))
-    log.info("stopped")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -44,6 +44,19 @@ def test_serve_takes_the_models_context_and_refuses_more(capsys):
     assert "exceeds the context of model 'tiny' (4096 tokens" in capsys.readouterr().err
 
 
+def test_serve_max_model_len_fits_the_kv_cache(capsys):
+    """Defaulted, the context shrinks to what one rank's KV cache holds for one request;
+    given larger, the server refuses to start (as vLLM does), naming both knobs."""
+    from lockstep.serve_cli import engine_config
+
+    cfg = engine_config(_parser().parse_args(["serve", "--model", "tiny", "--num-blocks", "100"]))
+    assert cfg.scheduler.max_model_len == cfg.scheduler.request_tokens == 99 * 16
+    assert main(["serve", "--model", "tiny", "--num-blocks", "100", "--max-model-len", "2048", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "max_model_len 2048 exceeds what one rank's KV cache holds for one request (1584 tokens" in err
+    assert "raise num_blocks" in err and "Traceback" not in err
+
+
 def test_serve_with_a_deployment_refuses_flags_it_would_ignore(capsys):
     assert main(["serve", "--deployment", "examples/serve-tiny-cpu.toml", "--max-model-len", "8192",
                  "--dtype", "bfloat16"]) == 2

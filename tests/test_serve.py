@@ -359,3 +359,40 @@ def _running(pid: str) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_second_sigint_stops_at_once_without_a_traceback():
+    """The first SIGINT drains (here up to 120 s, for a request of 3,000 tokens); a second
+    stops now: the stream is cut off, the process exits 0 with no traceback, its runtime
+    processes are gone."""
+    with running_server("--model", "tiny", "--drain-timeout", "120", "--log-format", "json") as (proc, url):
+        got = {}
+
+        def long_request():
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True,
+                        "stream": True}) as r:
+                    got["lines"] = sum(1 for _ in r.iter_lines())
+            except httpx.HTTPError as e:
+                got["error"] = e
+
+        import threading
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.0)
+        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None  # draining
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        t.join(30)
+        log = proc.stdout.read().decode()
+        assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
+        assert "stopping now" in log and "stopped without draining" in log
+        assert "error" in got or got["lines"] < 3000  # cut off, not finished
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(pid) for pid in kids)

@@ -54,3 +54,13 @@ class SchedulerConfig:
             )
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"scheduler.watermark must be in [0, 1), got {self.watermark!r}")
+
+    @property
+    def request_blocks(self) -> int:
+        """The most KV blocks one request may hold: all but the watermark's share."""
+        return self.num_blocks - int(self.watermark * self.num_blocks)
+
+    @property
+    def request_tokens(self) -> int:
+        """The longest prompt + max_tokens this rank's KV cache can hold for one request."""
+        return self.request_blocks * self.block_size

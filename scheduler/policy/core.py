@@ -99,7 +99,7 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
             raise RequestError(f"request {req.id}: remote_kv_tokens must be in [0, prompt length "
                                f"{len(prompt)}], got {req.remote_kv_tokens}")
         blocks = -(-req.max_total // self.bs)
-        room = self.pool.num_blocks - int(self.config.watermark * self.pool.num_blocks)
+        room = self.config.request_blocks
         if blocks > room:
             raise RequestError(
                 f"request {req.id}: prompt + max_tokens needs {blocks} KV blocks, but this rank "
