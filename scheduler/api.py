@@ -62,6 +62,8 @@ class Completion:
     num_prompt_tokens: int
     ttft_s: float | None
     e2e_s: float | None
+    # With SamplingParams.logprobs: per token (token id, logprob, [(top id, logprob), ...])
+    logprobs: list | None = None
 
 
 class Engine:
@@ -93,7 +95,12 @@ class Engine:
     async def _stream(self, p: Prompt) -> AsyncIterator[RequestOutput]:
         stream, params = p.stream, p.params
         detok = self._detokenizer()
-        stops, said, n = set(params.stop_token_ids), "", 0
+        stops, n = set(params.stop_token_ids), 0
+        # Text not yet returned: the last (longest stop string - 1) characters are held back
+        # until what follows shows no stop string starts in them (as vLLM does), so a stop
+        # string that spans deltas is never partly returned.
+        held = ""
+        hold = max((len(s) for s in params.stop), default=1) - 1
         self._live[p.req_id] = stream  # here, not in generate: a generator never started holds nothing
         try:
             await self.frontend.send_channel.send(p)
@@ -106,10 +113,12 @@ class Engine:
                 text = ""
                 if detok is not None:
                     text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
-                if params.stop and text:
-                    text, hit = _cut_at_stop_strings(said, text, params.stop)
-                    reason = self._stopped(p.req_id) if hit else reason
-                said += text
+                if params.stop:
+                    text, hit = _cut_at_stop_strings(held + text, params.stop)
+                    if hit:
+                        reason = self._stopped(p.req_id)
+                    keep = 0 if reason is not None else min(hold, len(text))
+                    text, held = text[: len(text) - keep], text[len(text) - keep :]
                 n += len(tokens)
                 yield self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
                 if reason is not None:
@@ -194,18 +203,14 @@ def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, b
     return tokens, False
 
 
-def _cut_at_stop_strings(said: str, text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """Cut the new ``text`` where a stop string first ends up in ``said + text``; the stop
-    string itself is not returned (as in OpenAI's API)."""
-    full = said + text
-    cut = None
-    for s in stops:
-        i = full.find(s, max(0, len(said) - len(s) + 1))
-        if i >= 0 and (cut is None or i < cut):
-            cut = i
+def _cut_at_stop_strings(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to where a stop string first starts in it, and whether one does; the stop
+    string itself is not returned (as in OpenAI's API). ``text`` is all that is not yet
+    returned: no stop string starts in what was (``Engine._stream`` holds back its tail)."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
     if cut is None:
         return text, False
-    return text[: max(0, cut - len(said))], True
+    return text[:cut], True
 
 
 def _check_context(config: EngineConfig) -> None:
@@ -358,13 +363,16 @@ class LLM:
 
 async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
     """A request's deltas gathered into its Completion."""
-    texts, ids, last = [], [], None
+    texts, ids, lps, last = [], [], [], None
     async for out in outputs:
         texts.append(out.text)
         ids.append(out.token_ids)
+        if out.logprobs is not None:
+            lps += out.logprobs
         last = out
     return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
-                      last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s)
+                      last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s,
+                      lps if last.logprobs is not None else None)
 
 
 def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:

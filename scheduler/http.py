@@ -298,8 +298,9 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         media_type="application/json")
 
 
-def _logprobs_json(server: Server, rows: list, job: Job) -> dict:
-    """OpenAI's shapes: chat's ``content`` list, or completions' parallel lists."""
+def _logprobs_json(server: Server, rows: list, job: Job, offset: int = 0) -> dict:
+    """OpenAI's shapes: chat's ``content`` list, or completions' parallel lists, whose
+    ``text_offset`` counts from ``offset`` (a stream's: the tokens' text before this chunk)."""
     tok = server.engine.tokenizer
 
     def text(t: int) -> str:
@@ -309,7 +310,7 @@ def _logprobs_json(server: Server, rows: list, job: Job) -> dict:
         return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
                              "top_logprobs": [{"token": text(u), "logprob": v, "bytes": list(text(u).encode())}
                                               for u, v in top]} for t, lp, top in rows]}
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for t, _, _ in rows:
         offsets.append(pos)
         pos += len(text(t))
@@ -374,8 +375,14 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             body["usage"] = usage
         return b"data: " + _JSON.encode(body) + b"\n\n"
 
+    offsets = [0] * len(gens)  # per choice: its tokens' text so far (completions' text_offset)
+
     def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None) -> dict:
-        lp = _logprobs_json(server, rows or [], job) if rows is not None else None
+        lp = None
+        if rows is not None:
+            lp = _logprobs_json(server, rows, job, offsets[i])
+            if not job.chat and lp["tokens"]:
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}

@@ -133,6 +133,28 @@ async def test_stop_token_ids_end_the_request_early():
     assert used == 0
 
 
+async def test_stop_strings_spanning_deltas_are_never_partly_returned():
+    """Every stop string cuts the text where it first starts, wherever the deltas split it
+    (text is held back until no stop string can start in it), streamed and whole."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    async with open_engine(config()) as engine:
+        full = (await engine.complete("hello", params)).text
+        assert len(full) >= 6
+        stops = [full[i : i + w] for w in (2, 3) for i in range(1, len(full) - w + 1)]
+
+        async def check(stop):
+            outs = [o async for o in engine.generate("hello", attrs_evolve(params, stop=(stop, "never here")))]
+            text = "".join(o.text for o in outs)
+            assert text == full[: full.find(stop)], (stop, full)
+            assert outs[-1].finish_reason == "stop"
+
+        async with trio.open_nursery() as nursery:
+            for stop in stops:
+                nursery.start_soon(check, stop)
+        await trio.sleep(0.05)
+        assert engine.statistics().kv_blocks_used == 0
+
+
 def attrs_evolve(params, **kw):
     import attrs
     return attrs.evolve(params, **kw)
@@ -333,7 +355,9 @@ async def test_logprobs_of_sampled_tokens_and_top_k():
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
     async with open_engine(config(tokenizer=None)) as engine:
         outs = [o async for o in engine.generate(prompts()[1], params)]
+        whole = await engine.complete(prompts()[1], params)
     rows = [r for o in outs for r in o.logprobs]
+    assert whole.logprobs == rows  # Engine.complete (and LLM.generate) keep them too
     toks = [t for o in outs for t in o.token_ids.tolist()]
     assert [r[0] for r in rows] == toks and len(rows) == 5
     for tok, lp, top in rows:

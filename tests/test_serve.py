@@ -327,6 +327,23 @@ def test_bench_serve_prints_and_saves_its_report(real_server, tmp_path, capsys):
     assert "median_ttft_ms" in capsys.readouterr().out
 
 
+def test_streamed_logprobs_count_text_offsets_from_the_start(real_server):
+    """Each chunk's text_offset goes on from the chunks before it: the stream's offsets and
+    tokens are the whole response's."""
+    _, url = real_server
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    offsets, tokens = [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                lp = json.loads(line[6:])["choices"][0]["logprobs"]
+                offsets += lp["text_offset"]
+                tokens += lp["tokens"]
+    assert tokens == whole["tokens"] and offsets == whole["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] > 0
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(real_server):
     proc, url = real_server
     result = {}
