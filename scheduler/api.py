@@ -11,7 +11,14 @@ iteration. Leaving the loop early aborts the request and frees its blocks.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import difflib
 import itertools
+import queue
+import threading
+import time
+import weakref
 from functools import partial
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
@@ -28,7 +35,8 @@ from lockstep.engine.node_group import NodeGroup, parse_address
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
 from lockstep.engine.output import RequestStream
 from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
-from lockstep.policy.config import ConfigError
+from lockstep.policy.config import ConfigError, SchedulerConfig
+from lockstep.runtime.models.config import ModelConfig, ModelConfigError, preset_names
 from lockstep.policy.request import FinishReason, RequestError, SamplingParams
 
 
@@ -74,9 +82,12 @@ class Engine:
         self.scheduler = schedulers[0]
         self._ids = itertools.count()
         self._live: dict[int, RequestStream] = {}  # request id -> stream, while it is consumed
+        self.closed = False  # its open_engine block has ended
 
     def generate(self, prompt, params: SamplingParams | None = None, *, priority: int = 0,
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if self.closed:
+            raise RuntimeError("this engine is closed: its open_engine block has ended")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
@@ -103,7 +114,10 @@ class Engine:
         hold = max((len(s) for s in params.stop), default=1) - 1
         self._live[p.req_id] = stream  # here, not in generate: a generator never started holds nothing
         try:
-            await self.frontend.send_channel.send(p)
+            try:
+                await self.frontend.send_channel.send(p)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                raise RuntimeError("the engine shut down") from None
             while True:
                 tokens, reason = await stream.next_delta()
                 lps = stream.take_logprobs() if params.logprobs is not None else None
@@ -219,6 +233,11 @@ def _check_context(config: EngineConfig) -> None:
     for one request would be advertised and then refused request by request: both are
     refused at start (as vLLM refuses a max_model_len its KV cache cannot hold)."""
     s = config.scheduler
+    if config.runtime == "torch" and config.model not in preset_names():  # a checkpoint's config.json,
+        try:  # read here: its errors are the user's to fix, not a runtime's traceback
+            ModelConfig.from_pretrained(config.model)
+        except (ModelConfigError, OSError, ValueError) as e:
+            raise ConfigError(f"engine.model: {e}") from None
     context = model_context(config.model)
     if context is not None and s.max_model_len > context:
         raise ConfigError(f"max_model_len {s.max_model_len} exceeds the context of model "
@@ -287,9 +306,11 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
             first = len(disagg.prefill)
             disagg.on_moved = lambda rid, j: frontend.rank_of.__setitem__(rid, first + j)
         await nursery.start(frontend.run)
+        engine = Engine(config, schedulers, frontend, tokenizer, balancer)
         try:
-            yield Engine(config, schedulers, frontend, tokenizer, balancer)
+            yield engine
         finally:
+            engine.closed = True
             nursery.cancel_scope.cancel()
 
 
@@ -323,42 +344,179 @@ def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int,
 
 
 class LLM:
-    """Synchronous batch generation for scripts: ``LLM("tiny").generate(["a", "b"])``.
-    Each call starts an engine, runs every prompt concurrently and stops it."""
+    """Synchronous generation for scripts, as vLLM's ``LLM``::
+
+        llm = LLM("tiny", max_model_len=2048)
+        for c in llm.generate(["hello", "world"], SamplingParams(max_tokens=8)):
+            print(c.text)
+
+    The engine (runtime processes, weights) starts here, in a trio run on a thread of its
+    own, and serves every ``generate`` call until ``close()``: at the end of a ``with`` block,
+    when the LLM is garbage-collected, or at the interpreter's exit. Keyword arguments are
+    EngineConfig's fields, or SchedulerConfig's (``max_model_len``, ``num_blocks``,
+    ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
+    ...), which replace those of the engine's scheduler. A bad one, or an engine that cannot
+    start, raises here."""
 
     def __init__(self, model: str = "tiny", **config):
-        self.config = EngineConfig(model=model, **config)
+        self.config = _llm_config(model, config)
+        self._runner = _Runner(self.config)
+        self._finalizer = weakref.finalize(self, self._runner.close)  # also at the interpreter's exit
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the engine: runtime processes and shared memory released; idempotent."""
+        self._finalizer()
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
+        """One Completion per prompt (text, token ids, or a list of either), all run
+        concurrently; ``params``: one SamplingParams for all, or one per prompt. A bad one
+        raises RequestError naming the field (and, in a batch, the prompt's index); a
+        KeyboardInterrupt aborts every request of the call."""
+        single = not isinstance(prompts, (list, tuple, np.ndarray)) or (  # text, a dict, or bad input
+            isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
+            len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         prompts = [prompts] if single else list(prompts)
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if not prompts:
+            return []
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise RequestError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts", field="params")
-        for i, p in enumerate(plist):  # before an engine starts: bad input costs no processes
+        for i, p in enumerate(plist):  # before anything is queued
             if p is not None and not isinstance(p, SamplingParams):
                 raise RequestError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}", field="params")
-            if p is not None:
-                p.validate()
+        return self._runner.call(_generate_all, prompts, plist, single)
+
+
+def _llm_config(model: str, config: dict) -> EngineConfig:
+    known = {f.name for f in attrs.fields(EngineConfig)}
+    fields = {f.name for f in attrs.fields(SchedulerConfig)} - known  # num_spec_tokens: the engine's
+    for k in config:
+        if k not in known | fields:
+            near = difflib.get_close_matches(k, known | fields, n=1)
+            raise ConfigError(f"LLM: unknown argument {k!r}" + (f" (did you mean {near[0]!r}?)" if near else "") +
+                              "; it takes EngineConfig's and SchedulerConfig's fields")
+    limits = {k: config.pop(k) for k in list(config) if k in fields}
+    if limits:
+        base = config.get("scheduler") or attrs.fields(EngineConfig).scheduler.default.factory()
+        config["scheduler"] = attrs.evolve(base, **limits)
+    return EngineConfig(model=model, **config)
+
+
+async def _generate_all(engine: Engine, prompts: list, plist: list, single: bool) -> list[Completion]:
+    gens = []
+    for i, (prompt, params) in enumerate(zip(prompts, plist)):  # every prompt checked before any runs
         try:
-            return trio.run(self._run, prompts, plist)
-        except BaseExceptionGroup as eg:  # one request's error, as a plain exception
-            leaves = _leaves(eg)
-            if len(leaves) == 1:
-                raise leaves[0] from None
+            gens.append(engine.generate(prompt, params))
+        except RequestError as e:
+            if single:
+                raise
+            raise RequestError(f"prompts[{i}]: {e}", reason=e.reason, field=e.field) from None
+    results: list[Completion | None] = [None] * len(gens)
+
+    async def one(i):
+        try:
+            results[i] = await _collect(gens[i])
+        except RequestError as e:  # refused once tokenized (too long, empty)
+            if single:
+                raise
+            raise RequestError(f"prompts[{i}]: {e}", reason=e.reason, field=e.field) from None
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(gens)):
+            nursery.start_soon(one, i)
+    return results
+
+
+class _Runner:
+    """An engine in a trio run on a daemon thread; ``call`` runs a coroutine there. Closed by
+    ``close``, or at the interpreter's exit by a hook registered once the engine is up: after
+    multiprocessing's own, so it runs first (atexit runs the last registered first), while
+    the runtime processes that multiprocessing would wait for can still be stopped."""
+
+    def __init__(self, config: EngineConfig):
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._scope = trio.CancelScope()  # the engine's life: cancelled to stop it
+        self._engine: Engine | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        started: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, args=(config, started), name="lockstep-llm", daemon=True)
+        self._thread.start()
+        try:
+            failed = started.get()
+        except BaseException:  # interrupted while the engine starts: stop it, then go on raising
+            self.close()
             raise
+        if failed is not None:
+            self.close()
+            raise failed
+        atexit.register(self.close)
 
-    async def _run(self, prompts, plist) -> list[Completion]:
-        results: list[Completion | None] = [None] * len(prompts)
-        async with open_engine(self.config) as engine:
-            gens = [engine.generate(prompts[i], plist[i]) for i in range(len(prompts))]  # all checked first
+    def _main(self, config: EngineConfig, started: queue.SimpleQueue) -> None:
+        try:
+            trio.run(self._serve, config, started)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            self._error = _plain(e)
+            if self._engine is None:
+                started.put(self._error)
 
-            async def one(i):
-                results[i] = await _collect(gens[i])
-            async with trio.open_nursery() as n:
-                for i in range(len(prompts)):
-                    n.start_soon(one, i)
-        return results
+    async def _serve(self, config: EngineConfig, started: queue.SimpleQueue) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        with self._scope:
+            async with open_engine(config) as engine:
+                self._engine = engine
+                started.put(None)
+                await trio.sleep_forever()
+
+    def call(self, fn, *args):
+        if self._closed:
+            raise RuntimeError("this LLM is closed")
+        if not self._thread.is_alive():
+            raise RuntimeError(f"the engine stopped: {self._error!r}")
+        scope = trio.CancelScope()
+
+        async def run():
+            with scope:  # cancelled by the caller's KeyboardInterrupt, who no longer waits
+                return await fn(self._engine, *args)
+
+        try:
+            return trio.from_thread.run(run, trio_token=self._token)
+        except KeyboardInterrupt:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(scope.cancel, trio_token=self._token)
+            raise
+        except BaseExceptionGroup as eg:
+            raise _plain(eg) from None
+        except trio.RunFinishedError:
+            raise RuntimeError(f"the engine stopped: {self._error!r}") from None
+
+    def close(self) -> None:
+        """Stop the engine (or its start) and wait for its thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        while self._token is None and self._thread.is_alive():  # the run is only beginning
+            time.sleep(0.001)
+        if self._token is not None:
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+        self._thread.join()
+
+
+def _plain(e: BaseException) -> BaseException:
+    """One error in a group, as itself; a group of several as it is."""
+    if isinstance(e, BaseExceptionGroup):
+        leaves = _leaves(e)
+        if len(leaves) == 1:
+            return leaves[0]
+    return e
 
 
 async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:

@@ -5,6 +5,7 @@ import functools
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.request import RequestError, SamplingParams
 from lockstep.runtime.models import load_model
 from lockstep.runtime.models.batch import ForwardBatch
-from leaks import child_pids, fd_count
+from leaks import child_pids, descendant_pids, fd_count
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -263,6 +264,61 @@ async def test_killed_runtime_fails_inflight_requests_then_engine_restarts_it():
         assert engine.scheduler.client.ready.pid != pid
 
 
+async def test_a_runtime_killed_again_while_it_restarts_is_restarted_again():
+    async with open_engine(config(tokenizer=None)) as engine:
+        first = engine.scheduler.client.ready.pid
+        os.kill(first, signal.SIGKILL)  # idle: the engine restarts it at once
+        with trio.fail_after(30):
+            while engine.scheduler.client.proc is None or engine.scheduler.client.proc.pid in (None, first):
+                await trio.sleep(0.002)
+            os.kill(engine.scheduler.client.proc.pid, signal.SIGKILL)  # the replacement, before it is ready
+            toks, last = await collect(engine, prompts()[1], GREEDY)
+        assert len(toks) == GREEDY.max_tokens and last.finish_reason == "length"
+        assert engine.statistics().runtime_restarts == 1
+
+
+async def test_requests_still_queued_when_the_engine_stops_fail_and_a_closed_engine_says_so():
+    results = []
+
+    async def consume(engine, i):
+        try:
+            await collect(engine, [5, 6, 7 + i], SamplingParams(max_tokens=50, ignore_eos=True))
+            results.append("done")
+        except RuntimeError as e:
+            results.append(str(e))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as outer:  # consumers that outlive the engine's block
+            async with open_engine(config(tokenizer=None)) as engine:
+                admit, gate = engine.frontend._admit, trio.Event()
+
+                async def held(p):  # the Frontend takes one prompt and waits: the rest queue up
+                    await gate.wait()
+                    await admit(p)
+                engine.frontend._admit = held
+                for i in range(10):
+                    outer.start_soon(consume, engine, i)
+                while engine.frontend.send_channel.statistics().current_buffer_used < 9:
+                    await trio.sleep(0.001)
+    assert results == ["the engine shut down"] * 10
+    with pytest.raises(RuntimeError, match="this engine is closed"):
+        engine.generate([5, 6], SamplingParams())
+
+
+async def test_prompts_in_every_shape_vllm_takes_and_ids_that_would_wrap():
+    async with open_engine(config(tokenizer=None)) as engine:
+        want, _ = await collect(engine, [5, 6, 7], GREEDY)
+        got, _ = await collect(engine, {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+        assert got == want
+        for bad in ([2**32 + 5], np.array([2**63 + 5], dtype=np.uint64), [-(2**32) + 5]):
+            with pytest.raises(RequestError, match=r"token ids must be in \[0, 2\*\*31 - 1\]") as e:
+                engine.generate(bad, GREEDY)  # not wrapped into range and served as id 5
+            assert e.value.field == "prompt"
+        for bad, match in (({"prompt": "x", "extra": 1}, "one key"), ([[1, 2], [3]], "1-D sequence")):
+            with pytest.raises(RequestError, match=match):
+                engine.generate(bad, GREEDY)
+
+
 async def test_engine_leaves_no_process_or_fd_behind():
     async with open_engine(config(runtime="timing", tokenizer=None)) as engine:  # warm the forkserver
         await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))
@@ -274,23 +330,140 @@ async def test_engine_leaves_no_process_or_fd_behind():
     assert child_pids() == kids
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(device=None), "engine.device must be a string"), (dict(device="cudaX"), "cuda\\[:N\\]"),
+    (dict(model=5), "engine.model must be a string"), (dict(scheduler="x"), "must be a SchedulerConfig"),
+    (dict(hash_secret=5), "engine.hash_secret must be a string"), (dict(tokenizer=5), "engine.tokenizer"),
+    (dict(runtime_options="x"), "engine.runtime_options must be a dict"), (dict(seed="x"), "engine.seed"),
+    (dict(ring_bytes=100), "engine.ring_bytes"), (dict(mailbox_size=-1), "engine.mailbox_size"),
+    (dict(dep=True), "engine.dep"),
+])
+def test_engine_config_names_a_field_of_the_wrong_kind(kw, match):
+    from lockstep.policy.config import ConfigError
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**kw)
+    with pytest.raises(ConfigError, match="scheduler.max_num_seqs must be an integer"):
+        SchedulerConfig(max_num_seqs=True)
+
+
+async def test_a_checkpoint_with_a_bad_config_is_refused_at_start(tmp_path):
+    from lockstep.policy.config import ConfigError
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match="engine.model: .*config.json: model_type must be 'deepseek_v3'"):
+        async with open_engine(EngineConfig(model=str(tmp_path))):
+            pass
+
+
 def test_sync_llm_generates_text_for_each_prompt():
-    outs = LLM("tiny", dtype="float64").generate(["hello", "wörld"], SamplingParams(max_tokens=5, ignore_eos=True))
-    assert [o.finish_reason for o in outs] == ["length", "length"]
-    assert all(len(o.token_ids) == 5 for o in outs)
-    assert outs[1].num_prompt_tokens == len("wörld".encode())
+    with LLM("tiny", dtype="float64", max_model_len=1024) as llm:
+        assert llm.config.scheduler.max_model_len == 1024  # SchedulerConfig's fields, as vLLM's LLM takes them
+        outs = llm.generate(["hello", "wörld"], SamplingParams(max_tokens=5, ignore_eos=True))
+        assert [o.finish_reason for o in outs] == ["length", "length"]
+        assert all(len(o.token_ids) == 5 for o in outs)
+        assert outs[1].num_prompt_tokens == len("wörld".encode())
+        assert llm.generate([]) == []
+        assert len(llm.generate(np.array([[5, 6], [7, 8]]), SamplingParams(max_tokens=2))) == 2
+
+
+def test_sync_llm_keeps_one_engine_across_calls_and_releases_it_on_close():
+    procs, fds = descendant_pids(), fd_count()
+    llm = LLM("tiny", dtype="float64")
+    runtimes = descendant_pids() - procs
+    assert runtimes
+    for _ in range(3):  # the same runtime processes serve every call: weights load once
+        llm.generate(["a", [5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert descendant_pids() - procs == runtimes
+    llm.close()
+    llm.close()  # idempotent
+    assert descendant_pids() == procs and fd_count() == fds
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("a")
 
 
 def test_sync_llm_rejects_bad_input_plainly_and_leaves_nothing_behind():
-    kids = child_pids()
-    llm = LLM("tiny", dtype="float64")
-    with pytest.raises(RequestError, match="top_k"):  # before any engine starts
-        llm.generate(["a"], SamplingParams(top_k=2.5))
-    with pytest.raises(RequestError, match="params"):
-        llm.generate(["a"], {"max_tokens": 3})
-    with pytest.raises(RequestError, match="prompt"):  # found once the engine is up: still a plain error
-        llm.generate(["a", [5, 10**6]], SamplingParams(max_tokens=2))
-    assert child_pids() == kids
+    kids = descendant_pids()
+    with pytest.raises(ValueError, match="unknown argument 'max_model_length' \\(did you mean 'max_model_len'"):
+        LLM("tiny", max_model_length=10)
+    with pytest.raises(ValueError, match="engine.model must be a preset"):
+        LLM("no-such-model")
+    assert descendant_pids() == kids
+    with LLM("tiny", dtype="float64") as llm:
+        with pytest.raises(RequestError, match="top_k"):
+            llm.generate(["a"], SamplingParams(top_k=2.5))
+        with pytest.raises(RequestError, match="params"):
+            llm.generate(["a"], {"max_tokens": 3})
+        with pytest.raises(RequestError, match="prompts\\[1\\]: prompt token ids"):  # which prompt, too
+            llm.generate(["a", [5, 10**6]], SamplingParams(max_tokens=2))
+        with pytest.raises(RequestError, match="prompts\\[1\\]: prompt must hold at least one token"):
+            llm.generate(["a", ""], SamplingParams(max_tokens=2))
+        assert llm.generate("a", SamplingParams(max_tokens=2))[0].finish_reason is not None
+    assert descendant_pids() == kids
+
+
+_EXIT_SCRIPT = """
+import os, signal, sys, tempfile, threading, time
+if __name__ == "__main__":
+    keep = tempfile.TemporaryDirectory()  # a weakref.finalize made before the LLM's
+    import lockstep
+    from lockstep import SamplingParams
+    if sys.argv[1] == "unclosed":
+        llm = lockstep.LLM("tiny")
+        print(llm.generate("hi", SamplingParams(max_tokens=2))[0].finish_reason, flush=True)
+    else:  # Ctrl-C while the engine starts
+        def interrupt():
+            while not any(t.name == "lockstep-llm" for t in threading.enumerate()):
+                time.sleep(0.001)
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt, daemon=True).start()
+        try:
+            lockstep.LLM("tiny")
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+    print(os.getpid(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["unclosed", "interrupted"])
+def test_sync_llm_never_outlives_the_interpreter(tmp_path, case):
+    """An LLM never closed is closed at exit (before multiprocessing waits for its runtime),
+    and one interrupted while its engine starts stops it: the script exits, nothing left."""
+    import subprocess
+    import sys
+    script = tmp_path / "s.py"
+    script.write_text(_EXIT_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, pid = out.stdout.split()
+    assert first == ("length" if case == "unclosed" else "interrupted")
+    leftover = subprocess.run(["pgrep", "-f", f"multiprocessing.*{pid}|lockstep"], capture_output=True, text=True)
+    assert not any(_parent_chain_has(int(p), int(pid)) for p in leftover.stdout.split())
+
+
+def _parent_chain_has(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+def test_sync_llm_keyboard_interrupt_aborts_the_call_and_the_engine_goes_on():
+    with LLM("tiny", dtype="float64") as llm:
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(["a"] * 4, SamplingParams(max_tokens=3000, ignore_eos=True))
+        timer.join()
+        deadline = time.monotonic() + 10  # the aborts reach the scheduler at its next step
+        while llm._runner._engine.statistics().running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llm._runner._engine.statistics().running == 0
+        assert len(llm.generate("b", SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
 
 
 async def test_dep2_ranks_step_in_lockstep_and_match_one_rank():

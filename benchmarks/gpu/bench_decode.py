@@ -488,8 +488,8 @@ def check_engine(run: Run) -> None:
     got = {}
     for name, opts in (("reference", {"fast": False}), ("fast", {"fast": True}),
                        ("fast, one step at a time", {"fast": True, "launch_ahead": False})):
-        llm = LLM("tiny", device="cuda", dtype="bfloat16", runtime_options={**opts, "preset_overrides": overrides})
-        got[name] = [c.token_ids.tolist() for c in llm.generate(prompts, params)]
+        with LLM("tiny", device="cuda", dtype="bfloat16", runtime_options={**opts, "preset_overrides": overrides}) as llm:
+            got[name] = [c.token_ids.tolist() for c in llm.generate(prompts, params)]
     same = sum(a == b for a, b in zip(got["reference"], got["fast"]))
     ahead = sum(a == b for a, b in zip(got["fast, one step at a time"], got["fast"]))
     # The fast path launches steps ahead in the runtime process: the same tokens as one at a

@@ -65,8 +65,10 @@ def check_engine() -> dict:
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["hello", "the quick brown fox", "x" * 200]
-    cpu = LLM("tiny", device="cpu").generate(prompts, params)
-    gpu = LLM("tiny", device="cuda").generate(prompts, params)
+    with LLM("tiny", device="cpu") as llm:
+        cpu = llm.generate(prompts, params)
+    with LLM("tiny", device="cuda") as llm:
+        gpu = llm.generate(prompts, params)
     return {"engine_cuda_equals_cpu": all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(cpu, gpu))}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import attrs
@@ -71,7 +72,8 @@ class EngineConfig:
     node_rejoin_timeout_s: float = 60.0
 
     def __attrs_post_init__(self) -> None:
-        if self.device != "cpu" and not self.device.startswith("cuda"):
+        self._check_types()
+        if self.device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", self.device):
             raise ConfigError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
             raise ConfigError(f"engine.dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
@@ -196,6 +198,32 @@ class EngineConfig:
                 hint = (f"; preset {model.name!r} is the simulator's (shape only): to serve it, give its "
                         "[[models]] a checkpoint directory")
             raise ConfigError(f"{dep.source}: {e}{hint}") from None
+
+    def _check_types(self) -> None:
+        """Each field of the kind it must be, named when it is not (before anything reads it)."""
+        for name in ("model", "runtime", "device", "dtype", "hash_secret", "kv_transport", "draft_model",
+                     "draft_experts", "kv_cache_dtype", "dist_init", "node_link"):
+            v = getattr(self, name)
+            if not isinstance(v, str):
+                raise ConfigError(f"engine.{name} must be a string, got {v!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ConfigError(f"engine.tokenizer must be a path or name, '' (the model's own) or None (token ids "
+                              f"only), got {self.tokenizer!r}")
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ConfigError(f"engine.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        if not isinstance(self.runtime_options, dict) or not all(isinstance(k, str) for k in self.runtime_options):
+            raise ConfigError(f"engine.runtime_options must be a dict with string keys, got {self.runtime_options!r}")
+        for name, low in (("seed", 0), ("dep", 1), ("mailbox_size", 1), ("nodes", 1), ("node_rank", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"engine.{name} must be an integer >= {low}, got {v!r}")
+        r = self.ring_bytes
+        if isinstance(r, bool) or not isinstance(r, int) or r < 4096 or r % 16:
+            raise ConfigError(f"engine.ring_bytes must be an integer >= 4096 and a multiple of 16, got {r!r}")
+        for name in ("kv_hold_timeout_s", "node_rejoin_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ConfigError(f"engine.{name} must be a number of seconds, got {v!r}")
 
     def runtime_spec(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
                      options: dict | None = None) -> RuntimeSpec:

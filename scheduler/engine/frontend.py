@@ -46,13 +46,26 @@ class Frontend:
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
+        msg = None
         async with self._inbox:
-            async for msg in self._inbox:
-                match msg:
-                    case Prompt():
-                        await self._admit(msg)
-                    case _:
-                        raise TypeError(f"Frontend got an unknown message {msg!r}")
+            try:
+                async for msg in self._inbox:
+                    match msg:
+                        case Prompt():
+                            await self._admit(msg)
+                        case _:
+                            raise TypeError(f"Frontend got an unknown message {msg!r}")
+            finally:  # the engine is stopping: the prompt being admitted and those queued end too
+                error, now = RuntimeError("the engine shut down"), trio.current_time()
+                if isinstance(msg, Prompt):
+                    msg.stream.fail(error, now)  # no-op where it was handed on and finished
+                while True:
+                    try:
+                        queued = self._inbox.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    if isinstance(queued, Prompt):
+                        queued.stream.fail(error, now)
 
     async def _admit(self, p: Prompt) -> None:
         if p.stream.abandoned:  # aborted while it waited here: not worth tokenizing
@@ -87,7 +100,7 @@ class Frontend:
         if isinstance(p.prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt: this engine has no tokenizer; pass token ids", field="prompt")
-            tokens = np.asarray(self.tokenizer.encode(p.prompt), dtype=np.int32)
+            tokens = np.asarray(self.tokenizer.encode(p.prompt, add_bos=self.tokenizer.add_bos), dtype=np.int32)
         else:
             tokens = p.prompt
         check_prompt(tokens, p.params, self.max_model_len, self.vocab_size, check_ids=False)
@@ -96,14 +109,38 @@ class Frontend:
         return tokens, hashes, acc
 
 
+_PROMPT_KEYS = ({"prompt"}, {"prompt_token_ids"})  # vLLM's TextPrompt and TokensPrompt
+
+
 def as_token_array(prompt) -> object:
-    """A text prompt stays text; token ids become a 1-D int32 array (checked)."""
+    """A text prompt stays text; token ids become a 1-D int32 array (checked: ids outside
+    int32 are refused, not wrapped). A dict is vLLM's ``{"prompt": text}`` or
+    ``{"prompt_token_ids": ids}``."""
+    if isinstance(prompt, dict):
+        if set(prompt) not in _PROMPT_KEYS:
+            raise RequestError(f"a dict prompt holds one key, 'prompt' (text) or 'prompt_token_ids', got keys "
+                               f"{sorted(map(str, prompt))}", field="prompt")
+        text = prompt.get("prompt")
+        if "prompt" in prompt and not isinstance(text, str):
+            raise RequestError(f"prompt['prompt'] must be a string, got {type(text).__name__}", field="prompt")
+        return text if text is not None else as_token_array(prompt["prompt_token_ids"])
     if isinstance(prompt, str):
         return prompt
-    arr = np.asarray(prompt)
+    try:
+        arr = np.asarray(prompt)
+    except (ValueError, TypeError) as e:  # ragged nesting, and the like
+        raise RequestError(f"prompt must be a string or a 1-D sequence of integer token ids: {e}",
+                           field="prompt") from None
+    if arr.ndim == 1 and arr.size == 0:  # [] is float64 to numpy: say what is wrong with it
+        raise RequestError("prompt must hold at least one token", field="prompt")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise RequestError(f"prompt must be a string or a 1-D sequence of integer token ids, "
                            f"got {type(prompt).__name__} of shape {arr.shape} and dtype {arr.dtype}", field="prompt")
+    if arr.dtype != np.int32:  # wider ids must not wrap into range
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > np.iinfo(np.int32).max:
+            raise RequestError(f"prompt token ids must be in [0, 2**31 - 1], got {lo if lo < 0 else hi}",
+                               field="prompt")
     return arr.astype(np.int32, copy=False)
 
 
@@ -111,10 +148,13 @@ def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int,
                  check_ids: bool = True) -> None:
     if len(tokens) == 0:
         raise RequestError("prompt must hold at least one token", field="prompt")
+    if len(tokens) >= max_model_len:  # whatever max_tokens says (a server may have filled it in)
+        raise RequestError(f"prompt ({len(tokens)} tokens) leaves no room for output in the model's context "
+                           f"of {max_model_len} tokens", reason="context_length", field="prompt")
     if len(tokens) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                            f"the model's context of {max_model_len} tokens", reason="context_length",
-                           field="prompt" if len(tokens) >= max_model_len else "max_tokens")
+                           field="max_tokens")
     if not check_ids:
         return
     lo, hi = int(tokens.min()), int(tokens.max())

@@ -153,6 +153,7 @@ class Scheduler:
         finally:
             with trio.CancelScope(shield=True):
                 self._fail_all(RuntimeError("the engine shut down"))
+                self._fail_inbox(RuntimeError("the engine shut down"))
                 await self.client.aclose()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -396,12 +397,23 @@ class Scheduler:
 
     # -- faults --------------------------------------------------------------------------------
     async def _restart(self, error: RuntimeDied) -> None:
+        """A fresh runtime for a dead one; one that dies again while it starts is replaced
+        too, up to _MAX_FAILED_STARTS starts in a row (then it cannot start: the error ends
+        the engine)."""
         log.error("runtime died; failing its requests and restarting it", error=str(error).splitlines()[0])
         self._fail_all(error)
         self._new_core()
-        await self.client.aclose()
-        self.client = self.make_client()
-        await self.client.start()
+        for attempt in range(1, _MAX_FAILED_STARTS + 1):
+            await self.client.aclose()
+            self.client = self.make_client()
+            try:
+                await self.client.start()
+                break
+            except RuntimeDied as e:
+                if attempt == _MAX_FAILED_STARTS:
+                    raise
+                log.error("restarted runtime died while starting; starting another", attempt=attempt,
+                          error=str(e).splitlines()[0])
         self._started()
         self.restarts += 1
 
@@ -453,6 +465,16 @@ class Scheduler:
         self._old_per_pos = self._old_per_pos + old.spec_accepted_per_pos
         self.core = self.make_core()
         self._in_flight.clear()
+
+    def _fail_inbox(self, error: BaseException) -> None:
+        """Fail the requests still in this rank's mailbox (submitted, never taken)."""
+        while True:
+            try:
+                msg = self._inbox.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            if isinstance(msg, Submit):
+                msg.stream.fail(error, self.pacer.now())
 
     def _fail_all(self, error: BaseException) -> None:
         now = self.pacer.now()

@@ -14,7 +14,7 @@ class ConfigError(ValueError):
 def int_at_least(table: str, low: int):
     """An attrs validator: an integer >= ``low``, named ``table.field`` in the error."""
     def check(inst, attribute, value):
-        if not isinstance(value, int) or value < low:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{table}.{attribute.name} must be an integer >= {low}, got {value!r}")
     return check
 
