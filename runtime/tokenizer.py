@@ -26,6 +26,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: int | None
     eos_token_id: int
+    # Whether a plain text prompt (not a chat, whose template writes its own) starts with
+    # bos: the checkpoint's ``add_bos_token``, as Hugging Face and vLLM encode prompts.
+    add_bos: bool
 
     def encode(self, text: str, add_bos: bool = False) -> np.ndarray: ...
 
@@ -55,6 +58,7 @@ class ByteTokenizer:
                                  f"got {vocab_size}")
         self.vocab_size = vocab_size
         self.bos_token_id, self.eos_token_id, self.pad_token_id = 0, 1, 2
+        self.add_bos = False  # the presets' random models were never trained with one
 
     def encode(self, text: str, add_bos: bool = False) -> np.ndarray:
         ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + self.OFFSET
@@ -99,6 +103,7 @@ class HFTokenizer:
             raise TokenizerError(f"{model_dir}: no eos token in tokenizer_config.json or config.json")
         self.eos_token_id = eos
         self._template = _chat_template(tok_cfg)
+        self.add_bos = tok_cfg.get("add_bos_token") is True and self.bos_token_id is not None
         self._token_strings = {k: _token_str(tok_cfg.get(f"{k}_token")) or "" for k in ("bos", "eos")}
 
     def _special_id(self, tok_cfg: dict, model_cfg: dict, kind: str) -> int | None:

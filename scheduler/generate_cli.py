@@ -80,7 +80,8 @@ def run_generate(args: argparse.Namespace) -> int:
         async with open_engine(config) as engine:
             prompt = args.prompt
             if args.chat:
-                prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+                prompt = engine.tokenizer.encode(text)  # the template writes its own bos
             last = None
             async for out in engine.generate(prompt, params):
                 sys.stdout.write(out.text)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 import secrets
+import sys
 import time
+from functools import partial
 
 import attrs
 import msgspec
@@ -86,20 +88,30 @@ def make_app(servers: Server | list[Server]) -> Starlette:
         return PlainTextResponse(merge_exposition(texts), media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:
+        """vLLM's: a prompt (bos added as for completions, unless add_special_tokens is
+        false) or chat messages (the template's own; add_generation_prompt, true)."""
         try:
             body = parse_body(await request.body())
+            unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+            if unknown:
+                raise BadRequest(f"unknown field {unknown[0]!r} for tokenize (it takes model, prompt or messages, "
+                                 "add_special_tokens, add_generation_prompt)", unknown[0])
+            for flag in ("add_special_tokens", "add_generation_prompt"):
+                if flag in body and not isinstance(body[flag], bool):
+                    raise BadRequest(f"{flag} must be true or false, got {body[flag]!r}", flag)
             server = pick(body, required=False)
             tok = _tokenizer(server)
-            if "messages" in body:
+            chat = "messages" in body
+            if chat:
                 from .openai_protocol import _messages
-                text = tok.apply_chat_template(_messages(body))
+                text = tok.apply_chat_template(_messages(body), add_generation_prompt=body.get("add_generation_prompt", True))
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:
                 raise BadRequest("prompt must be a string (or give messages)", "prompt")
         except BadRequest as e:
             return error(str(e), e.param)
-        ids = tok.encode(text).tolist()
+        ids = tok.encode(text, add_bos=tok.add_bos and body.get("add_special_tokens", not chat)).tolist()
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.engine.frontend.max_model_len})
 
     async def detokenize(request: Request) -> Response:
@@ -157,6 +169,36 @@ def make_app(servers: Server | list[Server]) -> Starlette:
     ], exception_handlers={HTTPException: http_error})
 
 
+class AccessLog:
+    """ASGI middleware: one line per HTTP request, written once it has ended, to ``out``
+    (stdout by default): client, request line, status, body bytes, seconds. A request whose
+    client went away before a response started is logged with status 499."""
+
+    def __init__(self, app, out=None):
+        self.app, self.out = app, out
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status, size = time.perf_counter(), 499, 0
+
+        async def sending(message) -> None:
+            nonlocal status, size
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                size += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            host, port = scope.get("client") or ("-", 0)
+            path = scope["path"] + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+            print(f'{host}:{port} - "{scope["method"]} {path} HTTP/{scope.get("http_version", "1.1")}" {status} {size} '
+                  f"{time.perf_counter() - start:.3f}s", file=self.out or sys.stdout, flush=True)
+
+
 def _tokenizer(server: Server):
     if server.engine.tokenizer is None:
         raise BadRequest("this model has no tokenizer")
@@ -185,7 +227,8 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
         if any(isinstance(p, str) for p in job.prompts):
             if engine.tokenizer is None:
                 raise BadRequest("this model has no tokenizer: give the prompt as token ids", "prompt")
-            encode = engine.tokenizer.encode
+            # A chat's template writes its own bos; a completion prompt gets the checkpoint's.
+            encode = partial(engine.tokenizer.encode, add_bos=not chat and engine.tokenizer.add_bos)
             ids = [await trio.to_thread.run_sync(encode, p) if isinstance(p, str) else p for p in job.prompts]
             job = attrs.evolve(job, prompts=tuple(ids))
         gens = _start(engine, job)
@@ -314,8 +357,11 @@ def _logprobs_json(server: Server, rows: list, job: Job, offset: int = 0) -> dic
     for t, _, _ in rows:
         offsets.append(pos)
         pos += len(text(t))
+    # As OpenAI's: the sampled token is always among top_logprobs (up to logprobs + 1 entries).
+    tops = [{**{text(u): v for u, v in top}, **({} if text(t) in {text(u) for u, _ in top} else {text(t): lp})}
+            for t, lp, top in rows]
     return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": [{text(u): v for u, v in top} for _, _, top in rows], "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 def _usage(finals: list, n: int) -> dict:

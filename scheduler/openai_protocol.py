@@ -72,6 +72,10 @@ _NO_OP = {  # field -> is the value the no-op one
     "logit_bias": lambda v: not v, "best_of": lambda v: v == 1, "suffix": lambda v: not v,
     "tools": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"), "parallel_tool_calls": lambda v: True,
     "response_format": lambda v: not v or v == {"type": "text"}, "functions": lambda v: not v,
+    # OpenAI's bookkeeping fields (clients such as the openai package's send them): nothing stored,
+    # one tier, text only, and metadata, which asks for nothing, taken as given.
+    "store": lambda v: v is False, "service_tier": lambda v: v in ("auto", "default"),
+    "modalities": lambda v: v == ["text"], "metadata": lambda v: isinstance(v, dict),
 }
 
 
@@ -201,7 +205,11 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
             raise BadRequest(f"messages[{i}].role must be system, user, assistant, tool or developer", "messages")
-        content = m.get("content", "")
+        if "content" not in m and m.get("role") != "assistant":
+            raise BadRequest(f"messages[{i}] has no content", "messages")
+        content = m.get("content")
+        if content is None and m.get("role") == "assistant":  # an assistant turn may be content-less
+            content = ""
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content):
                 raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")

@@ -212,18 +212,18 @@ async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) ->
     """Serve until ``shutdown()`` returns, then drain and stop; by default until SIGTERM or
     SIGINT, a second of which stops at once (``Signals``). ``task_status.started`` gets the
     server (its engine, for tests) and the bound URLs."""
+    configs = engine_configs(args)  # bad flags: an error before anything starts
     if shutdown is not None:
-        await _serve(args, shutdown, trio.CancelScope(), task_status)
+        await _serve(args, configs, shutdown, trio.CancelScope(), task_status)
         return
     signals = Signals()
     async with trio.open_nursery() as nursery:
         await nursery.start(signals.watch)
-        await _serve(args, signals.first.wait, signals.force, task_status)
+        await _serve(args, configs, signals.first.wait, signals.force, task_status)
         nursery.cancel_scope.cancel()
 
 
-async def _serve(args, shutdown, force: trio.CancelScope, task_status) -> None:
-    configs = engine_configs(args)
+async def _serve(args, configs, shutdown, force: trio.CancelScope, task_status) -> None:
     with force:
         await _run_servers(args, configs, shutdown, task_status)
     if force.cancelled_caught:
@@ -237,7 +237,7 @@ async def _run_servers(args, configs, shutdown, task_status) -> None:
     from hypercorn.trio import serve as hypercorn_serve
 
     from lockstep.api import open_engine
-    from lockstep.http import Server, make_app
+    from lockstep.http import AccessLog, Server, make_app
 
     async with contextlib.AsyncExitStack() as stack:
         servers = []
@@ -248,7 +248,7 @@ async def _run_servers(args, configs, shutdown, task_status) -> None:
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]
         hc.graceful_timeout = args.drain_timeout
-        hc.accesslog = "-" if args.access_log else None  # "-": stdout, one line a request
+        hc.accesslog = None  # hypercorn's may log a request twice (its stream-closed race): our own
         hc.keep_alive_timeout = 75
         hc.backlog = args.backlog  # bursts of thousands of connects must not be reset
 
@@ -262,7 +262,8 @@ async def _run_servers(args, configs, shutdown, task_status) -> None:
 
         async def http(task_status=trio.TASK_STATUS_IGNORED) -> None:
             try:
-                await hypercorn_serve(make_app(servers), hc, shutdown_trigger=shutdown_trigger,
+                app = AccessLog(make_app(servers)) if args.access_log else make_app(servers)
+                await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger,
                                       task_status=task_status)
             finally:
                 stats_scope.cancel()

@@ -465,6 +465,29 @@ def test_incremental_detokenizer_flushes_incomplete_tail():
     assert detok.finish() == "\ufffd"
 
 
+def test_text_prompts_start_with_bos_where_the_checkpoint_says_so(hf_tokenizer_dir, tmp_path):
+    """As Hugging Face and vLLM encode a prompt: bos first where tokenizer_config.json has
+    add_bos_token (DeepSeek-V3's does); a chat's template writes its own."""
+    import shutil
+
+    from lockstep.engine.frontend import Frontend, Prompt
+    from lockstep.engine.output import RequestStream
+    from lockstep.policy.hashing import BlockHasher
+    from lockstep.policy.request import SamplingParams
+
+    assert not HFTokenizer(hf_tokenizer_dir).add_bos and not ByteTokenizer().add_bos
+    d = tmp_path / "bos"
+    shutil.copytree(hf_tokenizer_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    tok = HFTokenizer(d)
+    assert tok.add_bos
+    front = Frontend(tok, BlockHasher(b"k", 16), [], max_model_len=1000, vocab_size=tok.vocab_size,
+                     eos_token_id=tok.eos_token_id)
+    tokens, _, _ = front._prepare(Prompt(0, "ok", SamplingParams(max_tokens=2), RequestStream(0, 0, 0.0)))
+    assert tokens.tolist() == [tok.bos_token_id, *tok.encode("ok").tolist()]
+
+
 def test_checkpoint_dir_without_tokenizer_is_named(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.json does not exist"):
         HFTokenizer(tmp_path)

@@ -90,6 +90,12 @@ def test_request_errors_carry_the_field_they_blame():
     with pytest.raises(RequestError) as e:  # the prompt fits: max_tokens is what is too large
         check_prompt(np.ones(98, np.int32), SamplingParams(max_tokens=5), 100, 10)
     assert e.value.field == "max_tokens" and e.value.reason == "context_length"
+    with pytest.raises(RequestError, match=r"prompt \(100 tokens\) leaves no room for output in the model's "
+                       "context of 100") as e:  # not blaming a max_tokens the client may never have given
+        check_prompt(np.ones(100, np.int32), SamplingParams(max_tokens=256), 100, 10)
+    with pytest.raises(RequestError, match="prompt must hold at least one token"):
+        from lockstep.engine.frontend import as_token_array
+        as_token_array([])
     with pytest.raises(RequestError) as e:
         SamplingParams(top_p=0).validate()
     assert e.value.field == "top_p" and _request_param(e.value, chat=True) == "top_p"

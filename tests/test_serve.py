@@ -88,6 +88,20 @@ def _tasks() -> int:
 
 
 
+async def test_access_log_writes_one_line_per_request(capsys):
+    async with InProcess(*TIMING, "--access-log") as srv:
+        async with httpx.AsyncClient() as client:
+            for _ in range(5):
+                assert (await client.get(f"{srv.url}/v1/models")).status_code == 200
+            assert (await client.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})).status_code == 200
+            assert (await client.get(f"{srv.url}/nope")).status_code == 404
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ' - "' in ln]
+    assert len(lines) == 7, lines
+    assert sum('"GET /v1/models HTTP/1.1" 200 ' in ln for ln in lines) == 5
+    assert any('"POST /v1/completions HTTP/1.1" 200 ' in ln for ln in lines)
+    assert any('"GET /nope HTTP/1.1" 404 ' in ln for ln in lines)
+
+
 @pytest.mark.slow
 async def test_two_thousand_concurrent_streams_no_errors_no_leaks():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -225,7 +239,11 @@ def test_openai_client_completions_chat_and_errors(real_server):
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
     lp = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=2, temperature=0,
                                    extra_body={"ignore_eos": True}).choices[0].logprobs
-    assert len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert len(lp.token_logprobs) == 3 and all(len(t) <= 3 for t in lp.top_logprobs)  # logprobs + 1 at most
+    assert all(tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))  # the sampled token's, always
+    lp0 = client.completions.create(model="tiny", prompt="hi", max_tokens=2, logprobs=0, temperature=0,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert [list(t) for t in lp0.top_logprobs] == [[tok] for tok in lp0.tokens]
     chat_lp = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=2, logprobs=True, top_logprobs=2,
                                              extra_body={"ignore_eos": True}).choices[0].logprobs
@@ -238,6 +256,10 @@ def test_openai_client_completions_chat_and_errors(real_server):
         client.completions.create(model="tiny", prompt="x", top_p=3)
     tok = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "hé"}).json()
     assert tok["count"] == 3
+    for body, param in (({"prompt": "hi", "foo": 1}, "foo"), ({"prompt": "hi", "add_special_tokens": "yes"},
+                                                               "add_special_tokens")):
+        bad = httpx.post(f"{url}/tokenize", json=body)  # nothing asked for is dropped silently
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
     assert httpx.post(f"{url}/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"] == "hé"
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [5, 10**6]})  # out of the vocabulary: not ""
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
