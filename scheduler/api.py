@@ -447,8 +447,8 @@ class _Runner:
         self._closed = False
         started: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, args=(config, started), name="lockstep-llm", daemon=True)
-        self._thread.start()
         try:
+            self._thread.start()
             failed = started.get()
         except BaseException:  # interrupted while the engine starts: stop it, then go on raising
             self.close()
@@ -507,7 +507,8 @@ class _Runner:
         if self._token is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
-        self._thread.join()
+        if self._thread.ident is not None:  # (interrupted before it started: nothing to wait for)
+            self._thread.join()
 
 
 def _plain(e: BaseException) -> BaseException:

@@ -410,10 +410,9 @@ if __name__ == "__main__":
         llm = lockstep.LLM("tiny")
         print(llm.generate("hi", SamplingParams(max_tokens=2))[0].finish_reason, flush=True)
     else:  # Ctrl-C while the engine starts
-        def interrupt():
+        def interrupt():  # as soon as the engine's thread exists: long before the engine is up
             while not any(t.name == "lockstep-llm" for t in threading.enumerate()):
-                time.sleep(0.001)
-            time.sleep(0.2)
+                time.sleep(0.0005)
             os.kill(os.getpid(), signal.SIGINT)
         threading.Thread(target=interrupt, daemon=True).start()
         try:
