@@ -9,7 +9,8 @@ step: the share of the step the host did not hide behind the runtime.
 Sampled tokens are stand-ins that never equal the end-of-sequence token.
 
 Options: ``deployment`` (a TOML path; default the built-in), ``pool`` (index, default 0),
-``sleep`` (default True).
+``sleep`` (default True), ``load_s`` (seconds loading takes, as a checkpoint's weights would;
+default 0).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class TimingRuntime:
         self.vocab = self.model.vocab_size
         self.eos = self.model.eos_token_id
         self._last_end = 0.0
+        time.sleep(float(opts.get("load_s", 0.0)))
         return Ready(name="timing", vocab_size=self.vocab, eos_token_id=self.eos,
                      num_layers=self.model.num_layers, num_experts=self.model.num_routed_experts,
                      pid=os.getpid())

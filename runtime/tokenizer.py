@@ -103,7 +103,11 @@ class HFTokenizer:
             raise TokenizerError(f"{model_dir}: no eos token in tokenizer_config.json or config.json")
         self.eos_token_id = eos
         self._template = _chat_template(tok_cfg)
-        self.add_bos = tok_cfg.get("add_bos_token") is True and self.bos_token_id is not None
+        # The checkpoint's add_bos_token, or a post-processor of its own that adds bos (as the
+        # `tokenizers` library applies it, and so Hugging Face and vLLM encode prompts).
+        self.add_bos = self.bos_token_id is not None and (
+            tok_cfg.get("add_bos_token") is True
+            or self._tok.encode("a", add_special_tokens=True).ids[:1] == [self.bos_token_id])
         self._token_strings = {k: _token_str(tok_cfg.get(f"{k}_token")) or "" for k in ("bos", "eos")}
 
     def _special_id(self, tok_cfg: dict, model_cfg: dict, kind: str) -> int | None:

@@ -107,11 +107,7 @@ class Engine:
         stream, params = p.stream, p.params
         detok = self._detokenizer()
         stops, n = set(params.stop_token_ids), 0
-        # Text not yet returned: the last (longest stop string - 1) characters are held back
-        # until what follows shows no stop string starts in them (as vLLM does), so a stop
-        # string that spans deltas is never partly returned.
-        held = ""
-        hold = max((len(s) for s in params.stop), default=1) - 1
+        cut = StopStrings(params.stop) if params.stop else None
         self._live[p.req_id] = stream  # here, not in generate: a generator never started holds nothing
         try:
             try:
@@ -127,12 +123,10 @@ class Engine:
                 text = ""
                 if detok is not None:
                     text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
-                if params.stop:
-                    text, hit = _cut_at_stop_strings(held + text, params.stop)
+                if cut is not None:
+                    text, hit = cut.feed(text, final=reason is not None)
                     if hit:
                         reason = self._stopped(p.req_id)
-                    keep = 0 if reason is not None else min(hold, len(text))
-                    text, held = text[: len(text) - keep], text[len(text) - keep :]
                 n += len(tokens)
                 yield self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
                 if reason is not None:
@@ -217,14 +211,28 @@ def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, b
     return tokens, False
 
 
-def _cut_at_stop_strings(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """``text`` up to where a stop string first starts in it, and whether one does; the stop
-    string itself is not returned (as in OpenAI's API). ``text`` is all that is not yet
-    returned: no stop string starts in what was (``Engine._stream`` holds back its tail)."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
-    if cut is None:
+class StopStrings:
+    """Stop strings over streamed text, as vLLM applies them: generation stops where the first
+    stop string is complete (of two ending together, the longer), cut at its start, and the
+    stop string itself is not returned (as in OpenAI's API). The last (longest - 1)
+    characters are held back until what follows shows no stop string starts in them, so a
+    stop string spanning deltas is never partly returned, and the text returned is the
+    same however the output was split into deltas."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.hold = max(len(s) for s in self.stops) - 1
+        self.held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """The text to return now, and whether a stop string ended the output."""
+        text, self.held = self.held + text, ""
+        found = [(i + len(s), i) for s in self.stops for i in (text.find(s),) if i >= 0]
+        if found:
+            return text[: min(found)[1]], True
+        keep = 0 if final else min(self.hold, len(text))
+        text, self.held = text[: len(text) - keep], text[len(text) - keep :]
         return text, False
-    return text[:cut], True
 
 
 def _check_context(config: EngineConfig) -> None:
@@ -478,7 +486,7 @@ class _Runner:
         if self._closed:
             raise RuntimeError("this LLM is closed")
         if not self._thread.is_alive():
-            raise RuntimeError(f"the engine stopped: {self._error!r}")
+            raise RuntimeError(self._gone())
         scope = trio.CancelScope()
 
         async def run():
@@ -493,11 +501,22 @@ class _Runner:
             raise
         except BaseExceptionGroup as eg:
             raise _plain(eg) from None
-        except trio.RunFinishedError:
-            raise RuntimeError(f"the engine stopped: {self._error!r}") from None
+        except (trio.RunFinishedError, trio.Cancelled):  # the engine's run ended under this call
+            raise RuntimeError(self._gone()) from None
+
+    def _gone(self) -> str:
+        if self._error is not None:
+            return f"the engine stopped: {self._error!r}"
+        return "this LLM was closed" if self._closed else "the engine stopped"
 
     def close(self) -> None:
         """Stop the engine (or its start) and wait for its thread; idempotent."""
+        if threading.current_thread() is self._thread:
+            # A finalizer that garbage collection ran on the engine's own thread: ask the run
+            # to stop, and leave waiting for it to the atexit hook, still registered.
+            if self._token is not None:
+                self._token.run_sync_soon(self._scope.cancel)
+            return
         if self._closed:
             return
         self._closed = True
@@ -512,10 +531,13 @@ class _Runner:
 
 
 def _plain(e: BaseException) -> BaseException:
-    """One error in a group, as itself; a group of several as it is."""
+    """One error in a group, as itself; several of one type (requests failed together: a
+    runtime died, the engine stopped) as the first, noting how many; else the group."""
     if isinstance(e, BaseExceptionGroup):
         leaves = _leaves(e)
-        if len(leaves) == 1:
+        if len({type(x) for x in leaves}) == 1:
+            if len(leaves) > 1:
+                leaves[0].add_note(f"({len(leaves) - 1} more requests of this call failed with the same error type)")
             return leaves[0]
     return e
 

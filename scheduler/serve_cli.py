@@ -164,7 +164,7 @@ def _options(items: list[str]) -> dict:
 
 class Signals:
     """SIGTERM and SIGINT for the whole life of a server: the first starts the drain
-    (``first``), a second stops at once (``force`` is cancelled: in-flight requests are cut
+    (``first``), or while the engines are still starting stops that start; a second stops at once (``force`` is cancelled: in-flight requests are cut
     off, the engines still stop and release everything), later ones are only logged. The
     receiver stays open until the server has stopped, so no signal meets Python's default
     handler (a KeyboardInterrupt traceback) halfway through a shutdown."""
@@ -172,13 +172,18 @@ class Signals:
     def __init__(self):
         self.first = trio.Event()
         self.force = trio.CancelScope()
+        self.serving = False  # until then (engines loading) there is nothing to drain
 
     async def watch(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             task_status.started()
             async for sig in signals:
                 name = signal.Signals(sig).name
-                if not self.first.is_set():
+                if not self.first.is_set() and not self.serving:
+                    log.info("signal before serving: stopping the start", signal=name)
+                    self.first.set()
+                    self.force.cancel()
+                elif not self.first.is_set():
                     log.info("signal", signal=name)
                     self.first.set()
                 elif not self.force.cancel_called:
@@ -214,25 +219,36 @@ async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) ->
     server (its engine, for tests) and the bound URLs."""
     configs = engine_configs(args)  # bad flags: an error before anything starts
     if shutdown is not None:
-        await _serve(args, configs, shutdown, trio.CancelScope(), task_status)
+        await _serve(args, configs, shutdown, trio.CancelScope(), lambda: None, task_status)
         return
     signals = Signals()
+
+    def serving() -> None:
+        signals.serving = True
+
     async with trio.open_nursery() as nursery:
         await nursery.start(signals.watch)
-        await _serve(args, configs, signals.first.wait, signals.force, task_status)
+        log.info("starting", models=[name for name, _ in configs])
+        await _serve(args, configs, signals.first.wait, signals.force, serving, task_status)
         nursery.cancel_scope.cancel()
 
 
-async def _serve(args, configs, shutdown, force: trio.CancelScope, task_status) -> None:
+async def _serve(args, configs, shutdown, force: trio.CancelScope, serving, task_status) -> None:
+    started = []
+
+    def on_serving() -> None:
+        started.append(True)
+        serving()
+
     with force:
-        await _run_servers(args, configs, shutdown, task_status)
+        await _run_servers(args, configs, shutdown, on_serving, task_status)
     if force.cancelled_caught:
-        log.warning("stopped without draining")
+        log.warning("stopped without draining" if started else "stopped before serving")
         return
     log.info("stopped")
 
 
-async def _run_servers(args, configs, shutdown, task_status) -> None:
+async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -274,6 +290,7 @@ async def _run_servers(args, configs, shutdown, task_status) -> None:
 
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(http)
+            serving()
             log.info("serving", models=[s.model_name for s in servers], urls=binds,
                      runtime_pid=server.engine.scheduler.client.ready.pid)
             if args.log_stats_interval > 0:

@@ -2,6 +2,8 @@
 field, before anything is queued; nothing asked for is dropped silently."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lockstep.openai_protocol import BadRequest, parse_completion
 from lockstep.policy.request import SamplingParams
@@ -100,3 +102,24 @@ def test_request_errors_carry_the_field_they_blame():
         SamplingParams(top_p=0).validate()
     assert e.value.field == "top_p" and _request_param(e.value, chat=True) == "top_p"
     assert _request_param(RequestError("request 3 is already in this scheduler"), chat=False) is None
+
+
+@settings(deadline=None, max_examples=300, derandomize=True)
+@given(text=st.text("ab\nUs:", max_size=24), stops=st.lists(st.text("ab\nUs:", min_size=1, max_size=4), min_size=1,
+                                                           max_size=3), cuts=st.lists(st.integers(0, 24), max_size=6))
+def test_stop_strings_cut_the_same_however_the_text_is_split(text, stops, cuts):
+    """Streamed in any pieces, the text returned is the one-piece result: cut at the start of
+    the stop string that ends first (the longer of two ending together), nothing after."""
+    from lockstep.api import StopStrings
+
+    found = [(i + len(s), i) for s in stops for i in (text.find(s),) if i >= 0]
+    want = (text[: min(found)[1]], True) if found else (text, False)
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    cut, out, hit = StopStrings(stops), [], False
+    for k, piece in enumerate(pieces):
+        got, hit = cut.feed(piece, final=k == len(pieces) - 1)
+        out.append(got)
+        if hit:
+            break
+    assert ("".join(out), hit) == want

@@ -402,25 +402,26 @@ def _running(pid: str) -> bool:
 
 def test_a_second_sigint_stops_at_once_without_a_traceback():
     """The first SIGINT drains (here up to 120 s, for a request of 3,000 tokens); a second
-    stops now: the stream is cut off, the process exits 0 with no traceback, its runtime
-    processes are gone."""
+    stops now: the stream is cut off, the process exits 0 with no traceback, and its whole
+    process group (forkserver, runtime) is gone."""
     with running_server("--model", "tiny", "--drain-timeout", "120", "--log-format", "json") as (proc, url):
-        got = {}
+        got = {"lines": []}
 
         def long_request():
             try:
                 with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
                         "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True,
                         "stream": True}) as r:
-                    got["lines"] = sum(1 for _ in r.iter_lines())
+                    for line in r.iter_lines():
+                        got["lines"].append(line)
             except httpx.HTTPError as e:
                 got["error"] = e
 
         import threading
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(1.0)
-        kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        while not got["lines"]:  # streaming
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert proc.poll() is None  # draining
@@ -430,8 +431,39 @@ def test_a_second_sigint_stops_at_once_without_a_traceback():
         log = proc.stdout.read().decode()
         assert "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
         assert "stopping now" in log and "stopped without draining" in log
-        assert "error" in got or got["lines"] < 3000  # cut off, not finished
-        deadline = time.monotonic() + 10
-        while any(_running(pid) for pid in kids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_running(pid) for pid in kids)
+        assert "data: [DONE]" not in got["lines"] and not any('"length"' in ln for ln in got["lines"])
+        _group_gone(proc.pid)
+
+
+def _group_gone(pgid: int) -> None:
+    """Every process of the server's session (it runs with start_new_session) has exited."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"processes of group {pgid} still running")
+
+
+def test_a_signal_while_the_engine_loads_stops_the_start():
+    """SIGTERM during a (here 60 s) model load stops it at once: no port bound, exit 0."""
+    proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--port", str(free_port()), *TIMING,
+                             "--runtime-option", "load_s=60", "--log-format", "json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    try:
+        lines = []
+        for raw in proc.stdout:  # until the signal watcher is up
+            lines.append(raw.decode())
+            if '"starting"' in lines[-1]:
+                break
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        log = "".join(lines) + proc.stdout.read().decode()
+        assert "stopped before serving" in log and '"serving"' not in log and "Traceback" not in log, log[-2000:]
+        _group_gone(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -409,7 +409,7 @@ class Scheduler:
             try:
                 await self.client.start()
                 break
-            except RuntimeDied as e:
+            except (RuntimeDied, trio.TooSlowError) as e:
                 if attempt == _MAX_FAILED_STARTS:
                     raise
                 log.error("restarted runtime died while starting; starting another", attempt=attempt,
@@ -467,14 +467,16 @@ class Scheduler:
         self._in_flight.clear()
 
     def _fail_inbox(self, error: BaseException) -> None:
-        """Fail the requests still in this rank's mailbox (submitted, never taken)."""
+        """Fail the requests still in this rank's mailbox (submitted or handed over, never
+        taken)."""
         while True:
             try:
                 msg = self._inbox.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 return
-            if isinstance(msg, Submit):
-                msg.stream.fail(error, self.pacer.now())
+            stream = getattr(msg, "stream", None)  # a Submit, or with P/D an Adopt
+            if stream is not None:
+                stream.fail(error, self.pacer.now())
 
     def _fail_all(self, error: BaseException) -> None:
         now = self.pacer.now()
