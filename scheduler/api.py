@@ -96,6 +96,9 @@ class Engine:
             raise RequestError(f"priority must be an integer, got {priority!r}", field="priority")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}", field="cache_salt")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer, and this engine has none (tokenizer=None): use "
+                               "stop_token_ids", field="stop")
         prompt = as_token_array(prompt)
         if not isinstance(prompt, str):
             check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size)
@@ -121,12 +124,13 @@ class Engine:
                     tokens, hit = _cut_at_stop_ids(tokens, stops)
                     reason = self._stopped(p.req_id) if hit else reason
                 text = ""
-                if detok is not None:
-                    text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
-                if cut is not None:
-                    text, hit = cut.feed(text, final=reason is not None)
-                    if hit:
+                if cut is not None:  # token by token: a stop string ends the tokens where it ends
+                    text, upto = _feed_stop_strings(cut, detok, tokens, final=reason is not None)
+                    if upto is not None:
+                        tokens, lps = tokens[:upto], None if lps is None else lps[:upto]
                         reason = self._stopped(p.req_id)
+                elif detok is not None:
+                    text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
                 n += len(tokens)
                 yield self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
                 if reason is not None:
@@ -209,6 +213,24 @@ def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, b
     if len(hits):
         return tokens[: hits[0] + 1], True
     return tokens, False
+
+
+def _feed_stop_strings(cut: StopStrings, detok, tokens: np.ndarray, final: bool) -> tuple[str, int | None]:
+    """A delta's text through ``cut`` one token at a time: (text, how many of the tokens to
+    keep where a stop string completed in them, else None), as vLLM, which checks after each
+    token, reports the tokens and their usage."""
+    out = []
+    for k, t in enumerate(tokens.tolist()):
+        piece, hit = cut.feed(detok.push([t]))
+        out.append(piece)
+        if hit:
+            return "".join(out), k + 1
+    if final:
+        piece, hit = cut.feed(detok.finish(), final=True)
+        out.append(piece)
+        if hit:
+            return "".join(out), len(tokens)
+    return "".join(out), None
 
 
 class StopStrings:

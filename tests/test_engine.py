@@ -137,17 +137,30 @@ async def test_stop_token_ids_end_the_request_early():
 async def test_stop_strings_spanning_deltas_are_never_partly_returned():
     """Every stop string cuts the text where it first starts, wherever the deltas split it
     (text is held back until no stop string can start in it), streamed and whole."""
+    from lockstep.runtime.tokenizer import IncrementalDetokenizer
+
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     async with open_engine(config()) as engine:
-        full = (await engine.complete("hello", params)).text
+        whole = await engine.complete("hello", params)
+        full, ids = whole.text, whole.token_ids.tolist()
         assert len(full) >= 6
         stops = [full[i : i + w] for w in (2, 3) for i in range(1, len(full) - w + 1)]
+
+        def completing(stop):  # tokens up to the one whose text completes the stop string
+            detok, seen = IncrementalDetokenizer(engine.tokenizer), ""
+            for k, t in enumerate(ids, 1):
+                seen += detok.push([t])
+                if stop in seen:
+                    return k
+            return len(ids)
 
         async def check(stop):
             outs = [o async for o in engine.generate("hello", attrs_evolve(params, stop=(stop, "never here")))]
             text = "".join(o.text for o in outs)
             assert text == full[: full.find(stop)], (stop, full)
             assert outs[-1].finish_reason == "stop"
+            got = [t for o in outs for t in o.token_ids.tolist()]
+            assert got == ids[: completing(stop)] and outs[-1].num_output_tokens == len(got), (stop, full)
 
         async with trio.open_nursery() as nursery:
             for stop in stops:
@@ -245,6 +258,9 @@ async def test_bad_input_fails_at_submission_and_queues_nothing():
             engine.generate([5, 9999], SamplingParams())
         with pytest.raises(RequestError, match="1-D"):
             engine.generate([[1, 2]], SamplingParams())
+        with pytest.raises(RequestError, match="stop strings need a tokenizer") as e:
+            engine.generate([5, 6], SamplingParams(stop="x"))
+        assert e.value.field == "stop"
         assert engine.statistics().waiting == 0 and engine.statistics().running == 0
 
 
