@@ -224,6 +224,11 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
                                chat_template=template)
         # Text prompts are tokenized here (off the event loop), so that one too long, empty or
         # otherwise refused is a 400 before any response starts, not an error inside a stream.
+        if job.echo:
+            if engine.tokenizer is None:
+                raise BadRequest("echo needs a tokenizer to write the prompt's text; this model has none", "echo")
+            job = attrs.evolve(job, echoes=tuple(p if isinstance(p, str) else engine.tokenizer.decode(p.tolist())
+                                                 for p in job.prompts))
         if any(isinstance(p, str) for p in job.prompts):
             if engine.tokenizer is None:
                 raise BadRequest("this model has no tokenizer: give the prompt as token ids", "prompt")
@@ -327,7 +332,7 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         return error(str(exc), _request_param(exc, job.chat))
     choices = []
     for i, f in enumerate(finals):
-        text = "".join(texts[i])
+        text = (job.echoes[i // job.n] if job.echo else "") + "".join(texts[i])
         reason = _finish_reason(f.finish_reason)
         lp = _logprobs_json(server, lps[i], job) if job.params.logprobs is not None else None
         if job.chat:
@@ -443,6 +448,8 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
 
         if job.chat:
             emit(chunk([choice(i, "", None, first=True) for i in range(len(gens))]))
+        elif job.echo:  # each choice's prompt first, as vLLM streams an echo
+            emit(chunk([choice(i, job.echoes[i // job.n], None) for i in range(len(gens))]))
         failed = await _run_checked(gens, on_delta, server)
         if failed is not None:
             kind, exc = failed

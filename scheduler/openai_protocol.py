@@ -38,6 +38,10 @@ class Job:
     # The body gave no max_tokens: params carries the server's default, which each prompt
     # caps at what the context leaves it (``capped``), as vLLM fills the context.
     default_max_tokens: bool = False
+    # Completions' echo: each choice's text starts with its prompt's (``echoes``, per prompt,
+    # filled in where the prompts are tokenized).
+    echo: bool = False
+    echoes: tuple = ()
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -113,8 +117,10 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     if not 1 <= n <= MAX_N:
         raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", "n")
     logprobs = _logprobs(body, chat)
-    if body.get("echo"):
-        raise BadRequest("echo is not supported", "echo")
+    echo = False if chat else _get(body, "echo", bool, False)
+    if echo and logprobs is not None:
+        raise BadRequest("echo with logprobs asks for the prompt's log-probabilities, which lockstep does not "
+                         "compute; drop one of them", "echo")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop) or len(stop) > 8:
@@ -151,7 +157,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     _get(body, "user", str, None)  # accepted (an end-user id), and checked
     return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
-               cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None)
+               cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

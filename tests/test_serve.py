@@ -349,6 +349,26 @@ def test_bench_serve_prints_and_saves_its_report(real_server, tmp_path, capsys):
     assert "median_ttft_ms" in capsys.readouterr().out
 
 
+def test_echo_starts_each_choice_with_its_prompt(real_server):
+    _, url = real_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    plain = client.completions.create(model="tiny", prompt=["hello", "wörld"], max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    echo = client.completions.create(model="tiny", prompt=["hello", "wörld"], max_tokens=4, temperature=0, n=2,
+                                     echo=True, extra_body={"ignore_eos": True})
+    assert [c.text for c in echo.choices] == ["hello" + plain.choices[0].text] * 2 + ["wörld" + plain.choices[1].text] * 2
+    assert echo.usage.completion_tokens == 16 and echo.usage.prompt_tokens == plain.usage.prompt_tokens
+    ids = client.completions.create(model="tiny", prompt=[104, 105], max_tokens=1, echo=True)  # byte ids: "ef"
+    assert ids.choices[0].text.startswith(bytes([104 - 3, 105 - 3]).decode())
+    chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=3, echo=True, stream=True,
+                                            temperature=0, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text == "hello" and "".join(c.choices[0].text for c in chunks) == (
+        "hello" + client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, echo=True, logprobs=1)
+
+
 def test_streamed_logprobs_count_text_offsets_from_the_start(real_server):
     """Each chunk's text_offset goes on from the chunks before it: the stream's offsets and
     tokens are the whole response's."""
