@@ -349,6 +349,14 @@ def test_bench_serve_prints_and_saves_its_report(real_server, tmp_path, capsys):
     assert "median_ttft_ms" in capsys.readouterr().out
 
 
+def test_the_openai_client_example_runs_against_the_server(real_server):
+    _, url = real_server
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "openai_client.py"), "--base-url",
+                          f"{url}/v1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "completion: " in out.stdout and "usage: CompletionUsage(" in out.stdout
+
+
 def test_echo_starts_each_choice_with_its_prompt(real_server):
     _, url = real_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
