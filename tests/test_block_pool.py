@@ -324,7 +324,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.pool.check_integrity()
-        assert self.pool.ref.tolist() == self.model.ref
+        assert self.pool.refcounts().tolist() == self.model.ref
         assert self.pool.num_free == self.model_free()
         assert free_set(self.pool) == set(self.model.stack) | set(self.model.ring)
         assert sorted(self.held) == sorted(b for b, r in enumerate(self.model.ref) for _ in range(r))
@@ -342,3 +342,32 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(deadline=None, stateful_step_count=40)
 TestPoolMachine = PoolMachine.TestCase
+
+
+class GrowingPoolMachine(PoolMachine):
+    """The same rules with per-block arrays that start at one block and double as blocks are
+    first used: growth (the ring compacted into its new room included) changes nothing."""
+
+    @initialize(n=st.integers(1, 12), enable=st.booleans())
+    def setup(self, n, enable):
+        import lockstep.policy.block_pool as bp
+
+        self._saved, bp._FIRST_CAPACITY = bp._FIRST_CAPACITY, 1
+        try:
+            super().setup(n, enable)
+        finally:
+            bp._FIRST_CAPACITY = self._saved
+        assert len(self.pool.ref) == 1
+
+
+GrowingPoolMachine.TestCase.settings = settings(deadline=None, stateful_step_count=40)
+TestGrowingPoolMachine = GrowingPoolMachine.TestCase
+
+
+def test_a_pool_of_millions_of_blocks_holds_arrays_for_the_ones_used():
+    pool = BlockPool(50_000_000)
+    got = pool.allocate(3000)
+    assert got == list(range(3000)) and len(pool.ref) == 3000 and pool.num_free == 50_000_000 - 3000
+    pool.free(got[::-1])
+    assert pool.allocate(2) == [0, 1]  # the freed blocks first, most recently freed on top
+    assert len(pool.ref) == 3000

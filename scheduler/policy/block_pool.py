@@ -70,34 +70,75 @@ class HostTier:
         return n
 
 
+_FIRST_CAPACITY = 1024  # blocks the per-block arrays start with; they double as blocks are first used
+
+
 class BlockPool:
+    """Blocks never used yet take no memory: the per-block arrays cover the blocks handed
+    out so far (``_fresh`` of them, ids 0 up) and grow by doubling, so a simulated rack of
+    many ranks with millions of KV blocks each costs what its requests touch."""
+
     def __init__(self, num_blocks: int, *, enable_prefix_cache: bool = True, host_blocks: int = 0):
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_prefix_cache = enable_prefix_cache
-        self.ref = np.zeros(num_blocks, dtype=np.int32)
-        self._hash = np.zeros((num_blocks, 2), dtype=np.uint64)
-        self._hashed = np.zeros(num_blocks, dtype=bool)
+        cap = min(num_blocks, _FIRST_CAPACITY)
+        self.ref = np.zeros(cap, dtype=np.int32)  # refcounts of blocks 0 .. capacity - 1 (0 above)
+        self._hash = np.zeros((cap, 2), dtype=np.uint64)
+        self._hashed = np.zeros(cap, dtype=bool)
         self._table: dict[int, int] = {}
-        self._unindexed = np.zeros(num_blocks, dtype=bool)  # hashed, but not in the table
+        self._unindexed = np.zeros(cap, dtype=bool)  # hashed, but not in the table
         self._n_unindexed = 0
-        # Free blocks without a hash: a stack (reused first, most recently freed on top).
-        self._stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int64)
-        self._n_stack = num_blocks
+        # Free blocks without a hash: a stack (reused first, most recently freed on top),
+        # above the blocks never used, which come next in id order (ids ``_fresh`` up).
+        self._stack = np.zeros(cap, dtype=np.int64)
+        self._n_stack = 0
+        self._fresh = 0
         # Free blocks with a hash: a FIFO ring in free order. A touched block leaves it
         # lazily: its entry stays but no longer matches ``_ring_pos``.
-        self._ring = np.zeros(2 * num_blocks + 16, dtype=np.int64)
+        self._ring = np.zeros(2 * cap + 16, dtype=np.int64)
         self._head = self._tail = 0
-        self._ring_pos = np.full(num_blocks, -1, dtype=np.int64)
+        self._ring_pos = np.full(cap, -1, dtype=np.int64)
         self._n_ring = 0
         self.host = HostTier(host_blocks) if host_blocks and enable_prefix_cache else None
+
+    def _take_fresh(self, n: int) -> range:
+        """The next n never-used block ids, the per-block arrays grown to hold them."""
+        lo, hi = self._fresh, self._fresh + n
+        if hi > len(self.ref):
+            self._grow(min(max(hi, 2 * len(self.ref)), self.num_blocks))
+        self._fresh = hi
+        return range(lo, hi)
+
+    def _grow(self, cap: int) -> None:
+        old = len(self.ref)
+
+        def grown(a: np.ndarray, fill=0) -> np.ndarray:
+            out = np.full((cap, *a.shape[1:]), fill, dtype=a.dtype)
+            out[:old] = a
+            return out
+
+        self.ref, self._hash, self._hashed = grown(self.ref), grown(self._hash), grown(self._hashed)
+        self._unindexed, self._stack = grown(self._unindexed), grown(self._stack)
+        self._ring_pos = grown(self._ring_pos, -1)
+        live = self._live_ring()  # the ring, compacted into its new room
+        self._ring = np.zeros(2 * cap + 16, dtype=np.int64)
+        self._ring[: len(live)] = live
+        self._ring_pos[live] = np.arange(len(live))
+        self._head, self._tail = 0, len(live)
+
+    def refcounts(self) -> np.ndarray:
+        """Every block's refcount (num_blocks of them: for checks, not the hot path)."""
+        out = np.zeros(self.num_blocks, dtype=np.int32)
+        out[: len(self.ref)] = self.ref
+        return out
 
     # -- queries -------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (free, including cached-but-unused ones)."""
-        return self._n_stack + self._n_ring
+        return self._n_stack + self._n_ring + self.num_blocks - self._fresh
 
     @property
     def num_used(self) -> int:
@@ -171,17 +212,24 @@ class BlockPool:
         take = min(n, self._n_stack)
         out = self._stack[self._n_stack - take : self._n_stack][::-1]
         self._n_stack -= take
-        if take < n:
-            out = np.concatenate([out, self._pop_ring(n - take)])
+        fresh = min(n - take, self.num_blocks - self._fresh)
+        if fresh:
+            got = self._take_fresh(fresh)
+            out = np.concatenate([out, np.arange(got.start, got.stop, dtype=np.int64)])
+        if take + fresh < n:
+            out = np.concatenate([out, self._pop_ring(n - take - fresh)])
         self.ref[out] = 1
         return out.tolist()
 
     def _allocate_small(self, n: int) -> list[int]:
         """``allocate`` one block at a time in Python: the same blocks in the same order."""
-        out, stack, ref = [], self._stack, self.ref
+        out, stack = [], self._stack
         while len(out) < n and self._n_stack:
             self._n_stack -= 1
             out.append(stack.item(self._n_stack))
+        if len(out) < n and self._fresh < self.num_blocks:
+            out += self._take_fresh(min(n - len(out), self.num_blocks - self._fresh))
+        ref = self.ref  # (after any growth)
         if len(out) < n:
             ring, ring_pos, hashes, hashed = self._ring, self._ring_pos, self._hash, self._hashed
             table, head, unindexed = self._table, self._head, self._unindexed
@@ -388,15 +436,20 @@ class BlockPool:
         return live[self._ring_pos[live] == np.arange(self._head, self._tail)]
 
     def free_blocks(self) -> np.ndarray:
-        return np.concatenate([self._stack[: self._n_stack], self._live_ring()])
+        """The free blocks in reuse order from the last: the stack bottom up (the never-used
+        blocks below the freed ones), then the cached ones."""
+        never = np.arange(self.num_blocks - 1, self._fresh - 1, -1, dtype=np.int64)
+        return np.concatenate([never, self._stack[: self._n_stack], self._live_ring()])
 
     def check_integrity(self) -> None:
         free_list = self.free_blocks()
         assert len(np.unique(free_list)) == len(free_list), "a block is free twice"
         free = np.zeros(self.num_blocks, dtype=bool)
         free[free_list] = True
-        assert (self.ref >= 0).all(), "negative refcount"
-        assert ((self.ref == 0) == free).all(), "free list and refcounts disagree"
+        refs = self.refcounts()
+        assert (refs >= 0).all(), "negative refcount"
+        assert ((refs == 0) == free).all(), "free list and refcounts disagree"
+        assert not self.ref[self._fresh :].any() and not self._hashed[self._fresh :].any(), "a never-used block in use"
         assert not self._hashed[self._stack[: self._n_stack]].any(), "hashed block on the plain stack"
         assert not (self._unindexed & ~self._hashed).any(), "an unindexed block without a hash"
         assert self._n_unindexed == int(self._unindexed.sum()), "unindexed count out of date"

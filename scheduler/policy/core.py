@@ -463,7 +463,7 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
             np.add.at(refs, req.blocks, 1)
         for blocks in self.held.values():
             np.add.at(refs, blocks, 1)
-        assert (refs == self.pool.ref).all(), "block refcounts do not match request tables"
+        assert (refs == self.pool.refcounts()).all(), "block refcounts do not match request tables"
         assert len(self._free_slots) + int(self.s_active.sum()) == self.config.max_num_seqs
         prefilling = set(np.flatnonzero(self.s_active & (self.s_ncomp < self.s_prefill_end)).tolist())
         assert prefilling == self._prefilling, "prefilling set out of date"
