@@ -19,8 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--deployment", help="deployment TOML; default: the built-in (examples/default.toml)")
     s.add_argument("--rate-scale", type=float, default=1.0, help="multiply the arrival rate")
     s.add_argument("--limit", type=int, help="replay only the first N requests")
-    s.add_argument("--seed", type=int, default=0,
-                   help="seed of the synthetic workload, generated tokens and expert-load drift")
+    s.add_argument("--seed", type=int,
+                   help="seed of the synthetic workload, generated tokens and expert-load drift (default: the "
+                        "deployment's seed, 0 in the built-in)")
     s.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
     s.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, seconds")
     s.add_argument("--json", metavar="PATH", help="write the report as JSON")

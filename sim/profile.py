@@ -41,7 +41,7 @@ import attrs
 import numpy as np
 
 from lockstep.policy.config import ConfigError
-from lockstep.policy.deployment import CostSpec, HardwareSpec, HostSpec, ModelSpec
+from lockstep.policy.deployment import HARDWARE_PRESETS, CostSpec, HardwareSpec, HostSpec, ModelSpec
 
 from .cost import AnalyticCost, StepLoad
 
@@ -173,6 +173,11 @@ class ProfiledCost(AnalyticCost):
             raise ConfigError(f"pool {pool!r} runs DEP{dep}, but profile {profile.path} was measured at "
                               f"DEP{profile.dep}: one GPU's times do not price a DEP group's expert reads "
                               "or all-to-all; use the analytic model for it")
+        device = profile.device.lower()
+        if hw.name in HARDWARE_PRESETS and device not in ("", "cpu") and hw.name not in device.replace(" ", ""):
+            raise ConfigError(f"pool {pool!r} runs on [hardware] {hw.name!r}, but profile {profile.path} was "
+                              f"measured on {profile.device!r}: its step times are that GPU's; profile the "
+                              "hardware the pool runs on, or drop [cost] profile")
         super().__init__(model, hw, cost, dep, host)
         self.profile = profile
         self.lookups = self.outside = 0

@@ -36,6 +36,12 @@ def print_table(report: dict, console: Console | None = None) -> None:
     kv = report["kv_cache_use"]
     head.add_row("KV cache use", f"mean {kv['mean']:.1%}, max {kv['max']:.1%}")
     head.add_row("simulated time", f"{report['duration_s']:,.1f} s in {report['steps']:,} steps")
+    b = report.get("balancedness")
+    if b is not None and b["mean"] is not None:
+        head.add_row("expert balancedness", f"mean {b['mean']:.3f}, min {b['min']:.3f} over {b['windows']:,} windows "
+                     f"(balancer {'on' if b['balancer'] else 'off'})")
+    if report.get("trace_rows_skipped"):
+        head.add_row("trace rows skipped", f"{report['trace_rows_skipped']:,} (--skip-bad-rows)")
     console.print(head)
     lat = Table(title="latency (ms)")
     for col in ("", "mean", "p50", "p90", "p99"):

@@ -93,9 +93,12 @@ def run_sim(args) -> int:
         if not Path(args.profile).is_file():
             raise ConfigError(f"--profile {args.profile}: no such file (write it with `lockstep profile`)")
         deployment = attrs.evolve(deployment, cost=attrs.evolve(deployment.cost, profile=args.profile))
-    workload, name, skipped = load_workload(args.trace, args.format, seed=args.seed, rate_scale=args.rate_scale,
+    seed = deployment.seed if args.seed is None else args.seed
+    if seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {seed}")
+    workload, name, skipped = load_workload(args.trace, args.format, seed=seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
-    sim = Simulator(deployment, workload, seed=args.seed, slo_ttft=args.slo_ttft,
+    sim = Simulator(deployment, workload, seed=seed, slo_ttft=args.slo_ttft,
                     slo_tpot=args.slo_tpot, use_advance=not args.no_advance, eplb=not args.no_eplb)
     show = len(workload) >= 2000 and sys.stderr.isatty()
     with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

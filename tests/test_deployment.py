@@ -235,12 +235,11 @@ def test_tables_of_the_wrong_kind_and_repeated_names_are_named():
     assert "num_blocks is derived" in bad(lambda d: d["scheduler"].update(num_blocks=10))
 
 
-def test_dep_must_divide_the_expert_slots_where_placement_is_modelled():
+def test_dep_must_divide_the_expert_slots():
     def skewed_dep6(d):
         d["pools"][0]["dep"] = 6
         d.setdefault("cost", {})["expert_skew"] = 1.0  # the simulator then places experts on the ranks
     msg = bad(skewed_dep6)
     assert "dep 6 must divide the expert slots" in msg and "[[pools]] #1" in msg
-    data = copy.deepcopy(BASE)
-    data["pools"][0]["dep"] = 6  # a fixed balancedness: no placement, priced as before
-    deployment_from_dict(data, source="ok.toml")
+    msg = bad(lambda d: d["pools"][0].update(dep=6))  # a fixed balancedness too: EP shards experts evenly
+    assert "dep 6 must divide the expert slots" in msg

@@ -25,7 +25,7 @@ PREFILL = [[256, 0, 0.010], [256, 8192, 0.020], [8192, 0, 0.300], [8192, 8192, 0
 
 
 def write_profile(path: Path, **fields) -> Path:
-    data = {"model": "v2-lite", "device": "made up", "dtype": "bfloat16", "dep": 1, "decode": DECODE,
+    data = {"model": "v2-lite", "device": "NVIDIA H200 (made up)", "dtype": "bfloat16", "dep": 1, "decode": DECODE,
             "prefill": PREFILL, **fields}
     path.write_text(json.dumps(data))
     return path
@@ -133,6 +133,11 @@ def test_bad_profiles_are_refused_by_name(tmp_path, capsys):
     d = load_deployment(write_deployment(tmp_path, "tiny.json"))
     with pytest.raises(ConfigError, match=r"runs model 'v2-lite', but profile .* measured 'tiny'"):
         Simulator(d, [])
+    write_profile(tmp_path / "h200.json")
+    path = write_deployment(tmp_path, "h200.json")
+    path.write_text(path.read_text().replace('preset = "h200"', 'preset = "gb300"'))
+    with pytest.raises(ConfigError, match=r"runs on \[hardware\] 'gb300', but profile .* measured on 'NVIDIA H200"):
+        Simulator(load_deployment(path), [])
     (tmp_path / "junk.json").write_text("{not json")
     assert main(["sim", "--deployment", str(EXAMPLES / "h200-v2lite.toml"), "--limit", "5",
                  "--profile", str(tmp_path / "junk.json")]) == 2

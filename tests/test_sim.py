@@ -300,3 +300,18 @@ def test_balancer_raises_balancedness_and_advance_still_equals_stepping():
 def test_bad_flags_fail_before_simulating(args, says, capsys):
     assert main(["sim", "--limit", "5", *args]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_deployments_seed_is_the_default_and_a_negative_one_is_refused(tmp_path, capsys):
+    text = (ROOT / "examples" / "default.toml").read_text()
+    assert "\nseed = 0\n" in text
+    (tmp_path / "seed7.toml").write_text(text.replace("\nseed = 0\n", "\nseed = 7\n"))
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["sim", "--limit", "60", "--deployment", str(tmp_path / "seed7.toml"), "--json", str(a)]) == 0
+    assert main(["sim", "--limit", "60", "--seed", "7", "--json", str(b)]) == 0
+    ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
+    assert ra["seed"] == 7 and {k: v for k, v in ra.items() if k != "deployment"} == \
+        {k: v for k, v in rb.items() if k != "deployment"}
+    capsys.readouterr()
+    assert main(["sim", "--limit", "5", "--seed", "-1"]) == 2
+    assert "--seed must be >= 0, got -1" in capsys.readouterr().err

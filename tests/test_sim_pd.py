@@ -123,7 +123,9 @@ def test_advance_equals_stepping_and_same_bytes_twice():
 
 @pytest.mark.parametrize("line,bad,message", [
     ("bandwidth = 400e9", "bandwidth = -1.0",
-     r"pd\.toml: \[kv_transfer\]: kv_transfer\.bandwidth must be a number >= 0, got -1"),
+     r"pd\.toml: \[kv_transfer\]: bandwidth must be a finite number >= 0, got -1"),
+    ("setup_s = 20e-6", "setup_s = inf", r"pd\.toml: \[kv_transfer\]: setup_s must be a finite number >= 0, got inf"),
+    ("bandwidth = 400e9", "bandwidth = 1", r"bandwidth must be 0 \(\[hardware\] link_bandwidth\) or at least 1e6"),
     ("merged = true", 'merged = "yes"', r"pd\.toml: \[kv_transfer\]: field 'merged' must be true or false"),
     ("setup_s = 20e-6", "latency_s = 20e-6",
      r"pd\.toml: \[kv_transfer\]: unknown field\(s\) \['latency_s'\]; allowed: .*'setup_s'"),

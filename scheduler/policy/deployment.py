@@ -204,8 +204,15 @@ class EngineSpec:
 
 
 def _at_least_zero(inst, attribute, value):
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and not value >= 0:
-        raise ConfigError(f"kv_transfer.{attribute.name} must be a number >= 0, got {value!r}")
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0):
+        raise ConfigError(f"kv_transfer.{attribute.name} must be a finite number >= 0, got {value!r}")
+
+
+def _link_bandwidth(inst, attribute, value):
+    _at_least_zero(inst, attribute, value)
+    if 0 < value < 1e6:  # as [hardware]'s: a unit slip, that prices pulls at years
+        raise ConfigError(f"kv_transfer.bandwidth must be 0 ([hardware] link_bandwidth) or at least 1e6 bytes/s, "
+                          f"got {value!r}")
 
 
 @attrs.frozen
@@ -218,7 +225,7 @@ class KVTransferSpec:
     that starts it, and ``done_s`` per pulled request in the step it first runs in."""
 
     # bytes/s per decode GPU; 0: [hardware] link_bandwidth (the pools share one NVLink domain)
-    bandwidth: float = attrs.field(default=0.0, validator=_at_least_zero)
+    bandwidth: float = attrs.field(default=0.0, validator=_link_bandwidth)
     setup_s: float = attrs.field(default=20e-6, validator=_at_least_zero)  # per pull, before bytes move
     per_descriptor_s: float = attrs.field(default=3.4e-6, validator=_at_least_zero)  # NIXL over UCX, measured here
     merged: bool = True  # one descriptor per run of blocks contiguous on both sides; false: one per block
@@ -458,13 +465,16 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     for i, pool in enumerate(pools):  # where expert placement is modelled, its slots split over the ranks
         m = next(m for m in models if m.name == pool.model)
         slots = m.num_routed_experts + (eplb.redundant_experts if eplb is not None else 0)
-        placed = eplb is not None or cost.expert_skew > 0
-        if placed and pool.dep > 1 and m.num_routed_experts and slots % pool.dep:
+        if pool.dep > 1 and m.num_routed_experts and slots % pool.dep:  # expert parallelism: even shards
             raise ConfigError(f"{source}: [[pools]] #{i + 1} ({pool.name!r}): dep {pool.dep} must divide the "
                               f"expert slots, {m.num_routed_experts} routed experts of {m.name!r}"
                               + (f" + {eplb.redundant_experts} redundant ([eplb])" if eplb is not None else ""))
-    if not isinstance(data.get("seed", 0), int) or isinstance(data.get("seed", 0), bool):
-        raise ConfigError(f"{source}: top level: seed must be an integer, got {data.get('seed')!r}")
+    seed = data.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError(f"{source}: top level: seed must be an integer >= 0, got {seed!r}")
+    for key in ("name", "hash_secret"):
+        if key in data and not isinstance(data[key], str):
+            raise ConfigError(f"{source}: top level: {key} must be a string, got {data[key]!r}")
     spec = _speculative(data["speculative"], source, models, pools) if "speculative" in data else None
     dep = Deployment(
         name=str(data.get("name", Path(source).stem)), models=models, hardware=hardware,
@@ -526,10 +536,14 @@ def _table(data: dict, key: str, source: str, default=None) -> dict:
 def _build(cls, table: dict, source: str, where: str):
     _no_unknown(table, {f.name for f in attrs.fields(cls)}, source, where)
     _check_types(cls, table, source, where)
+    missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in table]
+    if missing:
+        hint = " (or give a preset)" if cls is HardwareSpec else ""
+        raise ConfigError(f"{source}: {where}: missing field(s) {missing}{hint}")
     try:
         return cls(**table)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {where}: {e}") from None
+    except ConfigError as e:  # (a validator may already name its table: "scheduler.block_size ...")
+        raise ConfigError(f"{source}: {where}: {str(e).removeprefix(where.strip('[]') + '.')}") from None
     except TypeError as e:
         raise ConfigError(f"{source}: {where}: {e}") from None
 
@@ -558,9 +572,12 @@ def _model(table: dict, source: str, i: int) -> ModelSpec:
     if missing:
         raise ConfigError(f"{source}: {where}: missing field(s) {missing} (or give a preset)")
     spec = _build(ModelSpec, table, source, where)
-    if spec.top_k > spec.num_routed_experts or spec.num_dense_layers > spec.num_layers:
-        raise ConfigError(f"{source}: {where}: top_k must be <= num_routed_experts and "
-                          "num_dense_layers <= num_layers")
+    if spec.top_k > spec.num_routed_experts:
+        raise ConfigError(f"{source}: {where}: top_k ({spec.top_k}) must be <= num_routed_experts "
+                          f"({spec.num_routed_experts})")
+    if spec.num_dense_layers > spec.num_layers:
+        raise ConfigError(f"{source}: {where}: num_dense_layers ({spec.num_dense_layers}) must be <= num_layers "
+                          f"({spec.num_layers})")
     return spec
 
 
@@ -580,8 +597,9 @@ def _pool(table: dict, source: str, i: int, models: tuple[ModelSpec, ...]) -> Po
     pool = _build(PoolSpec, table, source, where)
     if pool.role not in ROLES:
         raise ConfigError(f"{source}: {where}: role must be one of {ROLES}, got {pool.role!r}")
-    if pool.instances < 1 or pool.dep < 1:
-        raise ConfigError(f"{source}: {where}: instances and dep must be >= 1")
+    for field in ("instances", "dep"):
+        if getattr(pool, field) < 1:
+            raise ConfigError(f"{source}: {where}: field {field!r} must be an integer >= 1, got {getattr(pool, field)}")
     if pool.model not in {m.name for m in models}:
         raise ConfigError(f"{source}: {where}: model {pool.model!r} is not in [[models]]")
     return pool

@@ -30,6 +30,11 @@ def _one_of(attribute, value, allowed: tuple) -> None:
         raise ConfigError(f"eplb.{attribute.name} must be one of {allowed}, got {value!r}")
 
 
+def _eps(v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise ConfigError(f"eplb.eps must be a number in [0, 1), got {v!r}")
+
+
 @attrs.frozen
 class EplbConfig:
     # Physical expert slots per MoE layer beyond one per logical expert, over all ranks
@@ -37,7 +42,8 @@ class EplbConfig:
     redundant_experts: int = attrs.field(default=0, validator=_non_negative)
     window_steps: int = attrs.field(default=64, validator=_positive)  # plan on this many steps' loads
     incremental: bool = True  # repair the placement in use (few moves) rather than plan afresh
-    eps: float = 0.01  # incremental: how close to a fresh plan's heaviest GPU is close enough
+    eps: float = attrs.field(default=0.01, validator=lambda i, a, v: _eps(v))  # incremental: how close to a
+    # fresh plan's heaviest GPU is close enough
     # How a replicated expert's tokens split among its replicas in each batch: "even", or
     # "proportional" (the GPUs holding them come out level; one more all-reduce per layer).
     token_split: str = attrs.field(default="even", validator=lambda i, a, v: _one_of(a, v, ("even", "proportional")))
