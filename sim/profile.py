@@ -35,6 +35,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from pathlib import Path
 
 import attrs
@@ -159,6 +160,14 @@ def mix_from_load(tokens: float, ctx: float, pairs: float) -> tuple[float, float
     return 0.0, 0.0, tokens, pairs - tokens * (tokens + 1) / 2
 
 
+def _same_gpu(preset: str, device: str) -> bool:
+    """Whether a device name (torch's, as `lockstep profile` records it) is the preset's GPU:
+    the preset's name as a whole word ('NVIDIA H200', 'NVIDIA H200 NVL', 'NVIDIA GB300'; not
+    'NVIDIA GH200', not a MIG slice of it)."""
+    name = device.lower()
+    return bool(re.search(rf"(?<![a-z0-9]){re.escape(preset)}(?![0-9])", name)) and "mig" not in name.split()
+
+
 class ProfiledCost(AnalyticCost):
     """AnalyticCost with the GPU part of a rank's step looked up in a measured profile."""
 
@@ -173,11 +182,11 @@ class ProfiledCost(AnalyticCost):
             raise ConfigError(f"pool {pool!r} runs DEP{dep}, but profile {profile.path} was measured at "
                               f"DEP{profile.dep}: one GPU's times do not price a DEP group's expert reads "
                               "or all-to-all; use the analytic model for it")
-        device = profile.device.lower()
-        if hw.name in HARDWARE_PRESETS and device not in ("", "cpu") and hw.name not in device.replace(" ", ""):
+        if hw.name in HARDWARE_PRESETS and not _same_gpu(hw.name, profile.device):
             raise ConfigError(f"pool {pool!r} runs on [hardware] {hw.name!r}, but profile {profile.path} was "
-                              f"measured on {profile.device!r}: its step times are that GPU's; profile the "
-                              "hardware the pool runs on, or drop [cost] profile")
+                              f"measured on {profile.device!r}: its step times are that device's; profile the "
+                              "hardware the pool runs on, drop [cost] profile, or give [hardware] a name of "
+                              "its own (custom hardware is not checked)")
         super().__init__(model, hw, cost, dep, host)
         self.profile = profile
         self.lookups = self.outside = 0

@@ -38,7 +38,8 @@ def print_table(report: dict, console: Console | None = None) -> None:
     head.add_row("simulated time", f"{report['duration_s']:,.1f} s in {report['steps']:,} steps")
     b = report.get("balancedness")
     if b is not None and b["mean"] is not None:
-        head.add_row("expert balancedness", f"mean {b['mean']:.3f}, min {b['min']:.3f} over {b['windows']:,} windows "
+        head.add_row(f"expert balancedness ({b.get('pool', '')})",
+                     f"mean {b['mean']:.3f}, min {b['min']:.3f} over {b['windows']:,} windows "
                      f"(balancer {'on' if b['balancer'] else 'off'})")
     if report.get("trace_rows_skipped"):
         head.add_row("trace rows skipped", f"{report['trace_rows_skipped']:,} (--skip-bad-rows)")

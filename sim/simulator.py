@@ -87,12 +87,12 @@ class Instance:
 
 class Simulator(PDFlow):
     def __init__(self, deployment: Deployment, workload: Sequence[TraceRequest], *,
-                 seed: int = 0, slo_ttft: float = 2.0, slo_tpot: float = 0.1,
+                 seed: int | None = None, slo_ttft: float = 2.0, slo_tpot: float = 0.1,
                  use_advance: bool = True, on_plan: Callable | None = None, eplb: bool = True,
                  private_prefixes: bool = True):
         self.d = deployment
         self.workload = list(workload)
-        self.seed = seed
+        self.seed = deployment.seed if seed is None else seed  # None: the deployment's
         self.slo = (slo_ttft, slo_tpot)
         self.use_advance = use_advance
         self.on_plan = on_plan  # observer for parity tests: on_plan(instance, rank, plan)
@@ -105,14 +105,14 @@ class Simulator(PDFlow):
         self.pd = any(pool.role != "colocated" for pool in deployment.pools)
         if self.pd:
             check_pd_pools(deployment)
-        self.spec = Speculation(deployment.speculative, seed) if deployment.speculative else None
+        self.spec = Speculation(deployment.speculative, self.seed) if deployment.speculative else None
         profile = load_profile(deployment.cost.profile, f"{deployment.source}: [cost] profile") \
             if deployment.cost.profile else None
         for pool in deployment.pools:
             model = deployment.model(pool.model)
             cost = self._cost(pool, model, profile)
             if deployment.cost.expert_skew > 0 and pool.dep > 1:
-                loads = ExpertLoads(model, pool.dep, deployment.cost, deployment.eplb, seed, balance=eplb,
+                loads = ExpertLoads(model, pool.dep, deployment.cost, deployment.eplb, self.seed, balance=eplb,
                                     gpus_per_node=deployment.hardware.gpus_per_node)
                 self._experts.append((loads, cost))
                 self._next_window = 0.0
@@ -141,7 +141,7 @@ class Simulator(PDFlow):
         # too long only for some pools is routed to the others (``_admit``).
         longest = max(c.config.max_model_len for _, c in self._ranks)
         self._mixed_context = any(c.config.max_model_len != longest for _, c in self._ranks)
-        self.prompts = Prompts(self.workload, self.hasher, vocab_size=self.model.vocab_size, seed=seed,
+        self.prompts = Prompts(self.workload, self.hasher, vocab_size=self.model.vocab_size, seed=self.seed,
                                max_model_len=longest)
         if private_prefixes and not self.pd and deployment.scheduler.enable_prefix_caching:
             self.prompts.find_private(self.out_tokens, self.out_base)
@@ -507,7 +507,9 @@ class Simulator(PDFlow):
             prefix=(queries, hits, host_hits), preemptions=sum(c.num_preemptions for c in cores), extra=extra,
         )
         if self._experts:
-            rep["balancedness"] = self._experts[0][0].report()
+            # the first DEP pool with expert loads (pools of one model drift alike)
+            pool = next(p.name for p in self.d.pools if self.d.cost.expert_skew > 0 and p.dep > 1)
+            rep["balancedness"] = {**self._experts[0][0].report(), "pool": pool}
         if self.spec is not None:
             rep["spec_decode"] = self.spec.report()
         measured = [i.cost.statistics() for i in self.instances if isinstance(i.cost, ProfiledCost)]

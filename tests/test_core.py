@@ -436,14 +436,14 @@ def pool_state(run: Run, specs: list[Spec]) -> tuple:
     pool = run.core.pool
     hasher = run.core.hasher
     cached = [pool.match_prefix(hasher.hash_prompt(s.truth(), s.salt)[0]) for s in specs]
-    return pool.ref.tolist(), pool.free_blocks().tolist(), cached
+    return pool.refcounts().tolist(), pool.free_blocks().tolist(), cached
 
 
 def same_schedule(a: Run, b: Run, specs: list[Spec]) -> None:
     assert a.finished == b.finished  # same order, reasons and steps
     assert a.steps == b.steps
     assert [a.reqs[s.rid].num_output for s in specs] == [b.reqs[s.rid].num_output for s in specs]
-    assert a.core.pool.ref.tolist() == b.core.pool.ref.tolist()
+    assert a.core.pool.refcounts().tolist() == b.core.pool.refcounts().tolist()
     assert a.core.pool.free_blocks().tolist() == b.core.pool.free_blocks().tolist()
     ca, cb = a.core, b.core
     assert (ca.num_preemptions, ca.prefix_queries, ca.prefix_hits) == (

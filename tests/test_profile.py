@@ -53,6 +53,8 @@ def test_profile_command_writes_a_loadable_profile_on_cpu(tmp_path):
     dep = tmp_path / "tiny.toml"
     dep.write_text('[[models]]\npreset = "tiny"\n[[pools]]\nname = "main"\nrole = "colocated"\n'
                    '[cost]\nprofile = "tiny.json"\n')
+    assert main(["sim", "--deployment", str(dep), "--limit", "20"]) == 2  # a CPU's times priced as an H200's
+    dep.write_text(dep.read_text() + '[hardware]\npreset = "h200"\nname = "this-cpu"\n')  # hardware of its own
     rep = tmp_path / "rep.json"
     assert main(["sim", "--deployment", str(dep), "--limit", "20", "--json", str(rep)]) == 0
     assert json.loads(rep.read_text())["cost_profile"]["lookups"] > 0

@@ -150,7 +150,7 @@ class BlockPool:
     def match_prefix(self, hashes: np.ndarray, hint: list[int] | None = None) -> list[int]:
         """Block ids holding the longest cached prefix of ``hashes`` ((n, 2) uint64).
 
-        ``hint``: what an earlier call returned for the same hashes. It is checked in one
+        ``hint``: what an earlier call on this pool returned for the same hashes. It is checked in one
         vector pass and the search goes on from where it stops holding, so a request that
         waits at the head of the queue does not redo 53K dict lookups every step.
         """

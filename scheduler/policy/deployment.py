@@ -462,7 +462,7 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     if not pools:
         raise ConfigError(f"{source}: [[pools]] must list at least one pool")
     _unique([p.name for p in pools], source, "pools")
-    for i, pool in enumerate(pools):  # where expert placement is modelled, its slots split over the ranks
+    for i, pool in enumerate(pools):  # expert parallelism: every rank holds as many expert slots
         m = next(m for m in models if m.name == pool.model)
         slots = m.num_routed_experts + (eplb.redundant_experts if eplb is not None else 0)
         if pool.dep > 1 and m.num_routed_experts and slots % pool.dep:  # expert parallelism: even shards
