@@ -102,7 +102,10 @@ class TorchRuntime:
             torch.cuda.set_device(self.device)
         self.model = load_model(spec.model, dtype=DTYPES[spec.dtype], device=self.device, seed=spec.seed,
                                 overrides=spec.options.get("preset_overrides"),
-                                draw_on_device=bool(spec.options.get("init_on_device", False)))
+                                # a preset's random weights are drawn where they live on a GPU (a
+                                # 16B-parameter model drawn on the CPU took minutes); the option off
+                                # draws them on the CPU, the same on any device
+                                draw_on_device=bool(spec.options.get("init_on_device", self.device.type == "cuda")))
         synthetic.apply(self.model, spec.options, spec.seed)  # benchmarks' skew and scale options
         self.world = spec.world_size
         if self.world > 1:

@@ -126,6 +126,7 @@ def _run(module: str, fn: str, label: str, args) -> int:
     """Bad input ends the command with one line naming it and exit status 2."""
     from importlib import import_module
 
+    from lockstep.engine.runtime_client import RuntimeDied
     from lockstep.policy.config import ConfigError
     from lockstep.policy.request import RequestError
     from lockstep.sim.traces import TraceFormatError
@@ -143,7 +144,10 @@ def _run(module: str, fn: str, label: str, args) -> int:
         # Only input errors, and a port or address that cannot be bound: anything else raised
         # inside the engine (a runtime's broken pipe, a bug's ValueError) keeps its traceback.
         bind = isinstance(leaf, OSError) and leaf.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
-        if not (isinstance(leaf, (ConfigError, RequestError, TraceFormatError)) or bind):
+        # A runtime that could not start (its model failed to load, or took too long) is said
+        # in its own words: its message carries the runtime's traceback where it has one.
+        start = isinstance(leaf, RuntimeDied) and label in ("serve", "generate")
+        if not (isinstance(leaf, (ConfigError, RequestError, TraceFormatError)) or bind or start):
             raise
         print(f"lockstep {label}: error: {leaf}", file=sys.stderr)
         return 2

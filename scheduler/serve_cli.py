@@ -59,6 +59,8 @@ def add_parser(sub) -> None:
                    help="passed to the runtime (e.g. sleep=false for the timing runtime)")
     s.add_argument("--backlog", type=int, default=4096, help="listen backlog (pending connections)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight requests")
+    s.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds a runtime may take to load its model and report ready")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request to stdout")
     s.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput log lines while requests run (0: none)")
@@ -84,7 +86,8 @@ def engine_configs(args) -> list[tuple[str, object]]:
     """(served name, EngineConfig) per model: one from the flags, or each model a deployment's
     pools serve."""
     if not args.deployment:
-        return [(args.served_model_name or args.model, engine_config(args))]
+        return [(args.served_model_name or args.model, attrs.evolve(engine_config(args),
+                                                                    start_timeout_s=args.start_timeout))]
     from lockstep.engine.config import EngineConfig
     from lockstep.policy.deployment import load_deployment
 
@@ -93,7 +96,8 @@ def engine_configs(args) -> list[tuple[str, object]]:
     served = sorted({p.model for p in dep.pools}, key=[p.model for p in dep.pools].index)
     if args.served_model_name and len(served) > 1:
         raise ValueError(f"--served-model-name names one model, but {args.deployment} serves {served}")
-    return [(args.served_model_name or m, EngineConfig.from_deployment(dep, model=m)) for m in served]
+    return [(args.served_model_name or m, attrs.evolve(EngineConfig.from_deployment(dep, model=m),
+                                                       start_timeout_s=args.start_timeout)) for m in served]
 
 
 # Flags a deployment file's tables replace: given with --deployment, they would be ignored.

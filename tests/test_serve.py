@@ -475,6 +475,14 @@ def _group_gone(pgid: int) -> None:
     raise AssertionError(f"processes of group {pgid} still running")
 
 
+def test_a_runtime_that_does_not_load_in_time_is_a_one_line_error(capsys):
+    from lockstep.cli import main
+
+    assert main(["serve", *TIMING, "--runtime-option", "load_s=30", "--start-timeout", "1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "did not load and report ready within 1 s" in err and "--start-timeout" in err and "Traceback" not in err
+
+
 def test_a_signal_while_the_engine_loads_stops_the_start():
     """SIGTERM during a (here 60 s) model load stops it at once: no port bound, exit 0."""
     proc = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "serve", "--port", str(free_port()), *TIMING,

@@ -70,6 +70,8 @@ class EngineConfig:
     # waits up to ``node_rejoin_timeout_s`` for all nodes to join a fresh link (a lost node
     # once its supervisor restarts it), then the instance runs again; 0: stop instead.
     node_rejoin_timeout_s: float = 60.0
+    # How long a runtime may take to load its model and report ready (vLLM waits 600 s).
+    start_timeout_s: float = 900.0
 
     def __attrs_post_init__(self) -> None:
         self._check_types()
@@ -220,6 +222,9 @@ class EngineConfig:
         r = self.ring_bytes
         if isinstance(r, bool) or not isinstance(r, int) or r < 4096 or r % 16:
             raise ConfigError(f"engine.ring_bytes must be an integer >= 4096 and a multiple of 16, got {r!r}")
+        if isinstance(self.start_timeout_s, bool) or not isinstance(self.start_timeout_s, (int, float)) or \
+                not self.start_timeout_s > 0:
+            raise ConfigError(f"engine.start_timeout_s must be a number of seconds > 0, got {self.start_timeout_s!r}")
         for name in ("kv_hold_timeout_s", "node_rejoin_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -275,7 +280,7 @@ class EngineConfig:
     def make_client(self, rank: int = 0, dist_init: str | None = None, *, world_size: int | None = None,
                     options: dict | None = None) -> RuntimeClient:
         spec = self.runtime_spec(rank, dist_init, world_size=world_size, options=options)
-        return RuntimeClient(spec, ring_bytes=self.ring_bytes)
+        return RuntimeClient(spec, ring_bytes=self.ring_bytes, start_timeout=self.start_timeout_s)
 
     def load_tokenizer(self):
         if self.tokenizer is None:

@@ -66,8 +66,13 @@ class RuntimeClient:
             send_ring(mine, self._from)
         finally:
             theirs.close()
-        with trio.fail_after(self.start_timeout):
+        with trio.move_on_after(self.start_timeout) as waited:
             kind, _, payload = await self._recv()
+        if waited.cancelled_caught:
+            self.proc.kill()
+            raise RuntimeDied(f"runtime {self.spec.runtime!r} ({self.spec.model} on {self.spec.device}) did not "
+                              f"load and report ready within {self.start_timeout:g} s; a larger model may need a "
+                              "longer engine start_timeout_s (serve --start-timeout)")
         if kind != READY:
             raise RuntimeDied(f"runtime sent message kind {kind} before READY")
         self.ready = msgspec.msgpack.decode(payload, type=Ready)
