@@ -9,6 +9,7 @@ times, or Poisson (``--burstiness 1``) / gamma arrivals at ``--request-rate``.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import time
@@ -84,12 +85,21 @@ async def one_request(client, url: str, model: str, prompt: np.ndarray, out_len:
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
-                rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                body = (await r.aread()).decode("utf-8", "replace")
+                try:
+                    body = json.loads(body)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    pass
+                rec["error"] = f"HTTP {r.status_code}: {body[:200]}"
                 return rec
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])
+                if "error" in data:  # the server failed it mid-stream: a failure, whatever came before
+                    err = data["error"]
+                    rec["error"] = f"{err.get('type', 'error')}: {err.get('message', '')}"[:300]
+                    return rec
                 if data.get("choices"):
                     rec["chunks"].append(time.perf_counter() - start)
                 if data.get("usage"):
@@ -102,9 +112,26 @@ async def one_request(client, url: str, model: str, prompt: np.ndarray, out_len:
     return rec
 
 
+def _metrics(args) -> tuple[list[str], list[float]]:
+    """--percentile-metrics and --metric-percentiles, parsed (spaces allowed), or a ValueError
+    naming the flag: checked before any request is sent."""
+    names = [n.strip() for n in args.percentile_metrics.split(",") if n.strip()]
+    bad = [n for n in names if n not in ("ttft", "tpot", "itl", "e2el")]
+    if bad or not names:
+        raise ValueError(f"--percentile-metrics takes a comma-separated list of ttft, tpot, itl, e2el; "
+                         f"got {args.percentile_metrics!r}")
+    try:
+        pcts = [float(p) for p in args.metric_percentiles.split(",")]
+    except ValueError:
+        pcts = [float("nan")]
+    if not all(0 <= p <= 100 for p in pcts):
+        raise ValueError(f"--metric-percentiles takes comma-separated numbers in [0, 100], got {args.metric_percentiles!r}")
+    return names, pcts
+
+
 def summarize(recs: list[dict], duration: float, args) -> dict:
     ok = [r for r in recs if r["ok"]]
-    pcts = [float(p) for p in args.metric_percentiles.split(",")]
+    names, pcts = _metrics(args)
     ttft = np.array([r["chunks"][0] for r in ok]) * 1e3
     e2el = np.array([r["e2e"] for r in ok]) * 1e3
     tpot = np.array([(r["e2e"] - r["chunks"][0]) / (r["output_len"] - 1) for r in ok if r["output_len"] > 1]) * 1e3
@@ -112,13 +139,14 @@ def summarize(recs: list[dict], duration: float, args) -> dict:
     out = {"completed": len(ok), "failed": len(recs) - len(ok), "duration_s": duration,
            "total_input_tokens": int(sum(r["input_len"] for r in ok)),
            "total_output_tokens": int(sum(r["output_len"] for r in ok)),
-           "errors": sorted({r["error"] for r in recs if r["error"]})[:5]}
+           "errors": [f"{n} x {e}" for e, n in collections.Counter(r["error"] for r in recs if r["error"])
+                      .most_common(5)]}
     out["request_throughput"] = len(ok) / duration
     out["output_throughput"] = out["total_output_tokens"] / duration
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
     series = {"ttft": ttft, "tpot": tpot, "itl": itl, "e2el": e2el}
-    for name in args.percentile_metrics.split(","):
-        v = series[name.strip()]
+    for name in names:
+        v = series[name]
         out[f"mean_{name}_ms"] = float(v.mean()) if len(v) else float("nan")
         out[f"median_{name}_ms"] = float(np.median(v)) if len(v) else float("nan")
         out[f"std_{name}_ms"] = float(v.std()) if len(v) else float("nan")
@@ -203,8 +231,8 @@ def print_table(res: dict, args) -> None:
         if key in res:
             v = res[key]
             t.add_row(key, f"{v:.3f}" if isinstance(v, float) else str(v))
-    for name in args.percentile_metrics.split(","):
-        for k in [k for k in res if k.endswith(f"_{name.strip()}_ms")]:
+    for name in _metrics(args)[0]:
+        for k in [k for k in res if k.endswith(f"_{name}_ms")]:
             t.add_row(k, f"{res[k]:.2f}")
     Console().print(t)
     for e in res["errors"]:
@@ -230,13 +258,26 @@ def _goodput(items: list[str]) -> dict[str, float]:
     return slo
 
 
+def _strict_json(v):
+    """JSON that every parser takes: an infinite rate as "inf" (as vLLM writes it), a
+    statistic of nothing (NaN) as null."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _strict_json(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_strict_json(x) for x in v]
+    return v
+
+
 def run_bench(args) -> int:
     _goodput(args.goodput)  # checked before any request is sent
+    _metrics(args)
     res = trio.run(run, args)
     print_table(res, args)
     if args.save_result:
         name = args.result_filename or f"lockstep-bench-{res['dataset']}-{int(time.time())}.json"
         path = Path(args.result_dir) / name
-        path.write_text(json.dumps(res, indent=2, sort_keys=True))
+        path.write_text(json.dumps(_strict_json(res), indent=2, sort_keys=True, allow_nan=False))
         print(f"saved {path}")
     return 0 if res["failed"] == 0 else 1

@@ -155,6 +155,35 @@ async def test_client_disconnect_aborts_and_frees_blocks():
         assert srv.server.metrics.finished.get("abort") == 1
 
 
+async def test_bench_serve_counts_requests_the_server_failed_mid_stream_as_failed():
+    from lockstep import bench_serve
+
+    async with InProcess(*TIMING[:-4], "--runtime-option", "sleep=true") as srv:
+        args = _parser().parse_args(["bench", "serve", "--base-url", srv.url, "--num-prompts", "4",
+                                     "--random-input-len", "16", "--random-output-len", "3000", "--disable-tqdm",
+                                     "--percentile-metrics", "ttft, tpot"])
+        got = {}
+
+        async def bench():
+            got["res"] = await bench_serve.run(args)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(bench)
+                engine = srv.server.engine
+                while engine.statistics().generated_tokens < 20:  # streaming
+                    await trio.sleep(0.01)
+                os.kill(engine.scheduler.client.ready.pid, signal.SIGKILL)
+    res = got["res"]
+    assert res["completed"] == 0 and res["failed"] == 4, res
+    assert any("server_error" in e and e.startswith("4 x ") for e in res["errors"]), res["errors"]
+    assert "mean_tpot_ms" in res and "mean_itl_ms" not in res  # "ttft, tpot": spaces allowed
+    assert json.loads(json.dumps(bench_serve._strict_json(res), allow_nan=False))["mean_ttft_ms"] is None
+    bad = _parser().parse_args(["bench", "serve", "--percentile-metrics", "ttft,foo"])
+    with pytest.raises(ValueError, match="--percentile-metrics"):
+        bench_serve.run_bench(bad)  # before any request is sent
+
+
 BODIES = st.fixed_dictionaries({
     "model": st.sampled_from(["tiny", "tiny", "tiny", "other", 3, None]),
     "prompt": st.one_of(st.text(min_size=1, max_size=20), st.lists(st.integers(3, 300), min_size=1, max_size=8),
@@ -418,6 +447,31 @@ def test_sigterm_drains_in_flight_requests_and_exits_cleanly(real_server):
     while any(_running(pid) for pid in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_running(pid) for pid in kids)
+
+
+def test_sigterm_to_the_whole_process_group_still_drains():
+    """A service manager signals every process of the group (forkserver and runtimes too):
+    the in-flight request still finishes, and nothing of the group is left."""
+    with running_server("--model", "tiny", "--drain-timeout", "60", "--log-format", "json") as (proc, url):
+        result = {}
+
+        def long_request():
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+                result["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        import threading
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(1.0)
+        os.killpg(proc.pid, signal.SIGTERM)
+        t.join(60)
+        assert proc.wait(30) == 0
+        log = proc.stdout.read().decode()
+        assert "runtime died" not in log, log[-2000:]
+        assert result["lines"][-1] == "data: [DONE]"
+        assert json.loads(result["lines"][-2][6:])["choices"][0]["finish_reason"] == "length"
+        _group_gone(proc.pid)
 
 
 def _running(pid: str) -> bool:

@@ -26,7 +26,8 @@ from lockstep.transports.shm_ring import Ring, send_ring
 from lockstep.transports.step_codec import decode, encode
 
 _ENC = msgspec.msgpack.Encoder()
-_PRELOAD = ["lockstep.runtime.main", "lockstep.runtime.timing", "lockstep.runtime.torch_runtime"]
+_PRELOAD = ["lockstep.runtime._forkserver", "lockstep.runtime.main", "lockstep.runtime.timing",
+            "lockstep.runtime.torch_runtime"]
 
 
 class RuntimeDied(RuntimeError):
