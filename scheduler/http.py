@@ -13,6 +13,7 @@ import math
 import secrets
 import sys
 import time
+from datetime import datetime, timezone
 from functools import partial
 
 import attrs
@@ -174,8 +175,8 @@ class AccessLog:
     (stdout by default): client, request line, status, body bytes, seconds. A request whose
     client went away before a response started is logged with status 499."""
 
-    def __init__(self, app, out=None):
-        self.app, self.out = app, out
+    def __init__(self, app, out=None, *, json_lines: bool = False):
+        self.app, self.out, self.json_lines = app, out, json_lines  # json_lines: one JSON object a line
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -195,8 +196,15 @@ class AccessLog:
         finally:
             host, port = scope.get("client") or ("-", 0)
             path = scope["path"] + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
-            print(f'{host}:{port} - "{scope["method"]} {path} HTTP/{scope.get("http_version", "1.1")}" {status} {size} '
-                  f"{time.perf_counter() - start:.3f}s", file=self.out or sys.stdout, flush=True)
+            seconds = time.perf_counter() - start
+            if self.json_lines:
+                line = _JSON.encode({"event": "access", "client": f"{host}:{port}", "method": scope["method"],
+                                     "path": path, "status": status, "bytes": size, "duration_s": round(seconds, 6),
+                                     "timestamp": datetime.now(timezone.utc).isoformat()}).decode()
+            else:
+                line = (f'{host}:{port} - "{scope["method"]} {path} HTTP/{scope.get("http_version", "1.1")}" '
+                        f"{status} {size} {seconds:.3f}s")
+            print(line, file=self.out or sys.stdout, flush=True)
 
 
 def _tokenizer(server: Server):
@@ -278,10 +286,11 @@ async def _run_all(gens: list, on_delta, server: Server) -> None:
     """Drain every generator concurrently, calling ``on_delta(index, output)``. A generator
     cut short (the client went away) is counted as aborted."""
     async def one(i, g):
-        done = False
+        done, seen = False, {}
         try:
             async for out in g:
                 done = out.finished
+                server.metrics.tokens(seen, out, trio.current_time())
                 await on_delta(i, out)
         finally:
             if not done:
@@ -376,8 +385,7 @@ def _usage(finals: list, n: int) -> dict:
 
 
 def _record(server: Server, out) -> None:
-    server.metrics.request_done(out.finish_reason or "abort", out.num_prompt_tokens, out.num_output_tokens,
-                                out.ttft_s, out.e2e_s, out.queue_s)
+    server.metrics.request_done(out.finish_reason or "abort", out.e2e_s, out.queue_s)
 
 
 class SSEResponse(Response):

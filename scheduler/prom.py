@@ -37,9 +37,18 @@ class Histogram:
         return out
 
 
+def label_value(v: str) -> str:
+    """A label value as the text format writes it: backslash, quote and newline escaped."""
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class ServerMetrics:
+    """Token counts and the first-token and inter-token latencies move as tokens stream (per
+    delta, as vLLM counts them per step), so a long request shows while it runs and one
+    that fails midway still counts what it produced; the rest when a request ends."""
+
     def __init__(self, model_name: str):
-        self.labels = f'model_name="{model_name}"'
+        self.labels = f'model_name="{label_value(model_name)}"'
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.finished: dict[str, int] = {}
@@ -49,15 +58,25 @@ class ServerMetrics:
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduled.",
                                E2E_BUCKETS)
 
-    def request_done(self, reason: str, prompt_tokens: int, output_tokens: int, ttft: float | None,
-                     e2e: float | None, queue: float | None) -> None:
+    def tokens(self, state: dict, out, now: float) -> None:
+        """A delta of one request (``state``: that request's, empty at first): its tokens
+        counted; the first observes TTFT (and counts the prompt), later ones the gap since
+        the delta before (one observation per delta, as vLLM observes one per step)."""
+        n = len(out.token_ids)
+        if not n:
+            return
+        last = state.get("last")
+        if last is None:
+            self.prompt_tokens += out.num_prompt_tokens
+            if out.ttft_s is not None:
+                self.ttft.observe(out.ttft_s)
+        else:
+            self.itl.observe(now - last)
+        state["last"] = now
+        self.generation_tokens += n
+
+    def request_done(self, reason: str, e2e: float | None, queue: float | None) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
-        self.prompt_tokens += prompt_tokens
-        self.generation_tokens += output_tokens
-        if ttft is not None:
-            self.ttft.observe(ttft)
-            if e2e is not None and output_tokens > 1:
-                self.itl.observe((e2e - ttft) / (output_tokens - 1), output_tokens - 1)
         if e2e is not None:
             self.e2e.observe(e2e)
         if queue is not None:

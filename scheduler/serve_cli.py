@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("--deployment", help="deployment TOML (the simulator's schema, with an [engine] table): "
                    "its pools are served, an engine per model; --model, --runtime, --device, --dtype and the "
-                   "scheduler flags are ignored")
+                   "scheduler flags are refused with it (the file says what to run)")
     s.add_argument("--served-model-name", help="the model id clients use (default: --model)")
     add_engine_flags(s)
     s.add_argument("--nodes", type=int, default=1,
@@ -238,6 +238,7 @@ async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) ->
 
 
 async def _serve(args, configs, shutdown, force: trio.CancelScope, serving, task_status) -> None:
+    _check_port(args.host, args.port)  # before minutes of loading, not after
     started = []
 
     def on_serving() -> None:
@@ -250,6 +251,26 @@ async def _serve(args, configs, shutdown, force: trio.CancelScope, serving, task
         log.warning("stopped without draining" if started else "stopped before serving")
         return
     log.info("stopped")
+
+
+def _check_port(host: str, port: int) -> None:
+    """An address in use (or not ours to bind) fails now, naming it."""
+    import errno
+    import socket
+
+    if not port:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {host}:{port}: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will bind it
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
@@ -269,12 +290,17 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
         hc.bind = [f"{args.host}:{args.port}"]
         hc.graceful_timeout = args.drain_timeout
         hc.accesslog = None  # hypercorn's may log a request twice (its stream-closed race): our own
+        hc.loglevel = "WARNING"  # its "Running on" line is ours ("serving", with the URLs), in our format
         hc.keep_alive_timeout = 75
         hc.backlog = args.backlog  # bursts of thousands of connects must not be reset
 
+        aborted_at_drain = []
+
         async def shutdown_trigger() -> None:
             await shutdown()
-            log.info("draining", deadline_s=args.drain_timeout)
+            log.info("draining", deadline_s=args.drain_timeout, running=sum(s.engine.statistics().running
+                                                                             for s in servers))
+            aborted_at_drain.append(sum(s.metrics.finished.get("abort", 0) for s in servers))
             for s in servers:
                 s.draining = True
 
@@ -282,9 +308,15 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
 
         async def http(task_status=trio.TASK_STATUS_IGNORED) -> None:
             try:
-                app = AccessLog(make_app(servers)) if args.access_log else make_app(servers)
+                app = make_app(servers)
+                if args.access_log:
+                    app = AccessLog(app, json_lines=args.log_format == "json")
                 await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger,
                                       task_status=task_status)
+                if aborted_at_drain:  # requests the deadline cut off (or whose clients left meanwhile)
+                    cut = sum(s.metrics.finished.get("abort", 0) for s in servers) - aborted_at_drain[0]
+                    if cut:
+                        log.warning("drain ended with requests cut off", requests=cut, deadline_s=args.drain_timeout)
             finally:
                 stats_scope.cancel()
 
@@ -295,6 +327,13 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(http)
             serving()
+            for s in servers:  # what runs, per model: an operator's first question
+                c = s.engine.config
+                log.info("model", model=s.model_name, checkpoint=c.model, runtime=c.runtime, device=c.device,
+                         dtype=c.dtype, dep=c.dep, instances=c.instances, prefill_instances=c.prefill_instances,
+                         num_blocks=c.scheduler.num_blocks, block_size=c.scheduler.block_size,
+                         max_model_len=c.scheduler.max_model_len, max_num_seqs=c.scheduler.max_num_seqs,
+                         runtime_pids=[sch.client.ready.pid for sch in s.engine.schedulers])
             log.info("serving", models=[s.model_name for s in servers], urls=binds,
                      runtime_pid=server.engine.scheduler.client.ready.pid)
             if args.log_stats_interval > 0:

@@ -95,3 +95,15 @@ async def test_serve_logs_throughput_while_requests_run_and_nothing_when_idle(au
     assert len(lines) == 1  # idle at 10 s and at 30 s: no line
     assert lines[0]["generation_tokens_per_s"] == 10.0 and lines[0]["prompt_tokens_per_s"] == 4.0
     assert lines[0]["running"] == 1 and lines[0]["kv_cache_usage"] == 0.25
+
+
+def test_serve_names_an_address_in_use_before_loading_anything(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err and "Traceback" not in err

@@ -155,6 +155,31 @@ async def test_client_disconnect_aborts_and_frees_blocks():
         assert srv.server.metrics.finished.get("abort") == 1
 
 
+async def test_metrics_count_tokens_and_first_token_while_a_request_streams():
+    def value(text: str, name: str) -> float:
+        return next(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    async with InProcess(*TIMING[:-4], "--runtime-option", "sleep=true", "--served-model-name", 'a"b\\c') as srv:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async with c.stream("POST", f"{srv.url}/v1/completions", json={
+                    "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data: {")
+                    if seen == 30:
+                        mid = (await c.get(f"{srv.url}/metrics")).text
+                        break
+            with trio.fail_after(10):
+                while srv.server.engine.statistics().running:
+                    await trio.sleep(0.02)
+    label = 'model_name="a\\"b\\\\c"'  # the text format's escapes: a\"b\\c
+    assert f"vllm:generation_tokens_total{{{label}}}" in mid
+    assert value(mid, "vllm:generation_tokens_total") >= 29  # while it runs, not only at its end
+    assert value(mid, "vllm:time_to_first_token_seconds_count") == 1
+    assert value(mid, "vllm:inter_token_latency_seconds_count") >= 28  # a gap per delta
+    assert value(mid, "vllm:prompt_tokens_total") == 3
+
+
 async def test_bench_serve_counts_requests_the_server_failed_mid_stream_as_failed():
     from lockstep import bench_serve
 

@@ -416,6 +416,7 @@ class Scheduler:
                           error=str(e).splitlines()[0])
         self._started()
         self.restarts += 1
+        log.info("runtime restarted", rank=self.rank, pid=self.client.ready.pid, restarts=self.restarts)
 
     def _started(self) -> None:
         if self.role is not None:
