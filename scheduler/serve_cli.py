@@ -1,8 +1,9 @@
 """`lockstep serve`: start the runtime, wait until it is ready, then serve the OpenAI API.
 
-On SIGTERM (or SIGINT) the server stops accepting connections, answers 503 on new
-requests, lets in-flight requests finish for up to ``--drain-timeout`` seconds, then stops
-the engine: the runtime process exits and its shared memory goes with it.
+On SIGTERM (or SIGINT) the server stops accepting connections (a request that still
+arrives on an open one gets a 503), lets in-flight requests finish for up to
+``--drain-timeout`` seconds, then stops the engine: the runtime process exits and its shared
+memory goes with it. A second signal stops at once; one while the engines load stops that.
 """
 
 from __future__ import annotations
