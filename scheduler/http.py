@@ -39,7 +39,7 @@ class Server:
     def __init__(self, engine, model_name: str, *, default_max_tokens: int = 256):
         self.engine, self.model_name = engine, model_name
         self.default_max_tokens = default_max_tokens
-        self.metrics = ServerMetrics(model_name)
+        self.metrics = ServerMetrics(model_name, engine.frontend.max_model_len)
         self.draining = False
         self.created = int(time.time())
 
@@ -385,7 +385,8 @@ def _usage(finals: list, n: int) -> dict:
 
 
 def _record(server: Server, out) -> None:
-    server.metrics.request_done(out.finish_reason or "abort", out.e2e_s, out.queue_s)
+    server.metrics.request_done(out.finish_reason or "abort", out.e2e_s, out.queue_s, out.ttft_s,
+                                out.num_prompt_tokens, out.num_output_tokens)
 
 
 class SSEResponse(Response):

@@ -14,6 +14,18 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS = ITL_BUCKETS
+
+
+def token_buckets(max_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_len`` (vLLM's buckets for per-request token counts)."""
+    out, mag = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * mag > max_len:
+                return tuple(out)
+            out.append(float(m * mag))
+        mag *= 10
 
 
 class Histogram:
@@ -47,7 +59,7 @@ class ServerMetrics:
     delta, as vLLM counts them per step), so a long request shows while it runs and one
     that fails midway still counts what it produced; the rest when a request ends."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_model_len: int = 1 << 20):
         self.labels = f'model_name="{label_value(model_name)}"'
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -57,6 +69,18 @@ class ServerMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduled.",
                                E2E_BUCKETS)
+        # Per finished request, as vLLM's: its token counts, mean time per output token, and
+        # its time split into prefill (scheduled to first token) and decode (first to last).
+        tokens = token_buckets(max_model_len)
+        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens of finished requests.", tokens)
+        self.req_generation = Histogram("vllm:request_generation_tokens", "Output tokens of finished requests.",
+                                        tokens)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Mean time per output token of finished requests.", TPOT_BUCKETS)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.", E2E_BUCKETS)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "First token to last.", E2E_BUCKETS)
+        self.inference = Histogram("vllm:request_inference_time_seconds", "First scheduled to last token.",
+                                   E2E_BUCKETS)
 
     def tokens(self, state: dict, out, now: float) -> None:
         """A delta of one request (``state``: that request's, empty at first): its tokens
@@ -75,8 +99,18 @@ class ServerMetrics:
         state["last"] = now
         self.generation_tokens += n
 
-    def request_done(self, reason: str, e2e: float | None, queue: float | None) -> None:
+    def request_done(self, reason: str, e2e: float | None, queue: float | None, ttft: float | None = None,
+                     prompt_tokens: int = 0, output_tokens: int = 0) -> None:
         self.finished[reason] = self.finished.get(reason, 0) + 1
+        self.req_prompt.observe(prompt_tokens)
+        self.req_generation.observe(output_tokens)
+        if e2e is not None and ttft is not None:
+            self.decode.observe(e2e - ttft)
+            if output_tokens > 1:
+                self.tpot.observe((e2e - ttft) / (output_tokens - 1))
+            if queue is not None:
+                self.prefill.observe(max(ttft - queue, 0.0))
+                self.inference.observe(max(e2e - queue, 0.0))
         if e2e is not None:
             self.e2e.observe(e2e)
         if queue is not None:
@@ -126,7 +160,8 @@ class ServerMetrics:
                 "# TYPE vllm:request_success_total counter"]
         for reason, c in sorted(self.finished.items()):
             out.append(f'vllm:request_success_total{{{lb},finished_reason="{reason}"}} {float(c)}')
-        for h in (self.ttft, self.itl, self.e2e, self.queue):
+        for h in (self.ttft, self.itl, self.e2e, self.queue, self.req_prompt, self.req_generation, self.tpot,
+                  self.prefill, self.decode, self.inference):
             out += h.render(lb)
         return "\n".join(out) + "\n"
 

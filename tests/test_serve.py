@@ -178,6 +178,21 @@ async def test_metrics_count_tokens_and_first_token_while_a_request_streams():
     assert value(mid, "vllm:time_to_first_token_seconds_count") == 1
     assert value(mid, "vllm:inter_token_latency_seconds_count") >= 28  # a gap per delta
     assert value(mid, "vllm:prompt_tokens_total") == 3
+    with trio.fail_after(30):  # once it ends: the per-request histograms vLLM's dashboards read
+        async with InProcess(*TIMING) as srv:
+            async with httpx.AsyncClient(timeout=30) as c:
+                for n in (3, 7):
+                    r = await c.post(f"{srv.url}/v1/completions", json={"prompt": [5] * 12, "max_tokens": n,
+                                                                          "ignore_eos": True})
+                    assert r.status_code == 200
+                end = (await c.get(f"{srv.url}/metrics")).text
+    assert value(end, "vllm:request_generation_tokens_sum") == 10
+    assert value(end, "vllm:request_prompt_tokens_sum") == 24
+    assert 'vllm:request_prompt_tokens_bucket{model_name="tiny",le="10.0"} 0' in end
+    assert 'vllm:request_prompt_tokens_bucket{model_name="tiny",le="20.0"} 2' in end
+    for name in ("request_time_per_output_token_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):
+        assert value(end, f"vllm:{name}_count") == 2, name
 
 
 async def test_bench_serve_counts_requests_the_server_failed_mid_stream_as_failed():
