@@ -141,6 +141,13 @@ def summarize(recs: list[dict], duration: float, args) -> dict:
            "total_output_tokens": int(sum(r["output_len"] for r in ok)),
            "errors": [f"{n} x {e}" for e, n in collections.Counter(r["error"] for r in recs if r["error"])
                       .most_common(5)]}
+    # vLLM's per-request arrays (seconds), in request order; failed requests keep their slot
+    # with zero output (as `vllm bench serve` saves them)
+    out["duration"] = duration
+    out["input_lens"] = [r["input_len"] for r in recs]
+    out["output_lens"] = [r["output_len"] if r["ok"] else 0 for r in recs]
+    out["ttfts"] = [r["chunks"][0] if r["ok"] else 0.0 for r in recs]
+    out["itls"] = [np.diff(r["chunks"]).tolist() if r["ok"] else [] for r in recs]
     out["request_throughput"] = len(ok) / duration
     out["output_throughput"] = out["total_output_tokens"] / duration
     out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
@@ -197,8 +204,13 @@ async def run(args) -> dict:
         progress(0, close=True)
         duration = time.perf_counter() - start
     result = summarize(recs, duration, args)
-    result.update({"model": model, "base_url": base, "dataset": args.dataset_name, "num_prompts": n,
-                   "request_rate": args.request_rate, "burstiness": args.burstiness,
+    from datetime import datetime
+
+    replayed = trace_times is not None and math.isinf(args.request_rate)  # arrivals at the trace's times
+    result.update({"model": model, "model_id": model, "tokenizer_id": model, "backend": "lockstep",
+                   "date": datetime.now().strftime("%Y%m%d-%H%M%S"), "base_url": base,
+                   "dataset": args.dataset_name, "num_prompts": n,
+                   "request_rate": "trace" if replayed else args.request_rate, "burstiness": args.burstiness,
                    "max_concurrency": args.max_concurrency})
     return result
 

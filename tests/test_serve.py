@@ -415,6 +415,9 @@ def test_bench_serve_prints_and_saves_its_report(real_server, tmp_path, capsys):
     assert res["completed"] == 12 and res["failed"] == 0 and res["total_output_tokens"] == 48
     for key in ("p99_ttft_ms", "median_tpot_ms", "p90_itl_ms", "mean_e2el_ms", "request_goodput", "output_throughput"):
         assert key in res
+    # vLLM's keys, for tools that read `vllm bench serve` results
+    assert res["backend"] == "lockstep" and res["duration"] > 0 and len(res["date"]) == 15
+    assert res["output_lens"] == [4] * 12 and len(res["ttfts"]) == 12 and all(len(i) <= 3 for i in res["itls"])
     assert "median_ttft_ms" in capsys.readouterr().out
 
 
