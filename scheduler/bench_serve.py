@@ -87,7 +87,7 @@ async def one_request(client, url: str, model: str, prompt: np.ndarray, out_len:
             if r.status_code != 200:
                 body = (await r.aread()).decode("utf-8", "replace")
                 try:
-                    body = json.loads(body)["error"]["message"]
+                    body = str(json.loads(body)["error"]["message"])
                 except (ValueError, KeyError, TypeError):
                     pass
                 rec["error"] = f"HTTP {r.status_code}: {body[:200]}"
@@ -97,7 +97,7 @@ async def one_request(client, url: str, model: str, prompt: np.ndarray, out_len:
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:  # the server failed it mid-stream: a failure, whatever came before
-                    err = data["error"]
+                    err = data["error"] if isinstance(data["error"], dict) else {"message": data["error"]}
                     rec["error"] = f"{err.get('type', 'error')}: {err.get('message', '')}"[:300]
                     return rec
                 if data.get("choices"):

@@ -200,7 +200,9 @@ class AccessLog:
             if self.json_lines:
                 line = _JSON.encode({"event": "access", "client": f"{host}:{port}", "method": scope["method"],
                                      "path": path, "status": status, "bytes": size, "duration_s": round(seconds, 6),
-                                     "timestamp": datetime.now(timezone.utc).isoformat()}).decode()
+                                     "level": "info",  # as the structlog lines are keyed and stamped
+                                     "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
+                                    ).decode()
             else:
                 line = (f'{host}:{port} - "{scope["method"]} {path} HTTP/{scope.get("http_version", "1.1")}" '
                         f"{status} {size} {seconds:.3f}s")

@@ -261,17 +261,13 @@ def _check_port(host: str, port: int) -> None:
 
     if not port:
         return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {host}:{port}: {e}") from None
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will bind it
+    name = host.strip("[]")  # as hypercorn binds it: IPv6 where the host has a colon, else IPv4
+    with socket.socket(socket.AF_INET6 if ":" in name else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(addr)
-        except OSError as e:
-            raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+            s.bind((name, port))
+        except OSError as e:  # (socket.gaierror too: a host name that does not resolve)
+            raise OSError(e.errno or errno.EADDRNOTAVAIL, f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
@@ -317,7 +313,8 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
                 if aborted_at_drain:  # requests the deadline cut off (or whose clients left meanwhile)
                     cut = sum(s.metrics.finished.get("abort", 0) for s in servers) - aborted_at_drain[0]
                     if cut:
-                        log.warning("drain ended with requests cut off", requests=cut, deadline_s=args.drain_timeout)
+                        log.warning("drain ended with sequences cut off (or their clients gone)", sequences=cut,
+                                    deadline_s=args.drain_timeout)
             finally:
                 stats_scope.cancel()
 

@@ -335,6 +335,20 @@ async def test_prompts_in_every_shape_vllm_takes_and_ids_that_would_wrap():
                 engine.generate(bad, GREEDY)
 
 
+def test_other_forkserver_processes_still_stop_on_terminate():
+    """The forkserver ignores SIGTERM (a group signal must not take it down mid-drain), but
+    what it forks for anyone else still stops on terminate()."""
+    import time as _time
+
+    from lockstep.engine.runtime_client import forkserver_context
+
+    p = forkserver_context().Process(target=_time.sleep, args=(60,))
+    p.start()
+    p.terminate()
+    p.join(20)
+    assert p.exitcode == -signal.SIGTERM
+
+
 async def test_engine_leaves_no_process_or_fd_behind():
     async with open_engine(config(runtime="timing", tokenizer=None)) as engine:  # warm the forkserver
         await collect(engine, [5, 6, 7], SamplingParams(max_tokens=2))

@@ -195,6 +195,36 @@ async def test_metrics_count_tokens_and_first_token_while_a_request_streams():
         assert value(end, f"vllm:{name}_count") == 2, name
 
 
+async def test_start_up_access_and_drain_lines(capsys):
+    """The per-model start-up line, JSON access lines with --log-format json, no hypercorn
+    line of its own, and a drain whose deadline cuts a stream off says so."""
+    srv = InProcess(*TIMING[:-4], "--runtime-option", "sleep=true", "--access-log", "--log-format", "json")
+    srv.args.drain_timeout = 0.5
+    async with srv:
+        async with httpx.AsyncClient(timeout=30) as c:
+            assert (await c.get(f"{srv.url}/v1/models")).status_code == 200
+            async with c.stream("POST", f"{srv.url}/v1/completions", json={
+                    "prompt": [5, 6, 7], "max_tokens": 3000, "ignore_eos": True, "stream": True}) as r:
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        break
+                srv._stop.set()  # drain, with this stream far from done
+                with trio.move_on_after(10):
+                    try:
+                        async for _ in lines:
+                            pass
+                    except httpx.HTTPError:  # cut off at the deadline
+                        pass
+    got = capsys.readouterr()
+    text = got.out + got.err
+    access = [json.loads(ln) for ln in got.out.splitlines() if ln.startswith('{"event":"access"')]
+    assert {"GET", "POST"} <= {a["method"] for a in access} and all(a["timestamp"].endswith("Z") for a in access)
+    assert "runtime_pids" in text and "max_model_len" in text  # the start-up line per model
+    assert "Running on" not in text
+    assert "drain ended with sequences cut off" in text
+
+
 async def test_bench_serve_counts_requests_the_server_failed_mid_stream_as_failed():
     from lockstep import bench_serve
 
