@@ -274,9 +274,11 @@ def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0, dp_s
 
 
 def _runtime(**options) -> TorchRuntime:
+    # Weights drawn on the CPU, as load_model draws the references here (the runtime's default
+    # on CUDA draws them on the GPU: other weights, other near-ties in bf16)
     rt = TorchRuntime()
     rt.load(RuntimeSpec(model="tiny", device=DEV, dtype="bfloat16", num_blocks=64, block_size=BS, max_num_seqs=4,
-                        max_model_len=256, options={"preset_overrides": SMALL, **options}))
+                        max_model_len=256, options={"preset_overrides": SMALL, "init_on_device": False, **options}))
     return rt
 
 
