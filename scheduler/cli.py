@@ -96,6 +96,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command's exit status; Ctrl-C ends it with 130 and no traceback (its resources are
+    released on the way out, as on any exit)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BaseExceptionGroup as eg:  # trio's tasks' interrupts arrive grouped
+        if eg.split(KeyboardInterrupt)[1] is None:  # nothing but interrupts
+            print(file=sys.stderr)
+            return 130
+        raise
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parse(argv)
     if args.command == "sim":
         from lockstep.policy.config import ConfigError

@@ -107,3 +107,35 @@ def test_serve_names_an_address_in_use_before_loading_anything(capsys):
         assert main(["serve", "--model", "tiny", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err and "Traceback" not in err
+
+
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "generate", "--max-tokens", "3000", "hello"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        os.set_blocking(p.stdout.fileno(), False)
+        deadline = time.monotonic() + 60
+        while not p.stdout.read(1) and time.monotonic() < deadline:  # generating
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(30) == 130
+        assert b"Traceback" not in p.stderr.read()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # its runtime and forkserver go with it
+            try:
+                os.killpg(p.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("processes of the command's group still running")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
