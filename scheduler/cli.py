@@ -103,8 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except BaseExceptionGroup as eg:  # trio's tasks' interrupts arrive grouped
-        if eg.split(KeyboardInterrupt)[1] is None:  # nothing but interrupts
+    except BaseExceptionGroup as eg:  # trio's tasks' interrupts arrive grouped, with what they
+        # caused elsewhere (a request failed by the engine's shutdown): the interrupt decides
+        if eg.split(KeyboardInterrupt)[0] is not None:
             print(file=sys.stderr)
             return 130
         raise
