@@ -12,7 +12,7 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
-    "open_engine": "lockstep.api", "LLM": "lockstep.api", "Engine": "lockstep.api",
+    "open_engine": "lockstep.api", "LLM": "lockstep.llm", "Engine": "lockstep.api",
     "RequestOutput": "lockstep.api", "Completion": "lockstep.api",
     "EngineConfig": "lockstep.engine.config", "SchedulerConfig": "lockstep.policy.config",
     "SamplingParams": "lockstep.policy.request", "RequestError": "lockstep.policy.request",

@@ -1,4 +1,5 @@
-"""The Python API: ``open_engine`` (trio-native, streaming) and ``LLM`` (synchronous, batch).
+"""The Python API: ``open_engine`` (trio-native, streaming); ``LLM`` (synchronous, batch) is
+``lockstep.llm``'s, on top of it.
 
     async with lockstep.open_engine(EngineConfig(model="tiny")) as engine:
         async for out in engine.generate("hello", SamplingParams(max_tokens=8)):
@@ -11,14 +12,7 @@ iteration. Leaving the loop early aborts the request and frees its blocks.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import difflib
 import itertools
-import queue
-import threading
-import time
-import weakref
 from functools import partial
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Sequence
@@ -35,7 +29,7 @@ from lockstep.engine.node_group import NodeGroup, parse_address
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
 from lockstep.engine.output import RequestStream
 from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
-from lockstep.policy.config import ConfigError, SchedulerConfig
+from lockstep.policy.config import ConfigError
 from lockstep.runtime.models.config import ModelConfig, ModelConfigError, preset_names
 from lockstep.policy.request import FinishReason, RequestError, SamplingParams
 
@@ -163,7 +157,7 @@ class Engine:
         return IncrementalDetokenizer(self.tokenizer)
 
     async def complete(self, prompt, params: SamplingParams | None = None, **kw) -> Completion:
-        return await _collect(self.generate(prompt, params, **kw))
+        return await collect(self.generate(prompt, params, **kw))
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request wherever it is; its blocks are freed at the next step boundary."""
@@ -373,198 +367,7 @@ def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int,
     return config.make_client(rank, None if group is None else group.dist_init, world_size=dep, options=options)
 
 
-class LLM:
-    """Synchronous generation for scripts, as vLLM's ``LLM``::
-
-        llm = LLM("tiny", max_model_len=2048)
-        for c in llm.generate(["hello", "world"], SamplingParams(max_tokens=8)):
-            print(c.text)
-
-    The engine (runtime processes, weights) starts here, in a trio run on a thread of its
-    own, and serves every ``generate`` call until ``close()``: at the end of a ``with`` block,
-    when the LLM is garbage-collected, or at the interpreter's exit. Keyword arguments are
-    EngineConfig's fields, or SchedulerConfig's (``max_model_len``, ``num_blocks``,
-    ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
-    ...), which replace those of the engine's scheduler. A bad one, or an engine that cannot
-    start, raises here."""
-
-    def __init__(self, model: str = "tiny", **config):
-        self.config = _llm_config(model, config)
-        self._runner = _Runner(self.config)
-        self._finalizer = weakref.finalize(self, self._runner.close)  # also at the interpreter's exit
-
-    def __enter__(self) -> LLM:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the engine: runtime processes and shared memory released; idempotent."""
-        self._finalizer()
-
-    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """One Completion per prompt (text, token ids, or a list of either), all run
-        concurrently; ``params``: one SamplingParams for all, or one per prompt. A bad one
-        raises RequestError naming the field (and, in a batch, the prompt's index); a
-        KeyboardInterrupt aborts every request of the call."""
-        single = not isinstance(prompts, (list, tuple, np.ndarray)) or (  # text, a dict, or bad input
-            isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
-            len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
-        prompts = [prompts] if single else list(prompts)
-        if not prompts:
-            return []
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise RequestError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts", field="params")
-        for i, p in enumerate(plist):  # before anything is queued
-            if p is not None and not isinstance(p, SamplingParams):
-                raise RequestError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}", field="params")
-        return self._runner.call(_generate_all, prompts, plist, single)
-
-
-def _llm_config(model: str, config: dict) -> EngineConfig:
-    known = {f.name for f in attrs.fields(EngineConfig)}
-    fields = {f.name for f in attrs.fields(SchedulerConfig)} - known  # num_spec_tokens: the engine's
-    for k in config:
-        if k not in known | fields:
-            near = difflib.get_close_matches(k, known | fields, n=1)
-            raise ConfigError(f"LLM: unknown argument {k!r}" + (f" (did you mean {near[0]!r}?)" if near else "") +
-                              "; it takes EngineConfig's and SchedulerConfig's fields")
-    limits = {k: config.pop(k) for k in list(config) if k in fields}
-    if limits:
-        base = config.get("scheduler") or attrs.fields(EngineConfig).scheduler.default.factory()
-        config["scheduler"] = attrs.evolve(base, **limits)
-    return EngineConfig(model=model, **config)
-
-
-async def _generate_all(engine: Engine, prompts: list, plist: list, single: bool) -> list[Completion]:
-    gens = []
-    for i, (prompt, params) in enumerate(zip(prompts, plist)):  # every prompt checked before any runs
-        try:
-            gens.append(engine.generate(prompt, params))
-        except RequestError as e:
-            if single:
-                raise
-            raise RequestError(f"prompts[{i}]: {e}", reason=e.reason, field=e.field) from None
-    results: list[Completion | None] = [None] * len(gens)
-
-    async def one(i):
-        try:
-            results[i] = await _collect(gens[i])
-        except RequestError as e:  # refused once tokenized (too long, empty)
-            if single:
-                raise
-            raise RequestError(f"prompts[{i}]: {e}", reason=e.reason, field=e.field) from None
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(gens)):
-            nursery.start_soon(one, i)
-    return results
-
-
-class _Runner:
-    """An engine in a trio run on a daemon thread; ``call`` runs a coroutine there. Closed by
-    ``close``, or at the interpreter's exit by a hook registered once the engine is up: after
-    multiprocessing's own, so it runs first (atexit runs the last registered first), while
-    the runtime processes that multiprocessing would wait for can still be stopped."""
-
-    def __init__(self, config: EngineConfig):
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._scope = trio.CancelScope()  # the engine's life: cancelled to stop it
-        self._engine: Engine | None = None
-        self._error: BaseException | None = None
-        self._closed = False
-        started: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._main, args=(config, started), name="lockstep-llm", daemon=True)
-        try:
-            self._thread.start()
-            failed = started.get()
-        except BaseException:  # interrupted while the engine starts: stop it, then go on raising
-            self.close()
-            raise
-        if failed is not None:
-            self.close()
-            raise failed
-        atexit.register(self.close)
-
-    def _main(self, config: EngineConfig, started: queue.SimpleQueue) -> None:
-        try:
-            trio.run(self._serve, config, started)
-        except BaseException as e:  # noqa: BLE001 - reported to the caller
-            self._error = _plain(e)
-            if self._engine is None:
-                started.put(self._error)
-
-    async def _serve(self, config: EngineConfig, started: queue.SimpleQueue) -> None:
-        self._token = trio.lowlevel.current_trio_token()
-        with self._scope:
-            async with open_engine(config) as engine:
-                self._engine = engine
-                started.put(None)
-                await trio.sleep_forever()
-
-    def call(self, fn, *args):
-        if self._closed:
-            raise RuntimeError("this LLM is closed")
-        if not self._thread.is_alive():
-            raise RuntimeError(self._gone())
-        scope = trio.CancelScope()
-
-        async def run():
-            with scope:  # cancelled by the caller's KeyboardInterrupt, who no longer waits
-                return await fn(self._engine, *args)
-
-        try:
-            return trio.from_thread.run(run, trio_token=self._token)
-        except KeyboardInterrupt:
-            with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(scope.cancel, trio_token=self._token)
-            raise
-        except BaseExceptionGroup as eg:
-            raise _plain(eg) from None
-        except (trio.RunFinishedError, trio.Cancelled):  # the engine's run ended under this call
-            raise RuntimeError(self._gone()) from None
-
-    def _gone(self) -> str:
-        if self._error is not None:
-            return f"the engine stopped: {self._error!r}"
-        return "this LLM was closed" if self._closed else "the engine stopped"
-
-    def close(self) -> None:
-        """Stop the engine (or its start) and wait for its thread; idempotent."""
-        if threading.current_thread() is self._thread:
-            # A finalizer that garbage collection ran on the engine's own thread: ask the run
-            # to stop, and leave waiting for it to the atexit hook, still registered.
-            if self._token is not None:
-                self._token.run_sync_soon(self._scope.cancel)
-            return
-        if self._closed:
-            return
-        self._closed = True
-        atexit.unregister(self.close)
-        while self._token is None and self._thread.is_alive():  # the run is only beginning
-            time.sleep(0.001)
-        if self._token is not None:
-            with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
-        if self._thread.ident is not None:  # (interrupted before it started: nothing to wait for)
-            self._thread.join()
-
-
-def _plain(e: BaseException) -> BaseException:
-    """One error in a group, as itself; several of one type (requests failed together: a
-    runtime died, the engine stopped) as the first, noting how many; else the group."""
-    if isinstance(e, BaseExceptionGroup):
-        leaves = _leaves(e)
-        if len({type(x) for x in leaves}) == 1:
-            if len(leaves) > 1:
-                leaves[0].add_note(f"({len(leaves) - 1} more requests of this call failed with the same error type)")
-            return leaves[0]
-    return e
-
-
-async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
+async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
     """A request's deltas gathered into its Completion."""
     texts, ids, lps, last = [], [], [], None
     async for out in outputs:
@@ -576,10 +379,3 @@ async def _collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
     return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
                       last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s,
                       lps if last.logprobs is not None else None)
-
-
-def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
-    out = []
-    for e in eg.exceptions:
-        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
-    return out

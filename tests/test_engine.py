@@ -12,7 +12,8 @@ import pytest
 import torch
 import trio
 
-from lockstep.api import LLM, open_engine
+from lockstep.api import open_engine
+from lockstep.llm import LLM
 from lockstep.engine.config import EngineConfig
 from lockstep.engine.runtime_client import RuntimeDied
 from lockstep.policy.config import SchedulerConfig

@@ -480,7 +480,7 @@ def bench_fp8(run: Run, ctx: int, batches: tuple[int, ...], *, kv_cache: bool = 
 # -- 5. extras --------------------------------------------------------------------------------------
 
 def check_engine(run: Run) -> None:
-    from lockstep.api import LLM
+    from lockstep.llm import LLM
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["hello", "the quick brown fox", "x" * 200]

@@ -60,7 +60,7 @@ def check_tiny() -> dict:
 
 
 def check_engine() -> dict:
-    from lockstep.api import LLM
+    from lockstep.llm import LLM
     from lockstep.policy.request import SamplingParams
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
