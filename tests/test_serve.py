@@ -498,16 +498,7 @@ def test_streamed_logprobs_count_text_offsets_from_the_start(real_server):
 
 def test_sigterm_drains_in_flight_requests_and_exits_cleanly(real_server):
     proc, url = real_server
-    result = {}
-
-    def long_request():
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
-            result["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
-
-    import threading
-    t = threading.Thread(target=long_request)
-    t.start()
+    t, result = _stream_in_thread(url)
     time.sleep(1.0)
     kids = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert kids  # the forkserver (and through it the runtime)
@@ -526,16 +517,7 @@ def test_sigterm_to_the_whole_process_group_still_drains():
     """A service manager signals every process of the group (forkserver and runtimes too):
     the in-flight request still finishes, and nothing of the group is left."""
     with running_server("--model", "tiny", "--drain-timeout", "60", "--log-format", "json") as (proc, url):
-        result = {}
-
-        def long_request():
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-                    "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
-                result["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
-
-        import threading
-        t = threading.Thread(target=long_request)
-        t.start()
+        t, result = _stream_in_thread(url)
         time.sleep(1.0)
         os.killpg(proc.pid, signal.SIGTERM)
         t.join(60)
@@ -545,6 +527,24 @@ def test_sigterm_to_the_whole_process_group_still_drains():
         assert result["lines"][-1] == "data: [DONE]"
         assert json.loads(result["lines"][-2][6:])["choices"][0]["finish_reason"] == "length"
         _group_gone(proc.pid)
+
+
+def _stream_in_thread(url: str, max_tokens: int = 300):
+    """A streamed completion of ``max_tokens`` in a thread: (the thread, a dict whose "lines"
+    are the stream's data lines once it ends)."""
+    import threading
+
+    result = {}
+
+    def run():
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": [5, 6, 7], "max_tokens": max_tokens, "ignore_eos": True,
+                "stream": True}) as r:
+            result["lines"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
 
 
 def _running(pid: str) -> bool:
