@@ -60,6 +60,21 @@ class Ready(msgspec.Struct, frozen=True):
     draft_moe_layers: list[int] = []
 
 
+class LogitsRules(msgspec.Struct, frozen=True):
+    """A request's logits processing before sampling (``SamplingParams.processes_logits``).
+    Tokens at positions from ``prompt_len`` on are its output; ``min_tokens`` counts them
+    from there too (a P/D decode side's request starts with the prefill side's token)."""
+
+    prompt_len: int
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    suppress: list[int] = []  # ids masked until min_tokens outputs: end of sequence, stop tokens
+    prompt: bytes = b""  # the prompt's int32 ids, with a repetition penalty (it counts them)
+
+
 class NewRequests(msgspec.Struct, frozen=True):
     """Sampling settings of requests about to appear in plans (sent once per request)."""
 
@@ -69,6 +84,7 @@ class NewRequests(msgspec.Struct, frozen=True):
     top_k: list[int]
     seed: list[int]  # -1: unseeded
     logprobs: list[int] = []  # -1: none; k: the sampled token's log-probability and the top k
+    rules: list[LogitsRules | None] = []  # empty: none for any
 
 
 class Forget(msgspec.Struct, frozen=True):

@@ -29,6 +29,7 @@ class Launched:
     logits: torch.Tensor | None  # kept only when logprobs are wanted (not launched ahead then)
     t0: float
     t1: float
+    pending: object = None  # logits.Pending: the counted samples, until their ids are on the host
 
     def ready(self) -> bool:
         """Whether the device is done with it (finishing it will not wait)."""

@@ -48,6 +48,7 @@ import torch
 from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
 from .base import KVConnect, KVPull, NewPlacement, NewRequests, Ready, RuntimeSpec
+from .logits import LogitsProcessors
 from .launched import HostReturn, Launched
 from .models import load_model
 from . import synthetic
@@ -135,6 +136,7 @@ class TorchRuntime:
         self._finished_at = 0.0  # when the last launched step was finished (perf_counter)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
+        self.processors = LogitsProcessors(spec.max_num_seqs, cfg.vocab_size, self.device)
         # The fast path's sampling settings by slot, refreshed when a slot's request changes.
         self.slot_req = np.full(spec.max_num_seqs, -1, np.int64)
         self.slot_float = np.zeros((spec.max_num_seqs, 2), np.float64)  # temperature, top_p
@@ -393,6 +395,10 @@ class TorchRuntime:
         for i, rid in enumerate(msg.req_ids):
             lp = msg.logprobs[i] if msg.logprobs else -1
             self.params[rid] = (msg.temperature[i], msg.top_p[i], msg.top_k[i], msg.seed[i], lp)
+            if msg.rules and msg.rules[i] is not None:
+                if self.spec is not None:  # the engine refuses them first (Engine.generate)
+                    raise ValueError(f"request {rid}: penalties, min_p and min_tokens do not run with a draft model")
+                self.processors.add(rid, msg.rules[i])
 
     def feed(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Make ``tokens`` these slots' last samples (what the next step's PLACEHOLDERs read),
@@ -406,6 +412,7 @@ class TorchRuntime:
     def forget(self, req_ids: list[int]) -> None:
         for rid in req_ids:
             self.params.pop(rid, None)
+        self.processors.forget(req_ids)
         if self.endpoint is not None:
             self.endpoint.cancel(req_ids)
 
@@ -514,7 +521,10 @@ class TorchRuntime:
         pad = plan.num_padded_tokens if self.ep_padded and plan.uniform_decode else 0
         logits, counts = self.runner.forward(hb, pad_to=pad)
         temp, top_p, top_k, seed, want = params if params is not None else self._slot_params(plan)
-        tokens = sample_on_device(logits, temp, top_p, top_k, seed, hb.positions[hb.sample_index], self.gen)
+        positions = hb.positions[hb.sample_index]
+        x, pending = self.processors.apply(plan, logits, positions, temp)
+        tokens = sample_on_device(x, temp, top_p, top_k, seed, positions, self.gen)
+        self.processors.sampled(pending, tokens)
         self.runner.keep_sampled(tokens)
         # One transfer (and, at finish, the step's one wait) for the sampled ids and the expert counts.
         host, event = self._returns.start(torch.cat([tokens.to(torch.int32), counts.flatten()]))
@@ -522,11 +532,12 @@ class TorchRuntime:
         return Launched(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
                          slots=plan.slots[plan.samples], kv_done=np.array(plan.kv_load_req_ids, np.int64),
                          host=host, num_tokens=len(tokens), counts_shape=tuple(counts.shape), event=event,
-                         want=want, logits=logits if keep_logits else None, t0=t0, t1=t1)
+                         want=want, logits=logits if keep_logits else None, t0=t0, t1=t1, pending=pending)
 
     def _finish(self, p: Launched, plan: StepPlan | None) -> StepResult:
         tokens, counts = self._returns.take(p)
         self.last[p.slots] = tokens
+        self.processors.confirm(p.pending, tokens)
         want = p.want
         lp = (_logprobs(p.logits, tokens, int(want.max())) if p.logits is not None
               else (None, None, None))
@@ -580,8 +591,12 @@ class TorchRuntime:
         default = (1.0, 1.0, -1, -1, -1)
         rows = [self.params.get(r, default) for r in plan.req_ids[plan.samples].tolist()]
         temp, top_p, top_k, seed, want = (np.array(col) for col in zip(*rows)) if rows else ([],) * 5
-        tokens = sample(logits, np.asarray(temp, np.float64), np.asarray(top_p, np.float64),
+        temp = np.asarray(temp, np.float64)
+        x, pending = self.processors.apply(plan, logits, positions, temp)
+        tokens = sample(x, temp, np.asarray(top_p, np.float64),
                         np.asarray(top_k, np.int64), np.asarray(seed, np.int64), positions, self.gen)
+        self.processors.sampled(pending, tokens)
+        self.processors.confirm(pending, tokens)
         return tokens, np.asarray(want, np.int64)
 
     def _slot_params(self, plan: StepPlan) -> tuple[np.ndarray, ...]:

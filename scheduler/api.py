@@ -90,6 +90,11 @@ class Engine:
             raise RequestError(f"priority must be an integer, got {priority!r}", field="priority")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}", field="cache_salt")
+        if params.processes_logits and self.config.draft_model:
+            name = next(f for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+                        if getattr(params, f) != getattr(SamplingParams(), f))
+            raise RequestError(f"{name} is not supported with speculative decoding (this engine runs draft model "
+                               f"{self.config.draft_model!r}): leave it at its default", field=name)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this engine has none (tokenizer=None): use "
                                "stop_token_ids", field="stop")
@@ -115,11 +120,12 @@ class Engine:
                 tokens, reason = await stream.next_delta()
                 lps = stream.take_logprobs() if params.logprobs is not None else None
                 if stops and len(tokens):
-                    tokens, hit = _cut_at_stop_ids(tokens, stops)
+                    tokens, hit = _cut_at_stop_ids(tokens, stops, params.min_tokens - n)
                     reason = self._stopped(p.req_id) if hit else reason
                 text = ""
                 if cut is not None:  # token by token: a stop string ends the tokens where it ends
-                    text, upto = _feed_stop_strings(cut, detok, tokens, final=reason is not None)
+                    text, upto = _feed_stop_strings(cut, detok, tokens, final=reason is not None,
+                                                    skip=params.min_tokens - n)
                     if upto is not None:
                         tokens, lps = tokens[:upto], None if lps is None else lps[:upto]
                         reason = self._stopped(p.req_id)
@@ -202,25 +208,29 @@ def _pair(tokens: np.ndarray, lps: list | None) -> list | None:
     return out
 
 
-def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int]) -> tuple[np.ndarray, bool]:
+def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int], skip: int = 0) -> tuple[np.ndarray, bool]:
+    """``tokens`` up to the first stop id past the first ``skip`` (min_tokens not reached)."""
     hits = np.flatnonzero(np.isin(tokens, list(stops))) if stops else ()
-    if len(hits):
+    hits = [h for h in hits.tolist() if h >= skip] if len(hits) else ()
+    if hits:
         return tokens[: hits[0] + 1], True
     return tokens, False
 
 
-def _feed_stop_strings(cut: StopStrings, detok, tokens: np.ndarray, final: bool) -> tuple[str, int | None]:
+def _feed_stop_strings(cut: StopStrings, detok, tokens: np.ndarray, final: bool,
+                       skip: int = 0) -> tuple[str, int | None]:
     """A delta's text through ``cut`` one token at a time: (text, how many of the tokens to
     keep where a stop string completed in them, else None), as vLLM, which checks after each
-    token, reports the tokens and their usage."""
+    token, reports the tokens and their usage. No stop string ends the output in the first
+    ``skip`` tokens (min_tokens not reached), as in vLLM."""
     out = []
     for k, t in enumerate(tokens.tolist()):
-        piece, hit = cut.feed(detok.push([t]))
+        piece, hit = cut.feed(detok.push([t]), armed=k >= skip)
         out.append(piece)
         if hit:
             return "".join(out), k + 1
     if final:
-        piece, hit = cut.feed(detok.finish(), final=True)
+        piece, hit = cut.feed(detok.finish(), final=True, armed=len(tokens) > skip)
         out.append(piece)
         if hit:
             return "".join(out), len(tokens)
@@ -240,10 +250,13 @@ class StopStrings:
         self.hold = max(len(s) for s in self.stops) - 1
         self.held = ""
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """The text to return now, and whether a stop string ended the output."""
+    def feed(self, text: str, final: bool = False, armed: bool = True) -> tuple[str, bool]:
+        """The text to return now, and whether a stop string ended the output: one that ends
+        in ``text`` (the held text was searched when it came), and only when ``armed``."""
+        held = len(self.held)
         text, self.held = self.held + text, ""
-        found = [(i + len(s), i) for s in self.stops for i in (text.find(s),) if i >= 0]
+        found = [(i + len(s), i) for s in (self.stops if armed else ())
+                 for i in (text.find(s, max(held - len(s) + 1, 0)),) if i >= 0]
         if found:
             return text[: min(found)[1]], True
         keep = 0 if final else min(self.hold, len(text))

@@ -18,6 +18,16 @@ def add_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: off")
     g.add_argument("--seed", type=int, help="sampling seed (a fixed seed repeats the same answer)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="in (0, 2]: a prompt or output token's positive logit divided by it, a negative one "
+                        "multiplied; 1: off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted from a token's logit per time it was generated")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]: subtracted from the logit of any token generated already")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="in [0, 1]: drop tokens less likely than this times the most likely one")
+    g.add_argument("--min-tokens", type=int, default=0, help="no end of sequence or stop before this many tokens")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
 
@@ -71,7 +81,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from lockstep.policy.request import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                            presence_penalty=args.presence_penalty, min_p=args.min_p, min_tokens=args.min_tokens)
     params.validate()
     config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                           dep=args.dep, eplb=eplb_config(args), **pd_options(args))

@@ -49,7 +49,8 @@ class Job:
         if not self.default_max_tokens or isinstance(prompt, str):
             return self.params
         room = max_model_len - len(prompt)
-        if room >= self.params.max_tokens or room < 1:  # room < 1: the prompt alone is too long
+        # room < 1: the prompt alone is too long; room < min_tokens: so is the prompt with them
+        if room >= self.params.max_tokens or room < max(1, self.params.min_tokens):
             return self.params
         return attrs.evolve(self.params, max_tokens=room)
 
@@ -68,11 +69,10 @@ def parse_body(raw: bytes) -> dict:
 # not implement are accepted only at their no-op value (a 400 otherwise: nothing asked for is
 # dropped silently); any other field is a 400.
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k",
-           "seed", "stop_token_ids", "ignore_eos", "logprobs", "priority", "cache_salt", "user"}
+           "seed", "stop_token_ids", "ignore_eos", "logprobs", "priority", "cache_salt", "user",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 _NO_OP = {  # field -> is the value the no-op one
-    "presence_penalty": lambda v: v == 0, "frequency_penalty": lambda v: v == 0,
-    "repetition_penalty": lambda v: v == 1, "min_p": lambda v: v == 0, "min_tokens": lambda v: v == 0,
     "logit_bias": lambda v: not v, "best_of": lambda v: v == 1, "suffix": lambda v: not v,
     "tools": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"), "parallel_tool_calls": lambda v: True,
     "response_format": lambda v: not v or v == {"type": "text"}, "functions": lambda v: not v,
@@ -135,6 +135,9 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
+        presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0), min_p=_num(body, "min_p", 0.0),
+        min_tokens=_get(body, "min_tokens", int, 0),
     )
     if n > 1 and params.seed is not None and params.seed > 2**63 - n:  # sample i takes seed + i
         raise BadRequest(f"seed must be at most 2**63 - n ({2**63 - n}) with n = {n}: sample i uses seed + i; "

@@ -30,6 +30,7 @@ from lockstep.policy.core import SchedulerCore  # noqa: E402
 from lockstep.policy.hashing import BlockHasher  # noqa: E402
 from lockstep.policy.request import Request, SamplingParams  # noqa: E402
 from lockstep.policy.step import StepPlan, StepResult, decode_constants  # noqa: E402
+from lockstep.engine.runtime_client import new_requests  # noqa: E402
 from lockstep.runtime.base import NewRequests, RuntimeSpec  # noqa: E402
 from lockstep.runtime.models import load_model  # noqa: E402
 from lockstep.runtime.models.batch import ForwardBatch  # noqa: E402
@@ -241,21 +242,22 @@ def test_fp8_experts_stay_close_to_bf16():
     assert rows.median() < 0.1 and (got[True].argmax(-1) == got[False].argmax(-1)).float().mean() >= 0.8
 
 
-def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0, dp_sync=False):
+def _drive(runtimes, prompts, *, max_tokens=4, logprobs=2, placement_gen=0, dp_sync=False, **processing):
     """Serve prompts through a real SchedulerCore (chunked prefill, staggered arrivals, so
     steps mix prefill chunks and decodes), executing each plan on every runtime; later
     runtimes are fed the first one's tokens, so their samples compare position by position."""
     cfg = SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
                           max_model_len=256, async_scheduling=False)
     core = SchedulerCore(cfg, BlockHasher(b"k", BS))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs, **processing)
     results = [[] for _ in runtimes]
     step = 0
     while step < len(prompts) or core.has_work():
         if step < len(prompts):
-            core.add_request(Request(id=step, prompt=np.asarray(prompts[step], np.int32), params=params))
+            req = Request(id=step, prompt=np.asarray(prompts[step], np.int32), params=params)
+            core.add_request(req)
             for rt in runtimes:
-                rt.add_requests(NewRequests([step], [0.0], [1.0], [-1], [-1], [logprobs]))
+                rt.add_requests(new_requests(req))
         plan = core.schedule(float(step))
         if placement_gen:
             plan = attrs.evolve(plan, placement_gen=placement_gen)
@@ -280,6 +282,24 @@ def _runtime(**options) -> TorchRuntime:
     rt.load(RuntimeSpec(model="tiny", device=DEV, dtype="bfloat16", num_blocks=64, block_size=BS, max_num_seqs=4,
                         max_model_len=256, options={"preset_overrides": SMALL, "init_on_device": False, **options}))
     return rt
+
+
+def test_fast_path_penalties_follow_the_reference_path():
+    """Penalties on the fast path: counted on the device as tokens are drawn, the same
+    choices as the reference path's host-side ones; logprobs stay the model's."""
+    ref = _runtime(fast=False)
+    fast = _runtime(fast=True, cuda_graphs="padded", compile=False)
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    processing = dict(repetition_penalty=1.8, frequency_penalty=1.0, presence_penalty=0.5, max_tokens=6)
+    want, got = _drive([ref, fast], prompts, **processing)
+    (plain,) = _drive([_runtime(fast=False)], prompts, max_tokens=6)
+    toks = [r.token_ids.tolist() for r in want]
+    assert toks == [r.token_ids.tolist() for r in got]
+    assert toks != [r.token_ids.tolist() for r in plain]  # the penalties changed the tokens
+    for a, b in zip(want, plain):  # the model's own log-probabilities, where both drew the same
+        same = a.token_ids == b.token_ids
+        if same.all() and len(same):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"], ids=["bf16_cache", "fp8_cache"])

@@ -1,6 +1,7 @@
 """The OpenAI request parser at the HTTP boundary: every bad body is a BadRequest naming its
 field, before anything is queued; nothing asked for is dropped silently."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,7 +29,10 @@ def parse(body, chat=False):
     ({"prompt": [10**30]}, "prompt"),  # used to be a 500 (an OverflowError converting it)
     ({"prompt": [5], "bogus": 1}, "bogus"),
     ({"prompt": [5], "logit_bias": {"5": 10}}, "logit_bias"),
-    ({"prompt": [5], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": [5], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": [5], "repetition_penalty": "1.1"}, "repetition_penalty"),
+    ({"prompt": [5], "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"prompt": [5], "min_p": -0.1}, "min_p"),
     ({"prompt": [5], "messages": [{"role": "user", "content": "x"}]}, "messages"),
     ({"prompt": [5], "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ({"prompt": [5], "stream": True, "stream_options": {"include_usage": "no"}}, "include_usage"),
@@ -63,6 +67,21 @@ def test_no_op_values_of_unsupported_fields_are_accepted():
     chat = parse({"messages": [{"role": "user", "content": "a"}], "tools": [], "tool_choice": "none",
                   "response_format": {"type": "text"}, "max_completion_tokens": 5}, chat=True)
     assert chat.params.max_tokens == 5 and chat.prompts == ("a",)
+
+
+def test_vllm_logits_processing_fields_are_parsed():
+    job = parse({"prompt": [5], "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+                 "min_p": 0.05, "min_tokens": 3})
+    p = job.params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (
+        0.5, -1.0, 1.2, 0.05, 3) and p.processes_logits
+    assert not parse({"prompt": [5]}).params.processes_logits
+    # no max_tokens given: the default is capped at what the context leaves, but never below
+    # min_tokens (the length check then refuses the prompt, as it would the default)
+    job = parse({"prompt": [5], "min_tokens": 10})
+    assert job.capped(np.zeros(4090, np.int32), 4096).max_tokens == 16
+    assert job.capped(np.zeros(4070, np.int32), 4096).max_tokens == 16
+    assert job.capped(np.zeros(4085, np.int32), 4096).max_tokens == 11
 
 
 def test_sampling_params_reject_what_would_fail_later():

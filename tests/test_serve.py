@@ -364,8 +364,13 @@ def test_openai_client_completions_chat_and_errors(real_server):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     with pytest.raises(openai.BadRequestError, match="seed"):  # sample 1 would take seed + 1 = 2**63
         client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2, seed=2**63 - 1)
-    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):  # not implemented: not ignored
-        client.completions.create(model="tiny", prompt="x", max_tokens=1, frequency_penalty=0.5)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, frequency_penalty=3)
+    # vLLM's logits processing, through the OpenAI client (vLLM's own fields in extra_body)
+    done = client.completions.create(model="tiny", prompt="x", max_tokens=4, frequency_penalty=0.5,
+                                     presence_penalty=0.2, extra_body={"repetition_penalty": 1.1, "min_p": 0.1,
+                                                                       "min_tokens": 4})
+    assert done.usage.completion_tokens == 4
     # vLLM's read-only routes, and unknown routes and methods as JSON errors
     assert httpx.get(f"{url}/v1/models/tiny").json()["id"] == "tiny"
     assert httpx.get(f"{url}/v1/models/nope").status_code == 404

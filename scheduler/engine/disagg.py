@@ -31,8 +31,9 @@ import structlog
 import trio
 
 from lockstep.policy.request import FinishReason, Request, RequestError
-from lockstep.runtime.base import NewRequests
 from lockstep.runtime.kv import KVPeer
+
+from .runtime_client import new_requests
 
 log = structlog.get_logger("lockstep.disagg")
 
@@ -116,7 +117,8 @@ class PrefillSide:
         """The prefill-only copy: one output token, blocks kept for the decode side."""
         p = req.params
         self.params[req.id] = (req, p)
-        return attrs.evolve(req, params=attrs.evolve(p, max_tokens=1), hold_kv=p.max_tokens > 1)
+        return attrs.evolve(req, params=attrs.evolve(p, max_tokens=1, min_tokens=min(p.min_tokens, 1)),
+                            hold_kv=p.max_tokens > 1)
 
     def handle(self, sched, msg, now: float) -> bool:
         if isinstance(msg, ReleaseKV):
@@ -159,7 +161,8 @@ class PrefillSide:
 
     def _hand_off(self, sched, req: Request, params, tok: int, stream, now: float) -> None:
         prompt = np.concatenate([req.prompt, np.array([tok], np.int32)])
-        moved = Request(id=req.id, prompt=prompt, params=attrs.evolve(params, max_tokens=params.max_tokens - 1),
+        moved = Request(id=req.id, prompt=prompt, params=attrs.evolve(params, max_tokens=params.max_tokens - 1,
+                                                                      min_tokens=max(params.min_tokens - 1, 0)),
                         arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
                         remote_kv_tokens=len(req.prompt), eos_token_id=req.eos_token_id)
         self.held_at[req.id] = now
@@ -230,9 +233,8 @@ class DecodeSide:
                 p = req.params
                 if p.logprobs is not None:
                     sched._want_logprobs.add(req.id)
-                sched.client.add_requests(NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k],
-                                                      [-1 if p.seed is None else p.seed],
-                                                      [-1 if p.logprobs is None else p.logprobs]))
+                # its prompt ends with the prefill side's token: its first output
+                sched.client.add_requests(new_requests(req, len(req.prompt) - req.remote_kv_tokens))
                 return True
             case ConnectPeer(peer=peer):
                 sched.client.kv_connect(peer)

@@ -16,11 +16,12 @@ import msgspec
 import numpy as np
 import trio
 
+from lockstep.policy.request import Request
 from lockstep.policy.step import StepPlan, StepResult
 from lockstep.runtime import main as runtime_main
 from lockstep.runtime.base import (FAILURE, FORGET, KV_CONNECT, KV_PULL, NEW_PLACEMENT, NEW_REQUESTS, READY, RESULT,
-                                   SHUTDOWN, Failure, Forget, KVConnect, KVPull, NewPlacement, NewRequests, Ready,
-                                   RuntimeSpec)
+                                   SHUTDOWN, Failure, Forget, KVConnect, KVPull, LogitsRules, NewPlacement,
+                                   NewRequests, Ready, RuntimeSpec)
 from lockstep.transports import trio_ring
 from lockstep.transports.shm_ring import Ring, send_ring
 from lockstep.transports.step_codec import decode, encode
@@ -28,6 +29,25 @@ from lockstep.transports.step_codec import decode, encode
 _ENC = msgspec.msgpack.Encoder()
 _PRELOAD = ["lockstep.runtime._forkserver", "lockstep.runtime.main", "lockstep.runtime.timing",
             "lockstep.runtime.torch_runtime"]
+
+
+def new_requests(req: Request, outputs_in_prompt: int = 0) -> NewRequests:
+    """What a runtime must know of ``req`` to sample for it; ``outputs_in_prompt``: the last
+    tokens of its prompt are its own output (a P/D decode side's request starts with the
+    token the prefill side sampled), which penalties and min_tokens count."""
+    p = req.params
+    rules = None
+    if p.processes_logits:
+        n = req.prompt_len - outputs_in_prompt
+        stop = list(p.stop_token_ids) + ([req.eos_token_id] if req.eos_token_id >= 0 and not p.ignore_eos else [])
+        rules = LogitsRules(
+            prompt_len=n, presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
+            repetition_penalty=float(p.repetition_penalty), min_p=float(p.min_p),
+            # the request's min_tokens less the outputs in its prompt, counted from n again
+            min_tokens=p.min_tokens + outputs_in_prompt if p.min_tokens else 0, suppress=stop,
+            prompt=req.prompt[:n].astype(np.int32).tobytes() if p.repetition_penalty != 1 else b"")
+    return NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k], [-1 if p.seed is None else p.seed],
+                       [-1 if p.logprobs is None else p.logprobs], [rules])
 
 
 class RuntimeDied(RuntimeError):

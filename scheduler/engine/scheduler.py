@@ -30,7 +30,6 @@ import trio
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.request import FinishReason, Request, RequestError
 from lockstep.policy.step import StepPlan, StepResult
-from lockstep.runtime.base import NewRequests
 
 from lockstep.policy.dp_sync import decide, dummy, local_state, padded
 
@@ -38,7 +37,7 @@ from .balancer import Loads, Restarted
 from .group import LocalGroup
 from .output import RequestStream, deliver
 from .pacing import Pacer, RealTime
-from .runtime_client import RuntimeClient, RuntimeDied
+from .runtime_client import RuntimeClient, RuntimeDied, new_requests
 
 _MAX_FAILED_STARTS = 3  # a group restart whose runtime fails to start this often in a row stops
 
@@ -270,9 +269,7 @@ class Scheduler:
                 p = req.params
                 if p.logprobs is not None:
                     self._want_logprobs.add(req.id)
-                self.client.add_requests(NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k],
-                                                     [-1 if p.seed is None else p.seed],
-                                                     [-1 if p.logprobs is None else p.logprobs]))
+                self.client.add_requests(new_requests(req))
             case Abort(req_id=rid, reason=reason):
                 self._unscheduled.discard(rid)
                 self._want_logprobs.discard(rid)

@@ -67,6 +67,22 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_stops)  # matched on the detokenized text
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k's
+    # Logits processing before sampling, as vLLM's: penalties on tokens already generated
+    # (frequency: per occurrence, presence: once), repetition on the prompt's and the
+    # output's tokens (a positive logit divided by it, a negative one multiplied); min_p
+    # drops tokens less likely than min_p times the most likely one; min_tokens: no end of
+    # sequence, stop token or stop string before that many tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a runtime must change the logits before sampling for this request."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.min_p or self.min_tokens)
 
     def validate(self) -> None:
         """Every field's type and range, so that nothing accepted here fails later in the
@@ -98,6 +114,19 @@ class SamplingParams:
             raise RequestError(f"stop must be a non-empty string or a tuple of them, got {self.stop!r}", field="stop")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", field="ignore_eos")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (_is_num(v) and -2 <= v <= 2):
+                raise RequestError(f"{name} must be a number in [-2, 2] (0: off), got {v!r}", field=name)
+        v = self.repetition_penalty
+        if not (_is_num(v) and math.isfinite(v) and 0 < v <= 2):
+            raise RequestError(f"repetition_penalty must be a number in (0, 2] (1: off), got {v!r}",
+                               field="repetition_penalty")
+        if not (_is_num(self.min_p) and 0 <= self.min_p <= 1):
+            raise RequestError(f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}", field="min_p")
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], "
+                               f"got {self.min_tokens!r}", field="min_tokens")
 
 
 @attrs.define(eq=False, slots=True)

@@ -1,0 +1,201 @@
+"""Logits processing before sampling, per request, as vLLM's: min_tokens, the repetition,
+frequency and presence penalties, and min_p (``LogitsRules``, sent with ``NewRequests``).
+
+Penalties count a request's output tokens, per slot, in a (slots, vocab) table on the
+runtime's device: a sampled token is counted there right after it is drawn (the next step,
+which a fast runtime launches before this one's tokens reach the host, sees it), and its
+id and output index are kept on the host once they arrive. A slot's row is rebuilt from
+that record (and the prompt's ids, for a repetition penalty) whenever the slot holds
+another request than the row counts for, or its request was dropped by the core
+(preempted: readmitted, it may sit elsewhere); the output tokens a plan feeds (a
+recompute's, a P/D decode side's first token) are counted unless the record has them.
+
+The logits a request's logprobs are read from stay the model's: processing works on a copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import torch
+
+from lockstep.policy.step import PLACEHOLDER, StepPlan
+
+from .base import LogitsRules
+
+
+def _counts(r: LogitsRules) -> bool:
+    return bool(r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1)
+
+
+class Pending:
+    """The counted rows of one step's samples, until their ids reach the host."""
+
+    __slots__ = ("rows", "slots", "rids", "index")
+
+    def __init__(self, rows: list[int], slots: list[int], rids: list[int], index: list[int]):
+        self.rows, self.slots, self.rids, self.index = rows, slots, rids, index
+
+
+class LogitsProcessors:
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device):
+        self.max_num_seqs, self.vocab, self.device = max_num_seqs, vocab_size, device
+        self.rules: dict[int, LogitsRules] = {}
+        self.record: dict[int, np.ndarray] = {}  # rid -> its output ids by index (-1: not seen), counted ones
+        self.owner = np.full(max_num_seqs, -1, np.int64)  # the request each row counts for
+        self.counts: torch.Tensor | None = None  # (slots, vocab) int32, made for the first counted request
+        self.seen: torch.Tensor | None = None  # (slots, vocab) bool: the prompt's ids (repetition penalty)
+
+    def __bool__(self) -> bool:
+        return bool(self.rules)
+
+    def add(self, rid: int, rules: LogitsRules | None) -> None:
+        if rules is None:
+            return
+        if rules.suppress and max(rules.suppress) >= self.vocab:  # ids it can never draw anyway
+            rules = msgspec.structs.replace(rules, suppress=[t for t in rules.suppress if 0 <= t < self.vocab])
+        self.rules[rid] = rules
+        if _counts(rules):
+            self.record[rid] = np.full(16, -1, np.int32)
+            if self.counts is None:
+                self.counts = torch.zeros((self.max_num_seqs, self.vocab), dtype=torch.int32, device=self.device)
+                self.seen = torch.zeros((self.max_num_seqs, self.vocab), dtype=torch.bool, device=self.device)
+
+    def forget(self, rids) -> None:
+        for rid in rids:
+            if self.rules.pop(rid, None) is not None:
+                self.record.pop(rid, None)
+                self.owner[self.owner == rid] = -1
+
+    def apply(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray,
+              temperature: np.ndarray) -> tuple[torch.Tensor, Pending | None]:
+        """The logits to sample from (rows: the plan's sampled entries, in order;
+        ``positions``: each one's last fed position) and what ``sampled`` counts."""
+        if not self.rules:
+            return logits, None
+        if len(plan.finished_req_ids) and (self.owner >= 0).any():
+            self.owner[np.isin(self.owner, plan.finished_req_ids)] = -1
+        rids, slots = plan.req_ids.tolist(), plan.slots.tolist()
+        for i in [i for i, r in enumerate(rids) if r in self.record]:
+            self._feed(plan, i, rids[i], slots[i])
+        entries = np.flatnonzero(plan.samples).tolist()
+        rows = [j for j, i in enumerate(entries) if rids[i] in self.rules]
+        if not rows:
+            return logits, None
+        # a copy (the model's logits stay as they are, for logprobs), at least float32
+        x = logits.clone() if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        counted = []  # (row, rules, slot, rid, output index of the token drawn) of counting requests
+        narrow = []  # (row, min_p)
+        for j in rows:
+            i = entries[j]
+            r = self.rules[rids[i]]
+            k = int(positions[j]) + 1 - r.prompt_len
+            if k < r.min_tokens and r.suppress:
+                x[j, torch.as_tensor(r.suppress, device=x.device)] = float("-inf")
+            if _counts(r):
+                self._drop_from(rids[i], slots[i], k)
+                counted.append((j, r, slots[i], rids[i], k))
+            if r.min_p > 0 and temperature[j] > 0:
+                narrow.append((j, r.min_p))
+        if counted:
+            self._penalize(x, counted)
+        if narrow:
+            self._min_p(x, narrow, temperature)
+        if not counted:
+            return x, None
+        return x, Pending(*([c[n] for c in counted] for n in (0, 2, 3, 4)))
+
+    def sampled(self, pending: Pending | None, tokens) -> None:
+        """Count the tokens just drawn (a device tensor, or host ids) in their rows."""
+        if pending is None:
+            return
+        tok = torch.as_tensor(tokens, device=self.device)[torch.as_tensor(pending.rows, device=self.device)]
+        slots = torch.as_tensor(pending.slots, device=self.device)
+        self.counts.index_put_((slots, tok.to(torch.int64)), torch.ones_like(tok, dtype=torch.int32),
+                               accumulate=True)
+
+    def confirm(self, pending: Pending | None, tokens: np.ndarray) -> None:
+        """The drawn ids, now on the host: into the records (already counted)."""
+        if pending is None:
+            return
+        for j, rid, k in zip(pending.rows, pending.rids, pending.index):
+            if rid in self.record:
+                self._remember(rid, k, int(tokens[j]))
+
+    # -- internals -----------------------------------------------------------------------------
+    def _remember(self, rid: int, k: int, token: int) -> bool:
+        """Note output k of ``rid``; whether it was new."""
+        rec = self.record[rid]
+        if k >= len(rec):
+            rec = self.record[rid] = np.concatenate([rec, np.full(max(k + 1, 2 * len(rec)) - len(rec), -1, np.int32)])
+        if rec[k] >= 0:
+            return False
+        rec[k] = token
+        return True
+
+    def _drop_from(self, rid: int, slot: int, k: int) -> None:
+        """Token k is drawn now: outputs from k on that the record holds were drawn for a
+        step the core dropped (preempted while it ran) and are not the request's."""
+        rec = self.record[rid]
+        stale = rec[k:]
+        if k < len(rec) and (stale >= 0).any():
+            gone = torch.as_tensor(stale[stale >= 0].astype(np.int64), device=self.device)
+            self.counts[slot].index_put_((gone,), torch.full((len(gone),), -1, dtype=torch.int32, device=self.device),
+                                         accumulate=True)
+            stale[:] = -1
+
+    def _feed(self, plan: StepPlan, i: int, rid: int, slot: int) -> None:
+        """Own ``slot``'s row for ``rid`` and count the output tokens this entry feeds that
+        the record lacks."""
+        r = self.rules[rid]
+        if self.owner[slot] != rid:
+            self._rebuild(slot, rid, r)
+        lo, hi = int(plan.token_offsets[i]), int(plan.token_offsets[i + 1])
+        start = int(plan.start_pos[i])
+        if start + hi - lo <= r.prompt_len:
+            return
+        ids = plan.token_ids[lo:hi]
+        new = [t for k, t in enumerate(ids.tolist()) if start + k >= r.prompt_len and t != PLACEHOLDER
+               and self._remember(rid, start + k - r.prompt_len, t)]
+        if new:
+            t = torch.as_tensor(new, dtype=torch.int64, device=self.device)
+            self.counts[slot].index_put_((t,), torch.ones(len(new), dtype=torch.int32, device=self.device),
+                                         accumulate=True)
+
+    def _rebuild(self, slot: int, rid: int, r: LogitsRules) -> None:
+        rec = self.record[rid]
+        known = rec[rec >= 0].astype(np.int64)
+        self.counts[slot] = torch.bincount(torch.as_tensor(known), minlength=self.vocab).to(
+            device=self.device, dtype=torch.int32)
+        self.seen[slot] = False
+        if r.prompt:
+            self.seen[slot, torch.as_tensor(np.frombuffer(r.prompt, np.int32).astype(np.int64), device=self.device)] = True
+        self.owner[slot] = rid
+
+    def _penalize(self, x: torch.Tensor, counted: list[tuple]) -> None:
+        dev = x.device
+        rows = torch.as_tensor([c[0] for c in counted], device=dev)
+        slots = torch.as_tensor([c[2] for c in counted], device=dev)
+
+        def col(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(c[1], name) for c in counted], dtype=x.dtype, device=dev)[:, None]
+
+        n = self.counts[slots]
+        used = n > 0
+        y = x[rows]
+        rep = col("repetition_penalty")
+        y = torch.where(used | self.seen[slots], torch.where(y > 0, y / rep, y * rep), y)
+        x[rows] = y - col("frequency_penalty") * n - col("presence_penalty") * used
+
+    @staticmethod
+    def _min_p(x: torch.Tensor, narrow: list[tuple[int, float]], temperature: np.ndarray) -> None:
+        """Drop tokens whose probability (after temperature) is below min_p times the
+        largest: (logit - max) / t < log(min_p)."""
+        dev = x.device
+        rows = torch.as_tensor([j for j, _ in narrow], device=dev)
+        floor = torch.tensor([float(temperature[j]) * math.log(p) for j, p in narrow], dtype=x.dtype,
+                             device=dev)[:, None]
+        y = x[rows]
+        x[rows] = y.masked_fill(y - y.max(dim=-1, keepdim=True).values < floor, float("-inf"))
