@@ -88,17 +88,21 @@ class LogitsProcessors:
         x = logits.clone() if logits.dtype in (torch.float32, torch.float64) else logits.float()
         counted = []  # (row, rules, slot, rid, output index of the token drawn) of counting requests
         narrow = []  # (row, min_p)
+        held_rows, held_ids = [], []  # min_tokens not reached: the ids masked in each row
         for j in rows:
             i = entries[j]
             r = self.rules[rids[i]]
             k = int(positions[j]) + 1 - r.prompt_len
             if k < r.min_tokens and r.suppress:
-                x[j, torch.as_tensor(r.suppress, device=x.device)] = float("-inf")
+                held_rows += [j] * len(r.suppress)
+                held_ids += r.suppress
             if _counts(r):
                 self._drop_from(rids[i], slots[i], k)
                 counted.append((j, r, slots[i], rids[i], k))
             if r.min_p > 0 and temperature[j] > 0:
                 narrow.append((j, r.min_p))
+        if held_rows:
+            x[torch.as_tensor(held_rows, device=x.device), torch.as_tensor(held_ids, device=x.device)] = float("-inf")
         if counted:
             self._penalize(x, counted)
         if narrow:
