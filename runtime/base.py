@@ -85,6 +85,9 @@ class NewRequests(msgspec.Struct, frozen=True):
     seed: list[int]  # -1: unseeded
     logprobs: list[int] = []  # -1: none; k: the sampled token's log-probability and the top k
     rules: list[LogitsRules | None] = []  # empty: none for any
+    # Prompt logprobs: top k (-1: none), and then the prompt's int32 ids (b"" otherwise)
+    prompt_logprobs: list[int] = []
+    prompts: list[bytes] = []
 
 
 class Forget(msgspec.Struct, frozen=True):

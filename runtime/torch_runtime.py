@@ -37,6 +37,7 @@ Benchmarks' changes to random weights (``expert_skew``, ``layer_output_scale``):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -49,6 +50,7 @@ from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
 from .base import KVConnect, KVPull, NewPlacement, NewRequests, Ready, RuntimeSpec
 from .logits import LogitsProcessors
+from .prompt_logprobs import PromptScores
 from .launched import HostReturn, Launched
 from .models import load_model
 from . import synthetic
@@ -137,6 +139,7 @@ class TorchRuntime:
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         self.processors = LogitsProcessors(spec.max_num_seqs, cfg.vocab_size, self.device)
+        self.scores = PromptScores()
         # The fast path's sampling settings by slot, refreshed when a slot's request changes.
         self.slot_req = np.full(spec.max_num_seqs, -1, np.int64)
         self.slot_float = np.zeros((spec.max_num_seqs, 2), np.float64)  # temperature, top_p
@@ -399,6 +402,8 @@ class TorchRuntime:
                 if self.spec is not None:  # the engine refuses them first (Engine.generate)
                     raise ValueError(f"request {rid}: penalties, min_p and min_tokens do not run with a draft model")
                 self.processors.add(rid, msg.rules[i])
+            if msg.prompt_logprobs:
+                self.scores.add(rid, msg.prompt_logprobs[i], msg.prompts[i])
 
     def feed(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Make ``tokens`` these slots' last samples (what the next step's PLACEHOLDERs read),
@@ -413,6 +418,7 @@ class TorchRuntime:
         for rid in req_ids:
             self.params.pop(rid, None)
         self.processors.forget(req_ids)
+        self.scores.forget(req_ids)
         if self.endpoint is not None:
             self.endpoint.cancel(req_ids)
 
@@ -466,13 +472,23 @@ class TorchRuntime:
             done, failed = self._kv_loads(plan)
             return attrs.evolve(self.spec.execute(plan), kv_loads_done=done, kv_loads_failed=failed,
                                 host_s=0.0)
-        if self.runner is not None:
+        scored, meta = self.scores.rows(plan)  # prompt logprobs: the reference forward returns any rows
+        if self.runner is not None and meta is None:
             return self._execute_fast(plan, t0)
-        batch, positions = self._batch(plan)
+        hb = self._host_batch(plan)
+        n = len(hb.sample_index)
+        positions = hb.positions[hb.sample_index]
+        if meta is not None:
+            hb = dataclasses.replace(hb, sample_index=np.concatenate([hb.sample_index, scored]))
+        batch = hb.forward_batch(self.tables, self.device)
         t1 = time.perf_counter()
         logits, counts = self.model(batch, self.kv)
+        prompt = {} if meta is None else self.scores.score(logits[n:], meta)
+        logits = logits[:n]
         tokens, want = self._sample(plan, logits, positions)
         self.last[plan.slots[plan.samples]] = tokens
+        if self.runner is not None:  # the fast path's next steps read the device's copy
+            self.feed(plan.slots[plan.samples], tokens)
         lp = _logprobs(logits, tokens, int(want.max())) if len(want) and want.max() >= 0 else (None, None, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -480,7 +496,8 @@ class TorchRuntime:
         done, failed = self._kv_loads(plan)
         return StepResult(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32), token_ids=tokens,
                           kv_loads_done=done, kv_loads_failed=failed, expert_counts=counts.cpu().numpy(),
-                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1)
+                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1,
+                          **prompt)
 
     def _execute_fast(self, plan: StepPlan, t0: float) -> StepResult:
         return self._finish(self._launch_fast(plan, t0), plan)
@@ -493,7 +510,8 @@ class TorchRuntime:
         (``FastRunner.last``), so the runtime process launches step N+1 while step N still
         runs, and the GPU does not idle while the host prepares a step."""
         if (not self.launch_ahead or self.runner is None or self.spec is not None or self.placements is not None
-                or self.world > 1 or self.endpoint is not None or not len(plan.token_ids)):
+                or self.world > 1 or self.endpoint is not None or not len(plan.token_ids)
+                or (self.scores and self.scores.rows(plan)[1] is not None)):
             return None
         t0 = time.perf_counter()
         params = self._slot_params(plan)

@@ -51,6 +51,9 @@ class RequestOutput:
     queue_s: float | None = None  # arrival to the first step that computed it
     # With SamplingParams.logprobs: per token (token id, logprob, [(top id, logprob), ...])
     logprobs: list | None = None
+    # With SamplingParams.prompt_logprobs, on the first output only: per prompt token, the
+    # same (the first token's logprob None: nothing comes before it)
+    prompt_logprobs: list | None = None
 
 
 @attrs.frozen
@@ -66,6 +69,7 @@ class Completion:
     e2e_s: float | None
     # With SamplingParams.logprobs: per token (token id, logprob, [(top id, logprob), ...])
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs (RequestOutput's)
 
 
 class Engine:
@@ -95,6 +99,14 @@ class Engine:
                         if getattr(params, f) != getattr(SamplingParams(), f))
             raise RequestError(f"{name} is not supported with speculative decoding (this engine runs draft model "
                                f"{self.config.draft_model!r}): leave it at its default", field=name)
+        if params.prompt_logprobs is not None:
+            cfg = self.config
+            dep = cfg.prefill_dep if cfg.prefill_instances else cfg.dep
+            why = (f"speculative decoding (draft model {cfg.draft_model!r})" if cfg.draft_model else
+                   f"DEP (a prompt here is computed on {dep} ranks)" if dep > 1 else None)
+            if why is not None:
+                raise RequestError(f"prompt_logprobs is not supported with {why}: leave it None",
+                                   field="prompt_logprobs")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this engine has none (tokenizer=None): use "
                                "stop_token_ids", field="stop")
@@ -108,7 +120,7 @@ class Engine:
     async def _stream(self, p: Prompt) -> AsyncIterator[RequestOutput]:
         stream, params = p.stream, p.params
         detok = self._detokenizer()
-        stops, n = set(params.stop_token_ids), 0
+        stops, n, first = set(params.stop_token_ids), 0, True
         cut = StopStrings(params.stop) if params.stop else None
         self._live[p.req_id] = stream  # here, not in generate: a generator never started holds nothing
         try:
@@ -132,7 +144,11 @@ class Engine:
                 elif detok is not None:
                     text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
                 n += len(tokens)
-                yield self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
+                out = self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
+                if first and params.prompt_logprobs is not None:
+                    out = attrs.evolve(out, prompt_logprobs=stream.take_prompt_logprobs() or [])
+                first = False
+                yield out
                 if reason is not None:
                     return
         finally:
@@ -382,13 +398,15 @@ def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int,
 
 async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
     """A request's deltas gathered into its Completion."""
-    texts, ids, lps, last = [], [], [], None
+    texts, ids, lps, last, prompt = [], [], [], None, None
     async for out in outputs:
         texts.append(out.text)
         ids.append(out.token_ids)
         if out.logprobs is not None:
             lps += out.logprobs
+        if out.prompt_logprobs is not None:
+            prompt = out.prompt_logprobs
         last = out
     return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
                       last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s,
-                      lps if last.logprobs is not None else None)
+                      lps if last.logprobs is not None else None, prompt)

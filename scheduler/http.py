@@ -329,8 +329,11 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
     finals: list = [None] * len(gens)
 
     async def on_delta(i, out):
-        texts[i].append(out.text)
-        lps[i] += out.logprobs or []
+        if out.prompt_logprobs is not None:  # echo with logprobs: the prompt's rows come first
+            lps[i][:0] = out.prompt_logprobs
+        if not job.echo_only:
+            texts[i].append(out.text)
+            lps[i] += out.logprobs or []
         if out.finished:
             finals[i] = out
             _record(server, out)
@@ -353,7 +356,7 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
     return Response(_JSON.encode({
         "id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-        "model": server.model_name, "choices": choices, "usage": _usage(finals, job.n)}),
+        "model": server.model_name, "choices": choices, "usage": _usage(finals, job)}),
         media_type="application/json")
 
 
@@ -373,16 +376,18 @@ def _logprobs_json(server: Server, rows: list, job: Job, offset: int = 0) -> dic
     for t, _, _ in rows:
         offsets.append(pos)
         pos += len(text(t))
-    # As OpenAI's: the sampled token is always among top_logprobs (up to logprobs + 1 entries).
-    tops = [{**{text(u): v for u, v in top}, **({} if text(t) in {text(u) for u, _ in top} else {text(t): lp})}
+    # As OpenAI's: the sampled token is always among top_logprobs (up to logprobs + 1 entries);
+    # an echoed prompt's first token has neither (None, as vLLM's).
+    tops = [None if lp is None else
+            {**{text(u): v for u, v in top}, **({} if text(t) in {text(u) for u, _ in top} else {text(t): lp})}
             for t, lp, top in rows]
     return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
             "top_logprobs": tops, "text_offset": offsets}
 
 
-def _usage(finals: list, n: int) -> dict:
-    prompt = sum(f.num_prompt_tokens for f in finals[::n])
-    completion = sum(f.num_output_tokens for f in finals)
+def _usage(finals: list, job: Job) -> dict:
+    prompt = sum(f.num_prompt_tokens for f in finals[::job.n])
+    completion = 0 if job.echo_only else sum(f.num_output_tokens for f in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -455,11 +460,17 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             if out.finished:
                 finals[i] = out
                 _record(server, out)
+            if out.prompt_logprobs is not None:  # echo with logprobs: the prompt, with its rows
+                emit(chunk([choice(i, job.echoes[i // job.n], None, rows=out.prompt_logprobs)]))
+            if job.echo_only:  # the prompt is the answer
+                if out.finished:
+                    emit(chunk([choice(i, "", _finish_reason(out.finish_reason))]))
+                return
             emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs)]))
 
         if job.chat:
             emit(chunk([choice(i, "", None, first=True) for i in range(len(gens))]))
-        elif job.echo:  # each choice's prompt first, as vLLM streams an echo
+        elif job.echo and job.params.prompt_logprobs is None:  # each choice's prompt first, as vLLM streams
             emit(chunk([choice(i, job.echoes[i // job.n], None) for i in range(len(gens))]))
         failed = await _run_checked(gens, on_delta, server)
         if failed is not None:
@@ -468,7 +479,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             emit(b"data: " + _JSON.encode({"error": {"message": message, "type": kind,
                  "param": None if kind == "server_error" else _request_param(exc, job.chat), "code": None}}) + b"\n\n")
         if job.include_usage and all(f is not None for f in finals):
-            emit(chunk([], _usage(finals, job.n)))
+            emit(chunk([], _usage(finals, job)))
         emit(b"data: [DONE]\n\n")
 
     return SSEResponse(produce)

@@ -42,6 +42,10 @@ class Job:
     # filled in where the prompts are tokenized).
     echo: bool = False
     echoes: tuple = ()
+    # echo with max_tokens 0 (vLLM's echo without generation, how lm-evaluation-harness
+    # scores a text): one token is generated and not returned; the answer is the prompt
+    # (and its logprobs)
+    echo_only: bool = False
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -118,9 +122,6 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", "n")
     logprobs = _logprobs(body, chat)
     echo = False if chat else _get(body, "echo", bool, False)
-    if echo and logprobs is not None:
-        raise BadRequest("echo with logprobs asks for the prompt's log-probabilities, which lockstep does not "
-                         "compute; drop one of them", "echo")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop) or len(stop) > 8:
@@ -129,8 +130,12 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     if max_name == "max_completion_tokens" and body.get("max_tokens") not in (None, body["max_completion_tokens"]):
         raise BadRequest("give max_completion_tokens or max_tokens, not both with different values", "max_tokens")
     max_tokens = body.get(max_name)
+    echo_only = echo and max_tokens == 0 and not isinstance(max_tokens, bool)
+    if max_tokens == 0 and not isinstance(max_tokens, bool) and not echo:
+        raise BadRequest(f"{max_name} must be at least 1 (0 only with echo, which then returns the prompt alone)",
+                         max_name)
     params = SamplingParams(
-        max_tokens=default_max_tokens if max_tokens is None else _int(max_name, max_tokens),
+        max_tokens=default_max_tokens if max_tokens is None else 1 if echo_only else _int(max_name, max_tokens),
         temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
         top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
@@ -138,6 +143,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
         repetition_penalty=_num(body, "repetition_penalty", 1.0), min_p=_num(body, "min_p", 0.0),
         min_tokens=_get(body, "min_tokens", int, 0),
+        # echo with logprobs: the prompt's too (vLLM's prompt_logprobs), with as many top ones
+        prompt_logprobs=logprobs if echo else None,
     )
     if n > 1 and params.seed is not None and params.seed > 2**63 - n:  # sample i takes seed + i
         raise BadRequest(f"seed must be at most 2**63 - n ({2**63 - n}) with n = {n}: sample i uses seed + i; "
@@ -160,7 +167,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     _get(body, "user", str, None)  # accepted (an end-user id), and checked
     return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
-               cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo)
+               cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo, echo_only=echo_only)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -538,6 +538,9 @@ async def test_dep2_ranks_step_in_lockstep_and_match_one_rank():
             for i in range(len(ps)):
                 n.start_soon(one, i)
         ranks = [s.statistics() for s in engine.schedulers]
+        with pytest.raises(RequestError, match="prompt_logprobs is not supported with DEP") as e:
+            engine.generate(ps[0], SamplingParams(prompt_logprobs=1))
+        assert e.value.field == "prompt_logprobs"
     for p, g in zip(ps, got):
         assert g == reference_greedy(p, GREEDY.max_tokens)
     assert all(r.generated_tokens > 0 for r in ranks)  # both ranks served requests

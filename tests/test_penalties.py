@@ -136,6 +136,8 @@ async def test_speculative_decoding_refuses_them_by_name():
         with pytest.raises(RequestError, match="frequency_penalty is not supported with speculative") as e:
             engine.generate(prompts()[0], SamplingParams(frequency_penalty=0.5))
         assert e.value.field == "frequency_penalty"
+        with pytest.raises(RequestError, match="prompt_logprobs is not supported with speculative"):
+            engine.generate(prompts()[0], SamplingParams(prompt_logprobs=0))
         got, _ = await collect(engine, prompts()[0], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(got) == 3  # the engine serves on
 

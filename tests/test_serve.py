@@ -480,8 +480,24 @@ def test_echo_starts_each_choice_with_its_prompt(real_server):
     assert chunks[0].choices[0].text == "hello" and "".join(c.choices[0].text for c in chunks) == (
         "hello" + client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
                                             extra_body={"ignore_eos": True}).choices[0].text)
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=1, echo=True, logprobs=1)
+    # echo with logprobs scores the prompt too (vLLM's prompt_logprobs); echo with max_tokens 0
+    # answers with the prompt alone: how lm-evaluation-harness scores a text
+    scored = client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0, echo=True,
+                                       logprobs=1, extra_body={"ignore_eos": True})
+    lp = scored.choices[0].logprobs
+    assert lp.tokens[:5] == list("hello") and len(lp.tokens) == 7 and lp.text_offset[:6] == list(range(6))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) in (1, 2) for t in lp.top_logprobs[1:])
+    only = client.completions.create(model="tiny", prompt="hello", max_tokens=0, echo=True, logprobs=1)
+    c = only.choices[0]
+    assert c.text == "hello" and c.logprobs.token_logprobs == lp.token_logprobs[:5] and c.finish_reason == "length"
+    assert only.usage.completion_tokens == 0 and only.usage.prompt_tokens == 5
+    chunks = list(client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0, echo=True,
+                                            logprobs=1, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [t for ch in chunks for t in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else [])]
+    assert chunks[0].choices[0].text == "hello" and streamed == lp.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
 
 
 def test_streamed_logprobs_count_text_offsets_from_the_start(real_server):

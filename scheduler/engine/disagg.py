@@ -162,7 +162,8 @@ class PrefillSide:
     def _hand_off(self, sched, req: Request, params, tok: int, stream, now: float) -> None:
         prompt = np.concatenate([req.prompt, np.array([tok], np.int32)])
         moved = Request(id=req.id, prompt=prompt, params=attrs.evolve(params, max_tokens=params.max_tokens - 1,
-                                                                      min_tokens=max(params.min_tokens - 1, 0)),
+                                                                      min_tokens=max(params.min_tokens - 1, 0),
+                                                                      prompt_logprobs=None),  # the prefill's
                         arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
                         remote_kv_tokens=len(req.prompt), eos_token_id=req.eos_token_id)
         self.held_at[req.id] = now

@@ -19,7 +19,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 class RequestStream:
     __slots__ = ("req_id", "num_prompt_tokens", "num_cached_tokens", "arrival", "scheduled_at",
                  "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup", "_logprobs",
-                 "abandoned")
+                 "abandoned", "_prompt_logprobs")
 
     def __init__(self, req_id: int, num_prompt_tokens: int, arrival: float):
         self.req_id = req_id
@@ -38,6 +38,9 @@ class RequestStream:
         # still on its way (tokenizing, or its Submit queued behind the abort) is dropped
         # where it arrives instead of running for nobody.
         self.abandoned = False
+        # Prompt logprobs (requests that asked): prompt index -> (token, logprob, top pairs);
+        # a recompute after a preemption scores the prompt again: the first row stays.
+        self._prompt_logprobs: dict | None = None
 
     # -- producer (the Scheduler): never blocks ---------------------------------------------------
     def push(self, tokens: np.ndarray, now: float) -> None:
@@ -53,6 +56,16 @@ class RequestStream:
         """The logprobs of the tokens the last ``next_delta`` returned (requests that asked)."""
         out, self._logprobs = self._logprobs, []
         return out
+
+    def push_prompt_logprob(self, index: int, row: tuple) -> None:
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = {}
+        self._prompt_logprobs.setdefault(index, row)
+
+    def take_prompt_logprobs(self) -> list | None:
+        """Every prompt token's row by index, the first one's (token, None, []); once."""
+        got, self._prompt_logprobs = self._prompt_logprobs, None
+        return None if got is None else [got[i] for i in sorted(got)]
 
     def finish(self, reason: FinishReason, now: float) -> None:
         if self._finish is None and self._error is None:

@@ -46,8 +46,11 @@ def new_requests(req: Request, outputs_in_prompt: int = 0) -> NewRequests:
             # the request's min_tokens less the outputs in its prompt, counted from n again
             min_tokens=p.min_tokens + outputs_in_prompt if p.min_tokens else 0, suppress=stop,
             prompt=req.prompt[:n].astype(np.int32).tobytes() if p.repetition_penalty != 1 else b"")
+    # Prompt logprobs are the prefill's: not a decode side's, whose prompt's KV arrives computed
+    k = -1 if p.prompt_logprobs is None or outputs_in_prompt else p.prompt_logprobs
     return NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k], [-1 if p.seed is None else p.seed],
-                       [-1 if p.logprobs is None else p.logprobs], [rules])
+                       [-1 if p.logprobs is None else p.logprobs], [rules], [k],
+                       [req.prompt.astype(np.int32).tobytes() if k >= 0 else b""])
 
 
 class RuntimeDied(RuntimeError):

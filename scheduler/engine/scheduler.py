@@ -269,6 +269,8 @@ class Scheduler:
                 p = req.params
                 if p.logprobs is not None:
                     self._want_logprobs.add(req.id)
+                if p.prompt_logprobs is not None:  # nothing scores the first prompt token
+                    stream.push_prompt_logprob(0, (int(req.prompt[0]), None, []))
                 self.client.add_requests(new_requests(req))
             case Abort(req_id=rid, reason=reason):
                 self._unscheduled.discard(rid)
@@ -380,7 +382,20 @@ class Scheduler:
                 self.loads.send_nowait(Loads(self.rank, result.draft_expert_counts, plan.draft_placement_gen,
                                              "draft"))
 
+    def _deliver_prompt_logprobs(self, result: StepResult) -> None:
+        """Each scored prompt token's row to its request's stream."""
+        top_ids, top_lps = result.prompt_top_ids, result.prompt_top_logprobs
+        for j, (rid, index) in enumerate(zip(result.prompt_req_ids.tolist(), result.prompt_index.tolist())):
+            s, req = self.streams.get(rid), self.core.requests.get(rid)
+            if s is None or req is None:
+                continue
+            k = req.params.prompt_logprobs or 0
+            top = [] if top_ids is None else list(zip(top_ids[j, :k].tolist(), top_lps[j, :k].tolist()))
+            s.push_prompt_logprob(index, (int(req.prompt[index]), float(result.prompt_token_logprobs[j]), top))
+
     def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
+        if len(result.prompt_req_ids):  # before the update, which may finish the requests
+            self._deliver_prompt_logprobs(result)
         out = self.core.update(plan, result, now)
         self.generated += int(out.num_tokens.sum())
         if self._want_logprobs and result.logprobs is not None:

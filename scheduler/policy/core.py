@@ -276,7 +276,8 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         tier are loaded, which counts against ``max_kv_loads_per_step``.
         """
         bs = self.bs
-        max_hit = (req.num_known - 1) // bs  # the last token must be computed for logits
+        # The last token must be computed for logits; with prompt logprobs, every one.
+        max_hit = (req.num_known - 1) // bs if req.params.prompt_logprobs is None else 0
         hashes = req.block_hashes[:max_hit]
         hit = req.prefix_hint = self.pool.match_prefix(hashes, req.prefix_hint)
         host = self.pool.match_host(hashes, len(hit))

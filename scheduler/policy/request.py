@@ -77,6 +77,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    # The prompt's log-probabilities (each prompt token's after the first, and the top k),
+    # as vLLM's prompt_logprobs; such a request computes its whole prompt (no prefix-cache
+    # hits, as in vLLM).
+    prompt_logprobs: int | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -124,6 +128,9 @@ class SamplingParams:
                                field="repetition_penalty")
         if not (_is_num(self.min_p) and 0 <= self.min_p <= 1):
             raise RequestError(f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}", field="min_p")
+        if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20):
+            raise RequestError(f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}",
+                               field="prompt_logprobs")
         if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
             raise RequestError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], "
                                f"got {self.min_tokens!r}", field="min_tokens")

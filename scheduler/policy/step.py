@@ -83,6 +83,14 @@ class StepResult:
     logprobs: np.ndarray | None = None  # float32 (rows,): log-probability of the sampled token
     top_ids: np.ndarray | None = None  # int32 (rows, k): the k most likely tokens
     top_logprobs: np.ndarray | None = None  # float32 (rows, k)
+    # Prompt logprobs (requests that asked, SamplingParams.prompt_logprobs): one row per
+    # prompt token scored this step, which is prompt token ``prompt_index`` (1 on: the
+    # first has none) of request ``prompt_req_ids``; top k as above.
+    prompt_req_ids: np.ndarray = EMPTY_I64
+    prompt_index: np.ndarray = EMPTY_I64
+    prompt_token_logprobs: np.ndarray | None = None  # float32 (rows,)
+    prompt_top_ids: np.ndarray | None = None  # int32 (rows, k)
+    prompt_top_logprobs: np.ndarray | None = None  # float32 (rows, k)
     # A speculating runtime's draft, when its experts are sharded: tokens per (MoE layer,
     # expert) over the step's passes (the balancer's draft planner reads them).
     draft_expert_counts: np.ndarray | None = None
