@@ -24,6 +24,7 @@ import torch
 from lockstep.policy.step import PLACEHOLDER, StepPlan
 
 from .base import LogitsRules
+from .models.batch import to_device
 
 
 def _counts(r: LogitsRules) -> bool:
@@ -102,7 +103,8 @@ class LogitsProcessors:
             if r.min_p > 0 and temperature[j] > 0:
                 narrow.append((j, r.min_p))
         if held_rows:
-            x[torch.as_tensor(held_rows, device=x.device), torch.as_tensor(held_ids, device=x.device)] = float("-inf")
+            at = to_device(np.array([held_rows, held_ids], np.int64), x.device)
+            x[at[0], at[1]] = float("-inf")
         if counted:
             self._penalize(x, counted)
         if narrow:
@@ -115,8 +117,9 @@ class LogitsProcessors:
         """Count the tokens just drawn (a device tensor, or host ids) in their rows."""
         if pending is None:
             return
-        tok = torch.as_tensor(tokens, device=self.device)[torch.as_tensor(pending.rows, device=self.device)]
-        slots = torch.as_tensor(pending.slots, device=self.device)
+        at = to_device(np.array([pending.rows, pending.slots], np.int64), self.device)
+        tok = (tokens if isinstance(tokens, torch.Tensor) else to_device(np.asarray(tokens), self.device))[at[0]]
+        slots = at[1]
         self.counts.index_put_((slots, tok.to(torch.int64)), torch.ones_like(tok, dtype=torch.int32),
                                accumulate=True)
 
@@ -145,7 +148,7 @@ class LogitsProcessors:
         rec = self.record[rid]
         stale = rec[k:]
         if k < len(rec) and (stale >= 0).any():
-            gone = torch.as_tensor(stale[stale >= 0].astype(np.int64), device=self.device)
+            gone = to_device(stale[stale >= 0].astype(np.int64), self.device)
             self.counts[slot].index_put_((gone,), torch.full((len(gone),), -1, dtype=torch.int32, device=self.device),
                                          accumulate=True)
             stale[:] = -1
@@ -164,42 +167,37 @@ class LogitsProcessors:
         new = [t for k, t in enumerate(ids.tolist()) if start + k >= r.prompt_len and t != PLACEHOLDER
                and self._remember(rid, start + k - r.prompt_len, t)]
         if new:
-            t = torch.as_tensor(new, dtype=torch.int64, device=self.device)
+            t = to_device(np.array(new, np.int64), self.device)
             self.counts[slot].index_put_((t,), torch.ones(len(new), dtype=torch.int32, device=self.device),
                                          accumulate=True)
 
     def _rebuild(self, slot: int, rid: int, r: LogitsRules) -> None:
         rec = self.record[rid]
         known = rec[rec >= 0].astype(np.int64)
-        self.counts[slot] = torch.bincount(torch.as_tensor(known), minlength=self.vocab).to(
-            device=self.device, dtype=torch.int32)
+        self.counts[slot] = to_device(np.bincount(known, minlength=self.vocab).astype(np.int32), self.device)
         self.seen[slot] = False
         if r.prompt:
-            self.seen[slot, torch.as_tensor(np.frombuffer(r.prompt, np.int32).astype(np.int64), device=self.device)] = True
+            self.seen[slot, to_device(np.frombuffer(r.prompt, np.int32).astype(np.int64), self.device)] = True
         self.owner[slot] = rid
 
     def _penalize(self, x: torch.Tensor, counted: list[tuple]) -> None:
         dev = x.device
-        rows = torch.as_tensor([c[0] for c in counted], device=dev)
-        slots = torch.as_tensor([c[2] for c in counted], device=dev)
-
-        def col(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(c[1], name) for c in counted], dtype=x.dtype, device=dev)[:, None]
-
+        at = to_device(np.array([[c[0] for c in counted], [c[2] for c in counted]], np.int64), dev)
+        rows, slots = at[0], at[1]
+        rep, freq, pres = to_device(np.array([[c[1].repetition_penalty, c[1].frequency_penalty, c[1].presence_penalty]
+                                              for c in counted]).T.copy(), dev, x.dtype)[:, :, None]
         n = self.counts[slots]
         used = n > 0
         y = x[rows]
-        rep = col("repetition_penalty")
         y = torch.where(used | self.seen[slots], torch.where(y > 0, y / rep, y * rep), y)
-        x[rows] = y - col("frequency_penalty") * n - col("presence_penalty") * used
+        x[rows] = y - freq * n - pres * used
 
     @staticmethod
     def _min_p(x: torch.Tensor, narrow: list[tuple[int, float]], temperature: np.ndarray) -> None:
         """Drop tokens whose probability (after temperature) is below min_p times the
         largest: (logit - max) / t < log(min_p)."""
         dev = x.device
-        rows = torch.as_tensor([j for j, _ in narrow], device=dev)
-        floor = torch.tensor([float(temperature[j]) * math.log(p) for j, p in narrow], dtype=x.dtype,
-                             device=dev)[:, None]
+        rows = to_device(np.array([j for j, _ in narrow], np.int64), dev)
+        floor = to_device(np.array([float(temperature[j]) * math.log(p) for j, p in narrow]), dev, x.dtype)[:, None]
         y = x[rows]
         x[rows] = y.masked_fill(y - y.max(dim=-1, keepdim=True).values < floor, float("-inf"))

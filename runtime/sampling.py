@@ -171,5 +171,16 @@ def _probs(logits: torch.Tensor, temperature: np.ndarray, top_p: np.ndarray, top
     return x.softmax(dim=-1)
 
 
+def logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
+    """Log-probabilities under the model's own distribution (before temperature and
+    truncation, as vLLM reports them by default) of ``tokens`` (one per row), and the top k."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.as_tensor(tokens, dtype=torch.int64, device=lp.device)[:, None])[:, 0]
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    return (chosen.cpu().numpy(),
+            None if top is None else top.indices.to(torch.int32).cpu().numpy(),
+            None if top is None else top.values.cpu().numpy())
+
+
 def _row_seed(seed: int, position: int) -> int:
     return ((seed * _MIX) ^ (position * 0xBF58476D1CE4E5B9)) & 0x7FFFFFFFFFFFFFFF

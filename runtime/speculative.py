@@ -46,7 +46,7 @@ import torch
 from lockstep.policy.step import EMPTY_I32, PLACEHOLDER, StepPlan, StepResult
 
 from .models.batch import ForwardBatch, HostBatch
-from .sampling import _probs, _row_seed
+from .sampling import _probs, _row_seed, logprobs as _logprobs
 
 
 def load_draft(name: str, target, *, dtype: torch.dtype, device: torch.device, seed: int):
@@ -110,14 +110,15 @@ class Speculator:
         proposals, qs = self._propose(entries)
         self.pad_passes(self.draft_passes - passes, plan.draft_passes)
         ns = np.zeros(plan.num_reqs, dtype=np.int32)
-        out, counts = self._verify(plan, entries, proposals, qs, ns)
+        out, counts, lp = self._verify(plan, entries, proposals, qs, ns)
         proposed = EMPTY_I32
         if self.adaptive:  # fewer drafts than planned, maybe: say how many
             proposed = np.zeros(plan.num_reqs, dtype=np.int32)
             for i, got in proposals.items():
                 proposed[i] = len(got)
         return StepResult(step_id=plan.step_id, num_sampled=ns, token_ids=np.asarray(out, dtype=np.int32),
-                          expert_counts=counts, num_drafts=proposed, gpu_s=time.perf_counter() - t0)
+                          expert_counts=counts, num_drafts=proposed, gpu_s=time.perf_counter() - t0,
+                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2])
 
     def _propose(self, entries) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
         """Drafts per plan index, and the draft's distributions where they were sampled.
@@ -156,7 +157,7 @@ class Speculator:
                     for i, slot, start, *_ in drafting]
             logits, _ = self._forward(self.draft, self.kv, feed, list(range(len(feed))))
 
-    def _verify(self, plan, entries, proposals, qs, ns) -> tuple[list[int], np.ndarray | None]:
+    def _verify(self, plan, entries, proposals, qs, ns) -> tuple[list[int], np.ndarray | None, tuple]:
         """One target forward over everything: the tokens each sampling entry gets, and the
         target's tokens per (layer, expert). With expert parallelism the forward runs even with
         nothing to verify, since the other ranks' all-to-alls wait for this rank's. (A draft
@@ -178,17 +179,19 @@ class Speculator:
         if not feed:
             if rt.world > 1:
                 rt.model(rt._empty_batch(), rt.kv)
-            return [], None
+            return [], None, (None, None, None)
         logits, counts = self._forward(rt.forward_model, rt.kv, feed, rows)
         # One transfer for the expert counts and the argmax of every row (greedy acceptance).
         host = torch.cat([logits.argmax(dim=-1).to(torch.int32), counts.flatten().to(torch.int32)]).cpu().numpy()
         top, counts = host[: len(rows)].tolist(), host[len(rows):].reshape(counts.shape)
         out: list[int] = []
+        scored: list[int] = []  # the logits row each token of ``out`` was drawn from
         for i, slot, pos0, r0, m, params in spans:
             drafts = proposals.get(i, [])
             got = self._accept(logits[r0 : r0 + m], drafts, qs.get(i), params, pos0, top[r0 : r0 + m])
             ns[i] = len(got)
             out += got
+            scored += range(r0, r0 + len(got))
             self.pos[slot] = pos0 + len(got)
             rt.last[slot] = got[-1]
             # The draft saw the fed token and drafts 1..d-1: with all d accepted it misses d_d.
@@ -196,7 +199,10 @@ class Speculator:
             if self.adaptive and drafts:
                 m = self.mean_accepted if self.mean_accepted is not None else float(len(drafts))
                 self.mean_accepted = m + self.ADAPT_WEIGHT * (len(got) - 1 - m)
-        return out, counts
+        want = max((sp[5][4] for sp in spans), default=-1)  # the most top logprobs a request asked for
+        lp = (None, None, None) if want < 0 else _logprobs(logits[torch.as_tensor(scored, device=logits.device)],
+                                                            np.asarray(out, np.int64), want)
+        return out, counts, lp
 
     def pad_passes(self, ran: int, agreed: int) -> None:
         """Empty draft forwards up to the ``agreed`` passes of this step (lockstep drafts)."""

@@ -56,20 +56,9 @@ from .models import load_model
 from . import synthetic
 from .models.batch import ForwardBatch, HostBatch
 from . import sampling
-from .sampling import sample, sample_on_device
+from .sampling import logprobs as _logprobs, sample, sample_on_device
 
 log = logging.getLogger(__name__)
-
-
-def _logprobs(logits: torch.Tensor, tokens: np.ndarray, k: int):
-    """Log-probabilities under the model's own distribution (before temperature and
-    truncation, as vLLM reports them by default) of the sampled tokens, and the top k."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.as_tensor(tokens, dtype=torch.int64, device=lp.device)[:, None])[:, 0]
-    top = lp.topk(k, dim=-1) if k > 0 else None
-    return (chosen.cpu().numpy(),
-            None if top is None else top.indices.to(torch.int32).cpu().numpy(),
-            None if top is None else top.values.cpu().numpy())
 
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,

@@ -302,6 +302,52 @@ def test_fast_path_penalties_follow_the_reference_path():
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5)
 
 
+def _async_run(rt, prompts, params, launch: bool) -> dict:
+    """Serve through a core that plans step N+1 before step N's result (as the engine does),
+    the runtime launching each step before the last one is finished (``launch``, as its
+    process does) or running each one whole; each request's tokens."""
+    cfg = SchedulerConfig(num_blocks=64, block_size=BS, max_num_seqs=4, max_num_batched_tokens=24,
+                          max_model_len=256)
+    core = SchedulerCore(cfg, BlockHasher(b"k", BS))
+    for i, p in enumerate(prompts):
+        req = Request(id=i, prompt=np.asarray(p, np.int32), params=params)
+        core.add_request(req)
+        rt.add_requests(new_requests(req))
+    flight, got, step, launched = [], {}, 0, 0
+    while core.has_work() or flight:
+        plan = core.schedule(float(step)) if core.has_work() else None
+        step += 1
+        if plan is not None and plan.num_reqs:
+            h = rt.launch(plan) if launch else None
+            if h is None:  # run whole, after finishing what was launched (the runtime process's order)
+                flight = [(p, rt.finish(x) if not isinstance(x, StepResult) else x) for p, x in flight]
+                h = rt.execute(plan)
+            else:
+                launched += 1
+            flight.append((plan, h))
+        if flight and (len(flight) == 2 or plan is None or not plan.num_reqs):
+            p, h = flight.pop(0)
+            out = core.update(p, h if isinstance(h, StepResult) else rt.finish(h), float(step))
+            offs = np.concatenate([[0], np.cumsum(out.num_tokens)])
+            for j, rid in enumerate(out.req_ids.tolist()):
+                got.setdefault(rid, []).extend(out.token_ids[offs[j]:offs[j + 1]].tolist())
+    assert launched > 0 or not launch
+    return got
+
+
+def test_penalties_count_alike_with_steps_launched_ahead():
+    """A step launched before the last one's tokens reach the host reads penalty counts that
+    the device already holds: the tokens are those of steps run one at a time."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.8,
+                            frequency_penalty=1.0, presence_penalty=0.5, min_tokens=3)
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    ahead = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, params, True)
+    whole = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, params, False)
+    plain = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts,
+                       SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), True)
+    assert ahead == whole and ahead != plain and all(len(t) == 10 for t in ahead.values())
+
+
 def test_fast_path_runtime_scores_prompts_through_the_reference_forward():
     """A step with prompt logprobs runs the reference forward (the fast path's return only
     the sampled rows' logits) on the same KV pool; the steps after it go the fast way again,

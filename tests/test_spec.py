@@ -193,3 +193,21 @@ async def test_timing_runtime_speculates_as_the_deployment_says():
     assert all(len(g) == 60 for g in got)
     first, second, third = sp["accepted_per_position"]
     assert abs(first / sp["drafts"] - 0.75) < 0.1 and abs(second / first - 0.65) < 0.12
+
+
+@pytest.mark.parametrize("draft", ["tiny", "tiny-draft"])  # every draft accepted; hardly any
+async def test_logprobs_of_verified_tokens_are_the_targets(draft):
+    """Each token a step verified (accepted drafts and the target's own) has its row: the
+    target's log-probabilities, as without a draft (they used to be dropped)."""
+    p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    ps = prompts()[1:4]
+    got = {}
+    for d in ("", draft):
+        async with open_engine(config(tokenizer=None, draft_model=d)) as engine:
+            got[d] = [await engine.complete(x, p) for x in ps]
+            if d == "tiny":
+                assert engine.spec_statistics()["acceptance_rate"] == 1.0
+    for a, b in zip(got[""], got[draft]):
+        assert a.token_ids.tolist() == b.token_ids.tolist() and len(b.logprobs) == 12
+        for (ta, la, top_a), (tb, lb, top_b) in zip(a.logprobs, b.logprobs):
+            assert ta == tb and la == pytest.approx(lb, abs=1e-5) and [t for t, _ in top_a] == [t for t, _ in top_b]

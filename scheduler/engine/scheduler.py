@@ -348,15 +348,19 @@ class Scheduler:
         self.steps += 1
 
     def _deliver_logprobs(self, plan: StepPlan, result: StepResult, out) -> None:
-        """Logprob rows follow the plan's sampling entries; hand each asking request the row
-        of the token it got this step (before the tokens, which close the delta)."""
-        row = {rid: i for i, rid in enumerate(plan.req_ids[plan.samples].tolist()) if rid in self._want_logprobs}
-        for rid in out.req_ids.tolist():
-            i = row.get(rid)
+        """Logprob rows follow the sampled tokens, in plan order (several for an entry that
+        verified drafts); hand each asking request the rows of the tokens it kept this step
+        (before the tokens, which close the delta)."""
+        first = np.concatenate([[0], np.cumsum(result.num_sampled)]).tolist()
+        entry = {rid: i for i, rid in enumerate(plan.req_ids.tolist()) if rid in self._want_logprobs}
+        for rid, n in zip(out.req_ids.tolist(), out.num_tokens.tolist()):
+            i = entry.get(rid)
             s = self.streams.get(rid)
-            if i is not None and s is not None:
-                top = None if result.top_ids is None else (result.top_ids[i], result.top_logprobs[i])
-                s.push_logprobs(float(result.logprobs[i]), top)
+            if i is None or s is None:
+                continue
+            for r in range(first[i], first[i] + n):
+                top = None if result.top_ids is None else (result.top_ids[r], result.top_logprobs[r])
+                s.push_logprobs(float(result.logprobs[r]), top)
         for rid, _ in out.finished:
             self._want_logprobs.discard(rid)
 
