@@ -8,6 +8,9 @@ that long (load tests, ``bench_engine``) or only reports it in ``StepResult.gpu_
 step: the share of the step the host did not hide behind the runtime.
 Sampled tokens are stand-ins that never equal the end-of-sequence token.
 
+With P/D (prefill and decode pools) nothing is pulled: a request's KV load is done in the
+decode step that plans it.
+
 Options: ``deployment`` (a TOML path; default the built-in), ``pool`` (index, default 0),
 ``sleep`` (default True), ``load_s`` (seconds loading takes, as a checkpoint's weights would;
 default 0).
@@ -68,6 +71,14 @@ class TimingRuntime:
 
     def new_placement(self, msg: NewPlacement) -> None:
         pass  # no experts here: it never reports the placement ready, so no plan asks for it
+
+    # P/D: there is no KV here to move. A decode side's pull is done in the step that plans
+    # its load (``execute`` reports it), priced as the cost model prices that step.
+    def kv_connect(self, msg) -> None:
+        pass
+
+    def kv_pull(self, msg) -> None:
+        pass
 
     def execute(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()

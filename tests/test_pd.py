@@ -121,6 +121,20 @@ async def test_pd_burst_respects_the_load_cap():
         assert g == reference_greedy(p, 3)
 
 
+async def test_pd_with_the_timing_runtime_serves_and_frees_everything():
+    """Load tests of a P/D deployment without a model: nothing is pulled, a load is done in
+    the decode step that plans it (the runtime used to die at the first hand-off)."""
+    ps = prompts()
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    async with open_engine(attrs.evolve(pd_config("shm"), runtime="timing",
+                                        runtime_options={"sleep": False})) as engine:
+        got = await run_all(engine, ps, params)
+        await settle(engine)
+        stats = engine.statistics()
+        check_cores(engine)
+    assert [len(g) for g in got] == [6] * len(ps) and stats.kv_pull_failures == 0
+
+
 async def test_pd_aborts_free_blocks_on_both_sides():
     ps = prompts() * 3
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
