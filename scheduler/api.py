@@ -191,6 +191,11 @@ class Engine:
         for s in targets:
             s.send_channel.send_nowait(Abort(request_id, reason))
 
+    def abort_all(self) -> None:
+        """Abort every request being consumed (a server's drain deadline)."""
+        for rid in list(self._live):
+            self.abort(rid)
+
     def statistics(self) -> SchedulerStats:
         """A frozen snapshot, summed over the DP ranks."""
         stats = [s.statistics() for s in self.schedulers]

@@ -41,7 +41,14 @@ class Server:
         self.default_max_tokens = default_max_tokens
         self.metrics = ServerMetrics(model_name, engine.frontend.max_model_len)
         self.draining = False
+        self.cut = False  # the drain deadline passed: requests still running were aborted
         self.created = int(time.time())
+
+    def cut_off(self) -> None:
+        """The drain deadline: abort what still runs; each response then ends with a 503
+        (or a stream with an error event and [DONE]) instead of a dropped connection."""
+        self.cut = True
+        self.engine.abort_all()
 
 
 log = structlog.get_logger("lockstep.http")
@@ -319,6 +326,15 @@ async def _run_checked(gens: list, on_delta, server: Server) -> tuple[str, BaseE
     return failed
 
 
+_CUT = ("the server shut down before this request finished: its drain deadline (--drain-timeout) passed "
+        "with the request still running")
+
+
+def _cut(server: Server, finals: list) -> bool:
+    """Whether the drain deadline aborted one of these requests."""
+    return server.cut and any(f is not None and f.finish_reason == "abort" for f in finals)
+
+
 def _finish_reason(reason: str | None) -> str | None:
     return {"abort": "abort", "rejected": "abort"}.get(reason, reason)
 
@@ -344,6 +360,8 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         if kind == "server_error":
             return error(f"the engine failed this request: {exc}", status=500, kind=kind)
         return error(str(exc), _request_param(exc, job.chat))
+    if _cut(server, finals):
+        return error(_CUT, status=503, kind="service_unavailable")
     choices = []
     for i, f in enumerate(finals):
         text = (job.echoes[i // job.n] if job.echo else "") + "".join(texts[i])
@@ -478,6 +496,9 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             message = f"the engine failed this request: {exc}" if kind == "server_error" else str(exc)
             emit(b"data: " + _JSON.encode({"error": {"message": message, "type": kind,
                  "param": None if kind == "server_error" else _request_param(exc, job.chat), "code": None}}) + b"\n\n")
+        elif _cut(server, finals):
+            emit(b"data: " + _JSON.encode({"error": {"message": _CUT, "type": "service_unavailable", "param": None,
+                                                     "code": None}}) + b"\n\n")
         if job.include_usage and all(f is not None for f in finals):
             emit(chunk([], _usage(finals, job)))
         emit(b"data: [DONE]\n\n")

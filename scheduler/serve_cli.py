@@ -167,6 +167,9 @@ def _options(items: list[str]) -> dict:
     return out
 
 
+CUT_GRACE_S = 2.0  # after the drain deadline, for the cut-off requests' error responses
+
+
 class Signals:
     """SIGTERM and SIGINT for the whole life of a server: the first starts the drain
     (``first``), or while the engines are still starting stops that start; a second stops at once (``force`` is cancelled: in-flight requests are cut
@@ -285,7 +288,9 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
         server = servers[0]
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]
-        hc.graceful_timeout = args.drain_timeout
+        # At the drain deadline the requests still running are aborted (``Server.cut_off``):
+        # their clients get a 503 or an error event; hypercorn closes what is left after.
+        hc.graceful_timeout = args.drain_timeout + CUT_GRACE_S
         hc.accesslog = None  # hypercorn's may log a request twice (its stream-closed race): our own
         hc.loglevel = "WARNING"  # its "Running on" line is ours ("serving", with the URLs), in our format
         hc.keep_alive_timeout = 75
@@ -300,6 +305,17 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
             aborted_at_drain.append(sum(s.metrics.finished.get("abort", 0) for s in servers))
             for s in servers:
                 s.draining = True
+            drain_started.set()
+
+        drain_started = trio.Event()
+        cut_scope = trio.CancelScope()
+
+        async def cut_at_deadline() -> None:
+            with cut_scope:
+                await drain_started.wait()
+                await trio.sleep(args.drain_timeout)
+                for s in servers:
+                    s.cut_off()
 
         stats_scope = trio.CancelScope()  # the stats lines end when the HTTP server does
 
@@ -317,12 +333,14 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
                                     deadline_s=args.drain_timeout)
             finally:
                 stats_scope.cancel()
+                cut_scope.cancel()
 
         async def stats() -> None:
             with stats_scope:
                 await log_stats(servers, args.log_stats_interval)
 
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(cut_at_deadline)
             binds = await nursery.start(http)
             serving()
             for s in servers:  # what runs, per model: an operator's first question

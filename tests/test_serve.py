@@ -550,6 +550,33 @@ def test_sigterm_to_the_whole_process_group_still_drains():
         _group_gone(proc.pid)
 
 
+def test_the_drain_deadline_ends_requests_with_an_error_not_a_dropped_connection():
+    """Requests still running when --drain-timeout runs out are aborted: a stream ends with an
+    error event and [DONE], a whole response is a 503 in OpenAI's shape (both used to be a
+    connection closed mid-response)."""
+    import threading
+
+    with running_server("--model", "tiny", "--drain-timeout", "1") as (proc, url):
+        t, streamed = _stream_in_thread(url, max_tokens=4000)  # seconds of work: still running at 1 s
+        whole = {}
+
+        def post():
+            r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4000,
+                                                          "ignore_eos": True}, timeout=60)
+            whole.update(status=r.status_code, body=r.json())
+        w = threading.Thread(target=post)
+        w.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        w.join(60)
+        assert proc.wait(30) == 0
+    assert streamed["lines"][-1] == "data: [DONE]"
+    err = json.loads(streamed["lines"][-2][6:])["error"]
+    assert err["type"] == "service_unavailable" and "drain" in err["message"]
+    assert whole["status"] == 503 and "drain" in whole["body"]["error"]["message"]
+
+
 def _stream_in_thread(url: str, max_tokens: int = 300):
     """A streamed completion of ``max_tokens`` in a thread: (the thread, a dict whose "lines"
     are the stream's data lines once it ends)."""
