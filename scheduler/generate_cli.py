@@ -45,9 +45,9 @@ def add_engine_flags(p) -> None:
                    help="instances of --dep ranks (with --prefill-instances: the decode pool's)")
     p.add_argument("--prefill-instances", type=int, default=0,
                    help="prefill/decode disaggregation: this many prefill instances (0: colocated)")
-    p.add_argument("--prefill-dep", type=int, default=1, help="ranks per prefill instance")
-    p.add_argument("--kv-transport", choices=["nixl", "shm"], default="nixl",
-                   help="how decode runtimes pull KV from prefill runtimes")
+    p.add_argument("--prefill-dep", type=int, help="ranks per prefill instance (with --prefill-instances; default 1)")
+    p.add_argument("--kv-transport", choices=["nixl", "shm"],
+                   help="how decode runtimes pull KV from prefill runtimes (with --prefill-instances; default nixl)")
     p.add_argument("--draft-model", default="",
                    help="speculative decoding: a draft preset (tiny-draft), checkpoint directory, or layers:N "
                         "(the target's first N layers)")
@@ -69,8 +69,13 @@ def pd_options(args) -> dict:
     if not args.draft_model and (args.num_spec_tokens is not None or args.spec_adaptive):
         flag = "--num-spec-tokens" if args.num_spec_tokens is not None else "--spec-adaptive"
         raise ValueError(f"{flag} needs --draft-model (the model that proposes the drafts)")
-    return dict(instances=args.instances, prefill_instances=args.prefill_instances, prefill_dep=args.prefill_dep,
-                kv_transport=args.kv_transport, draft_model=args.draft_model,
+    if not args.prefill_instances and (args.prefill_dep is not None or args.kv_transport is not None):
+        flag = "--prefill-dep" if args.prefill_dep is not None else "--kv-transport"
+        raise ValueError(f"{flag} needs --prefill-instances (prefill/decode disaggregation; without it nothing "
+                         "is prefilled apart or moved)")
+    return dict(instances=args.instances, prefill_instances=args.prefill_instances,
+                prefill_dep=1 if args.prefill_dep is None else args.prefill_dep,
+                kv_transport=args.kv_transport or "nixl", draft_model=args.draft_model,
                 num_spec_tokens=3 if args.num_spec_tokens is None else args.num_spec_tokens,
                 spec_adaptive=args.spec_adaptive)
 

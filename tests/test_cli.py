@@ -64,11 +64,18 @@ def test_serve_with_a_deployment_refuses_flags_it_would_ignore(capsys):
     assert "--dtype, --max-model-len: not used with --deployment" in err
 
 
-def test_speculation_flags_without_a_draft_are_refused(capsys):
+def test_speculation_and_pd_flags_that_would_do_nothing_are_refused(capsys):
     assert main(["generate", "--num-spec-tokens", "2", "hi"]) == 2
     assert "--num-spec-tokens needs --draft-model" in capsys.readouterr().err
     assert main(["serve", "--spec-adaptive", "--port", "0"]) == 2
     assert "--spec-adaptive needs --draft-model" in capsys.readouterr().err
+    assert main(["serve", "--prefill-dep", "2", "--port", "0"]) == 2  # P/D flags without P/D
+    assert "--prefill-dep needs --prefill-instances" in capsys.readouterr().err
+    assert main(["generate", "--kv-transport", "shm", "hi"]) == 2
+    assert "--kv-transport needs --prefill-instances" in capsys.readouterr().err
+    assert main(["generate", "--draft-model", "layers:4", "hi"]) == 2  # one line, before anything loads
+    err = capsys.readouterr().err
+    assert "draft_model 'layers:4': N must be in [1, 4)" in err and "Traceback" not in err
 
 
 async def test_serve_logs_throughput_while_requests_run_and_nothing_when_idle(autojump_clock):

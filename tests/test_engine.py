@@ -368,6 +368,14 @@ async def test_engine_leaves_no_process_or_fd_behind():
     (dict(runtime_options="x"), "engine.runtime_options must be a dict"), (dict(seed="x"), "engine.seed"),
     (dict(ring_bytes=100), "engine.ring_bytes"), (dict(mailbox_size=-1), "engine.mailbox_size"),
     (dict(dep=True), "engine.dep"),
+    # read from the configs before any weights load (they used to fail inside the runtime)
+    (dict(draft_model="layers:4"), r"'layers:4': N must be in \[1, 4\)"),
+    (dict(draft_model="layers:x"), "N an integer"), (dict(draft_model="v2-lite"), "vocabulary of 102400"),
+    # settings that mean nothing without P/D or a draft (they used to be ignored)
+    (dict(prefill_dep=2), "prefill_dep 2: only used with prefill/decode"),
+    (dict(kv_transport="shm"), "kv_transport 'shm': only used with prefill/decode"),
+    (dict(spec_adaptive=True), "spec_adaptive True: only used with speculative"),
+    (dict(draft_experts="sharded"), "draft_experts 'sharded': only used with speculative"),
 ])
 def test_engine_config_names_a_field_of_the_wrong_kind(kw, match):
     from lockstep.policy.config import ConfigError

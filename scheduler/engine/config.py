@@ -105,13 +105,11 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if not isinstance(self.num_spec_tokens, int) or not 1 <= self.num_spec_tokens <= 16:
             raise ConfigError(f"engine.num_spec_tokens must be an integer in [1, 16], got {self.num_spec_tokens!r}")
-        if self.draft_model and self.runtime == "torch" and not (
-                self.draft_model in preset_names() or self.draft_model.startswith("layers:")
-                or (Path(self.draft_model) / "config.json").is_file()):
-            raise ConfigError(f"engine.draft_model must be a preset {preset_names()}, 'layers:N' or a checkpoint "
-                              f"directory holding config.json, got {self.draft_model!r}")
+        if self.draft_model:
+            self._check_draft()
         if self.draft_experts not in ("replicated", "sharded"):
             raise ConfigError(f"engine.draft_experts must be 'replicated' or 'sharded', got {self.draft_experts!r}")
+        self._check_unused()
         if not self.node_rejoin_timeout_s >= 0:
             raise ConfigError(f"engine.node_rejoin_timeout_s must be >= 0 seconds (0: stop when a node is "
                               f"lost), got {self.node_rejoin_timeout_s!r}")
@@ -127,6 +125,52 @@ class EngineConfig:
         if self.runtime == "torch" and self.model not in preset_names() and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"engine.model must be a preset {preset_names()} or a checkpoint directory "
                               f"holding config.json, got {self.model!r}")
+
+    def _check_unused(self) -> None:
+        """Settings that only mean something with P/D or with a draft, set away from their
+        defaults without it: an error naming them, not silently ignored."""
+        unused = []
+        if not self.prefill_instances:
+            unused += [f"engine.{f} {v!r}" for f, v, d in (("prefill_dep", self.prefill_dep, 1),
+                                                           ("kv_transport", self.kv_transport, "nixl")) if v != d]
+            if unused:
+                raise ConfigError(f"{', '.join(unused)}: only used with prefill/decode disaggregation "
+                                  "(engine.prefill_instances >= 1); drop it or set prefill_instances")
+        if not self.draft_model:
+            unused += [f"engine.{f} {v!r}" for f, v, d in (("num_spec_tokens", self.num_spec_tokens, 3),
+                                                           ("spec_adaptive", self.spec_adaptive, False),
+                                                           ("draft_experts", self.draft_experts, "replicated")) if v != d]
+            if unused:
+                raise ConfigError(f"{', '.join(unused)}: only used with speculative decoding (engine.draft_model); "
+                                  "drop it or set a draft model")
+
+    def _check_draft(self) -> None:
+        """With the torch runtime: the draft's name, and that it fits the target (``model``):
+        ``layers:N`` takes fewer layers than it has, a model shares its vocabulary. Read from
+        the configs, before any weights load."""
+        name = self.draft_model
+        if self.runtime != "torch":  # the timing runtime prices the deployment's [speculative] draft
+            return
+        if name.startswith("layers:"):
+            n = name.split(":", 1)[1]
+            if not n.isdigit() or int(n) < 1:
+                raise ConfigError(f"engine.draft_model 'layers:N' takes the target's first N layers, N an integer "
+                                  f">= 1; got {name!r}")
+        elif name not in preset_names() and not (Path(name) / "config.json").is_file():
+            raise ConfigError(f"engine.draft_model must be a preset {preset_names()}, 'layers:N' or a checkpoint "
+                              f"directory holding config.json, got {name!r}")
+        target = model_config(self.model)
+        if target is None:
+            return  # the model's own check reports it
+        if name.startswith("layers:"):
+            if int(name.split(":", 1)[1]) >= target.num_hidden_layers:
+                raise ConfigError(f"engine.draft_model {name!r}: N must be in [1, {target.num_hidden_layers}) "
+                                  f"(model {self.model!r} has {target.num_hidden_layers} layers)")
+            return
+        draft = model_config(name)
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise ConfigError(f"engine.draft_model {name!r} has a vocabulary of {draft.vocab_size} tokens, model "
+                              f"{self.model!r} {target.vocab_size}: a draft must share the target's tokenizer")
 
     def _check_nodes(self) -> None:
         from .node_group import parse_address
@@ -289,14 +333,18 @@ class EngineConfig:
         return load_tokenizer(self.tokenizer or self.model)
 
 
-def model_context(model: str) -> int | None:
-    """The context a model was built for (``max_position_embeddings``): a preset's, or a
-    checkpoint directory's config.json; None where it cannot be read here (the runtime then
-    reports what is wrong with the model when it loads it)."""
+def model_config(model: str):
+    """A preset's or a checkpoint directory's ModelConfig; None where it cannot be read here
+    (the runtime then reports what is wrong with the model when it loads it)."""
     from lockstep.runtime.models.config import ModelConfigError, ModelConfig, preset, preset_names
 
     try:
-        cfg = preset(model) if model in preset_names() else ModelConfig.from_pretrained(model)
+        return preset(model) if model in preset_names() else ModelConfig.from_pretrained(model)
     except (ModelConfigError, OSError, TypeError, ValueError):
         return None
-    return int(cfg.max_position_embeddings)
+
+
+def model_context(model: str) -> int | None:
+    """The context a model was built for (``max_position_embeddings``), or None (``model_config``)."""
+    cfg = model_config(model)
+    return None if cfg is None else int(cfg.max_position_embeddings)
