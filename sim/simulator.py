@@ -34,7 +34,7 @@ import numpy as np
 
 from lockstep.policy.config import ConfigError, SchedulerConfig
 from lockstep.policy.core import SchedulerCore
-from lockstep.policy.deployment import Deployment, PoolSpec
+from lockstep.policy.deployment import UNMODELED_ACCEPTANCE, Deployment, PoolSpec
 from lockstep.policy.hashing import BlockHasher
 from lockstep.policy.request import Request, RequestError, SamplingParams
 from lockstep.policy.router import PrefixAffinityRouter
@@ -105,6 +105,8 @@ class Simulator(PDFlow):
         self.pd = any(pool.role != "colocated" for pool in deployment.pools)
         if self.pd:
             check_pd_pools(deployment)
+        if deployment.speculative and deployment.speculative.acceptance == "measured":
+            raise ConfigError(UNMODELED_ACCEPTANCE.format(source=deployment.source))
         self.spec = Speculation(deployment.speculative, self.seed) if deployment.speculative else None
         profile = load_profile(deployment.cost.profile, f"{deployment.source}: [cost] profile") \
             if deployment.cost.profile else None

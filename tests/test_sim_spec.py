@@ -330,3 +330,17 @@ def test_num_spec_tokens_flag(tmp_path, capsys):
     assert "[speculative]" in capsys.readouterr().err
     assert main(["sim", "--deployment", spec_toml, "--num-spec-tokens", "17", *args]) == 2
     assert "--num-spec-tokens 17" in capsys.readouterr().err
+
+
+def test_a_serving_table_without_an_acceptance_model_is_for_the_engine_only():
+    """A deployment that serves a draft need not model its acceptance (the engine measures
+    it; a 'rate' used to be required anyway): the simulator refuses it, saying what to add."""
+    from lockstep.engine.config import EngineConfig
+
+    dep = deployment(speculative={"acceptance": None, "rate": None},
+                     engine={"runtime": "torch", "device": "cpu", "dtype": "float32"})
+    assert dep.speculative.acceptance == "measured"
+    cfg = EngineConfig.from_deployment(dep)
+    assert (cfg.draft_model, cfg.num_spec_tokens) == ("tiny-draft", K)
+    with pytest.raises(ConfigError, match=r"spec-test: \[speculative\]: the simulator .* acceptance = 'fixed' with rate"):
+        Simulator(dep, workload())

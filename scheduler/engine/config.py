@@ -230,6 +230,9 @@ class EngineConfig:
             sched = attrs.evolve(sched, num_blocks=min(sched.num_blocks, 4096))
         spec = {}
         if dep.speculative is not None:  # the same draft the simulator prices, run for real
+            if dep.speculative.acceptance == "measured" and eng.runtime == "timing":
+                from lockstep.policy.deployment import UNMODELED_ACCEPTANCE
+                raise ConfigError(UNMODELED_ACCEPTANCE.format(source=dep.source))
             d = dep.speculative.draft
             spec = dict(draft_model=(d.checkpoint and str((Path(dep.source).parent / d.checkpoint).resolve()))
                         or d.name, num_spec_tokens=dep.speculative.num_spec_tokens,

@@ -234,7 +234,10 @@ class KVTransferSpec:
     handoff_s: float = attrs.field(default=50e-6, validator=_at_least_zero)  # prefill end -> decode queue
 
 
-ACCEPTANCE_MODELS = ("fixed", "per_position", "replay")
+ACCEPTANCE_MODELS = ("fixed", "per_position", "replay", "measured")
+UNMODELED_ACCEPTANCE = ("{source}: [speculative]: the simulator and the timing runtime draw accepted drafts from a "
+                        "model, and this table gives none (a serving engine measures them): add acceptance = 'fixed' "
+                        "with rate, 'per_position' with rates, or 'replay' with file")
 MAX_SPEC_TOKENS = 16
 
 
@@ -249,7 +252,9 @@ class SpeculativeSpec:
     simulator takes from ``acceptance``: ``fixed`` (each draft with probability ``rate``,
     independently), ``per_position`` (draft j with probability ``rates[j - 1]`` given drafts
     1..j-1 were), or ``replay`` (``file``: drafts accepted per speculative decode, one integer
-    per line, used in turn and cycled; loaded into ``replay``). ``adaptive``: the runtime
+    per line, used in turn and cycled; loaded into ``replay``). A table that gives none of
+    them is ``measured``: what a serving engine's real draft and target decide, which the
+    simulator and the timing runtime cannot draw (they refuse it). ``adaptive``: the runtime
     proposes fewer drafts when acceptance drops (lockstep.sim.spec has the rule)."""
 
     draft_model: str
@@ -630,11 +635,13 @@ def _speculative(table: dict, source: str, models: tuple[ModelSpec, ...],
     for name in ("draft_model", "num_spec_tokens"):
         if name not in table:
             raise ConfigError(f"{source}: {where}: missing field {name!r}")
-    acceptance = table.get("acceptance", "fixed")
+    # A serving deployment need not model acceptance: its engine measures it.
+    model_given = any(k in table for k in ("acceptance", "rate", "rates", "file"))
+    acceptance = table.get("acceptance", "fixed") if model_given else "measured"
     if acceptance not in ACCEPTANCE_MODELS:
         raise ConfigError(f"{source}: {where}: acceptance must be one of {ACCEPTANCE_MODELS}, got {acceptance!r}")
-    needs = {"fixed": "rate", "per_position": "rates", "replay": "file"}[acceptance]
-    if needs not in table:
+    needs = {"fixed": "rate", "per_position": "rates", "replay": "file", "measured": None}[acceptance]
+    if needs is not None and needs not in table:
         raise ConfigError(f"{source}: {where}: acceptance = {acceptance!r} needs the field {needs!r}")
     for name, (_, model) in _SPEC_FIELDS.items():
         if model is not None and model != acceptance and name in table:
