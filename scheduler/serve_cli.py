@@ -345,9 +345,17 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
             serving()
             for s in servers:  # what runs, per model: an operator's first question
                 c = s.engine.config
+                extra = {}
+                if c.prefill_instances:  # P/D: how the pools are made and how KV moves
+                    extra.update(prefill_dep=c.prefill_dep, kv_transport=c.kv_transport)
+                if c.draft_model:
+                    extra.update(draft_model=c.draft_model, num_spec_tokens=c.num_spec_tokens,
+                                 spec_adaptive=c.spec_adaptive)
+                if c.kv_cache_dtype != "auto":
+                    extra.update(kv_cache_dtype=c.kv_cache_dtype)
                 log.info("model", model=s.model_name, checkpoint=c.model, runtime=c.runtime, device=c.device,
                          dtype=c.dtype, dep=c.dep, instances=c.instances, prefill_instances=c.prefill_instances,
-                         num_blocks=c.scheduler.num_blocks, block_size=c.scheduler.block_size,
+                         **extra, num_blocks=c.scheduler.num_blocks, block_size=c.scheduler.block_size,
                          max_model_len=c.scheduler.max_model_len, max_num_seqs=c.scheduler.max_num_seqs,
                          runtime_pids=[sch.client.ready.pid for sch in s.engine.schedulers])
             log.info("serving", models=[s.model_name for s in servers], urls=binds,

@@ -413,6 +413,9 @@ def test_pd_deployment_serves_the_same_greedy_tokens(real_server):
         assert 'lockstep:kv_pulls_total{model_name="tiny"} 1.0' in httpx.get(f"{url}/metrics").text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        model = next(json.loads(ln) for ln in proc.stdout.read().decode().splitlines()
+                     if ln.startswith("{") and json.loads(ln).get("event") == "model")
+        assert model["prefill_instances"] == 1 and model["kv_transport"] == "nixl"  # what runs, P/D included
 
 
 def test_one_server_serves_two_models_by_name(real_server):
