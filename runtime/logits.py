@@ -104,7 +104,9 @@ class LogitsProcessors:
                 narrow.append((j, r.min_p))
         if held_rows:
             at = to_device(np.array([held_rows, held_ids], np.int64), x.device)
-            x[at[0], at[1]] = float("-inf")
+            # (an index_put of a device tensor: a Python scalar's setitem made the host wait,
+            # 12% of decode throughput at batch 64-256 on the H200)
+            x.index_put_((at[0], at[1]), torch.full((len(held_rows),), float("-inf"), dtype=x.dtype, device=x.device))
         if counted:
             self._penalize(x, counted)
         if narrow:
@@ -175,9 +177,10 @@ class LogitsProcessors:
         rec = self.record[rid]
         known = rec[rec >= 0].astype(np.int64)
         self.counts[slot] = to_device(np.bincount(known, minlength=self.vocab).astype(np.int32), self.device)
-        self.seen[slot] = False
+        self.seen[slot].zero_()
         if r.prompt:
-            self.seen[slot, to_device(np.frombuffer(r.prompt, np.int32).astype(np.int64), self.device)] = True
+            ids = to_device(np.frombuffer(r.prompt, np.int32).astype(np.int64), self.device)
+            self.seen[slot].index_fill_(0, ids, True)
         self.owner[slot] = rid
 
     def _penalize(self, x: torch.Tensor, counted: list[tuple]) -> None:

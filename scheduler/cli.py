@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             print(file=sys.stderr)
             return 130
         raise
+    finally:  # nothing of the command outlives it (its runtimes are gone by now)
+        if "lockstep.engine.runtime_client" in sys.modules:
+            sys.modules["lockstep.engine.runtime_client"].stop_forkserver()
 
 
 def _main(argv: list[str] | None) -> int:

@@ -53,6 +53,22 @@ def new_requests(req: Request, outputs_in_prompt: int = 0) -> NewRequests:
                        [req.prompt.astype(np.int32).tobytes() if k >= 0 else b""])
 
 
+def stop_forkserver() -> None:
+    """Stop the forkserver the runtimes started from, and multiprocessing's resource
+    tracker, and wait for both (a command ending without this leaves them behind for a
+    moment, until they notice their parent is gone, and then as zombies where nothing
+    reaps orphans)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for server, pid in ((forkserver._forkserver, "_forkserver_pid"), (resource_tracker._resource_tracker, "_pid")):
+        if getattr(server, pid, None) is None:
+            continue
+        try:
+            server._stop()
+        except (OSError, ChildProcessError):  # already gone
+            pass
+
+
 class RuntimeDied(RuntimeError):
     """The runtime process exited or failed; in-flight steps are lost."""
 
