@@ -146,3 +146,18 @@ def test_ctrl_c_ends_a_command_with_130_and_no_traceback():
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_command_leaves_no_process_behind_when_it_ends():
+    """Its runtimes, their forkserver and multiprocessing's resource tracker are all gone
+    when the command has ended (the forkserver used to linger, then stay as a zombie where
+    nothing reaps orphans)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "lockstep.cli", "generate", "hello", "--max-tokens", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    out = p.communicate(timeout=120)[0].decode()
+    assert p.returncode == 0, out
+    left = subprocess.run(["ps", "-o", "pid=,stat=,cmd=", "-s", str(p.pid)], capture_output=True, text=True).stdout
+    assert left.strip() == "", left
