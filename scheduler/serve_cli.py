@@ -181,6 +181,7 @@ class Signals:
         self.first = trio.Event()
         self.force = trio.CancelScope()
         self.serving = False  # until then (engines loading) there is nothing to drain
+        self.stopped_start: int | None = None  # the signal that stopped the start, if one did
 
     async def watch(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -189,6 +190,7 @@ class Signals:
                 name = signal.Signals(sig).name
                 if not self.first.is_set() and not self.serving:
                     log.info("signal before serving: stopping the start", signal=name)
+                    self.stopped_start = sig
                     self.first.set()
                     self.force.cancel()
                 elif not self.first.is_set():
@@ -221,14 +223,16 @@ async def log_stats(servers, interval: float) -> None:
                      kv_cache_usage=round(st.kv_blocks_used / max(st.kv_blocks_total, 1), 3))
 
 
-async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) -> int:
     """Serve until ``shutdown()`` returns, then drain and stop; by default until SIGTERM or
     SIGINT, a second of which stops at once (``Signals``). ``task_status.started`` gets the
-    server (its engine, for tests) and the bound URLs."""
+    server (its engine, for tests) and the bound URLs. The exit status: 0 after serving (a
+    drain is the way a server ends), 128 + the signal's number when one stopped the start
+    (130 for Ctrl-C, as every command)."""
     configs = engine_configs(args)  # bad flags: an error before anything starts
     if shutdown is not None:
         await _serve(args, configs, shutdown, trio.CancelScope(), lambda: None, task_status)
-        return
+        return 0
     signals = Signals()
 
     def serving() -> None:
@@ -239,6 +243,7 @@ async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) ->
         log.info("starting", models=[name for name, _ in configs])
         await _serve(args, configs, signals.first.wait, signals.force, serving, task_status)
         nursery.cancel_scope.cancel()
+    return 0 if signals.stopped_start is None else 128 + signals.stopped_start
 
 
 async def _serve(args, configs, shutdown, force: trio.CancelScope, serving, task_status) -> None:
@@ -367,5 +372,4 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
-    trio.run(serve, args)
-    return 0
+    return trio.run(serve, args)

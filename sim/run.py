@@ -52,8 +52,9 @@ def with_spec_tokens(deployment: Deployment, k: int) -> Deployment:
                           "a draft model (see examples/h200-v2lite-spec.toml)")
     try:
         return attrs.evolve(deployment, speculative=attrs.evolve(spec, num_spec_tokens=k))
-    except ConfigError as e:
-        raise ConfigError(f"--num-spec-tokens {k}: {deployment.source}: [speculative]: {e}") from None
+    except ConfigError as e:  # (the flag's own way to turn speculation off, not the table's)
+        why = str(e).replace("(to turn speculation off, drop the [speculative] table)", "(0: no speculation)")
+        raise ConfigError(f"--num-spec-tokens {k}: {deployment.source}: [speculative]: {why}") from None
 
 
 PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
