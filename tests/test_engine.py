@@ -371,6 +371,7 @@ async def test_engine_leaves_no_process_or_fd_behind():
     # read from the configs before any weights load (they used to fail inside the runtime)
     (dict(draft_model="layers:4"), r"'layers:4': N must be in \[1, 4\)"),
     (dict(draft_model="layers:x"), "N an integer"), (dict(draft_model="v2-lite"), "vocabulary of 102400"),
+    (dict(runtime="timing", draft_model="x"), "prices the draft of its deployment's \\[speculative\\] table"),
     # settings that mean nothing without P/D or a draft (they used to be ignored)
     (dict(prefill_dep=2), "prefill_dep 2: only used with prefill/decode"),
     (dict(kv_transport="shm"), "kv_transport 'shm': only used with prefill/decode"),

@@ -149,7 +149,16 @@ class EngineConfig:
         ``layers:N`` takes fewer layers than it has, a model shares its vocabulary. Read from
         the configs, before any weights load."""
         name = self.draft_model
-        if self.runtime != "torch":  # the timing runtime prices the deployment's [speculative] draft
+        if self.runtime == "timing":  # it prices its deployment's [speculative] draft, whatever the name
+            from lockstep.policy.deployment import default_deployment, load_deployment
+
+            path = self.runtime_options.get("deployment")
+            dep = load_deployment(path) if path else default_deployment()
+            if dep.speculative is None:
+                raise ConfigError(f"engine.draft_model {name!r}: the timing runtime prices the draft of its "
+                                  f"deployment's [speculative] table, and {path or 'the built-in deployment'} has "
+                                  "none: give runtime option 'deployment' a file with one")
+        if self.runtime != "torch":
             return
         if name.startswith("layers:"):
             n = name.split(":", 1)[1]
