@@ -31,6 +31,7 @@ views never move: a graph bakes in their addresses as it does the input buffers'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -206,6 +207,16 @@ class FastRunner:
                          sample_index=flat[4 * t:4 * t + s], last=self.last)
         self._sample_slots = flat[4 * t + s:]
         return self.fast.forward(inp, self.kv)
+
+    def forward_scoring(self, hb: HostBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logits of hb.sample_index's rows, logits of token ``rows``, expert counts): one
+        eager forward that returns more rows than it samples (prompt logprobs), with the
+        kernels of any other eager step."""
+        n = len(hb.sample_index)
+        self.eager_steps += 1
+        logits, counts = self._eager(dataclasses.replace(hb, sample_index=np.concatenate([hb.sample_index, rows])))
+        self._sample_slots = self._sample_slots[:n]  # the tokens drawn are the sampled rows' only
+        return logits[:n], logits[n:], counts
 
     def keep_sampled(self, tokens: torch.Tensor) -> None:
         """Record the last forward's sampled tokens (one per sample_index entry) as their

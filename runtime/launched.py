@@ -30,6 +30,7 @@ class Launched:
     t0: float
     t1: float
     pending: object = None  # logits.Pending: the counted samples, until their ids are on the host
+    prompt: dict | None = None  # StepResult's prompt-logprob fields (a step that scored prompts)
 
     def ready(self) -> bool:
         """Whether the device is done with it (finishing it will not wait)."""

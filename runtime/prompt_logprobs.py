@@ -5,8 +5,9 @@ The logits at position p score prompt token p + 1, so a step that feeds position
 [s, s + n) of a prompt scores its tokens s + 1 to s + n (those still in the prompt; the
 last position's logits are the first output's, sampled as usual). The runtime learns the
 prompt's ids with the request, since the token a chunk's last position scores is the next
-chunk's first. A step with such rows runs through the reference forward, which returns
-the logits of any rows asked for (the fast path's forwards return the sampled rows only).
+chunk's first. A step with such rows returns those rows' logits too: from the reference
+forward, or on the fast path from its eager forward (the kernels of any other eager step,
+so a prompt scores as the step that serves it computes it); it is never launched ahead.
 """
 
 from __future__ import annotations

@@ -461,9 +461,9 @@ class TorchRuntime:
             done, failed = self._kv_loads(plan)
             return attrs.evolve(self.spec.execute(plan), kv_loads_done=done, kv_loads_failed=failed,
                                 host_s=0.0)
-        scored, meta = self.scores.rows(plan)  # prompt logprobs: the reference forward returns any rows
-        if self.runner is not None and meta is None:
-            return self._execute_fast(plan, t0)
+        scored, meta = self.scores.rows(plan)  # prompt logprobs: rows beyond the sampled ones
+        if self.runner is not None:
+            return self._finish(self._launch_fast(plan, t0, scored=scored, meta=meta), plan)
         hb = self._host_batch(plan)
         n = len(hb.sample_index)
         positions = hb.positions[hb.sample_index]
@@ -476,8 +476,6 @@ class TorchRuntime:
         logits = logits[:n]
         tokens, want = self._sample(plan, logits, positions)
         self.last[plan.slots[plan.samples]] = tokens
-        if self.runner is not None:  # the fast path's next steps read the device's copy
-            self.feed(plan.slots[plan.samples], tokens)
         lp = _logprobs(logits, tokens, int(want.max())) if len(want) and want.max() >= 0 else (None, None, None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -487,9 +485,6 @@ class TorchRuntime:
                           kv_loads_done=done, kv_loads_failed=failed, expert_counts=counts.cpu().numpy(),
                           logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=t1 - t0, gpu_s=t2 - t1,
                           **prompt)
-
-    def _execute_fast(self, plan: StepPlan, t0: float) -> StepResult:
-        return self._finish(self._launch_fast(plan, t0), plan)
 
     def launch(self, plan: StepPlan) -> Launched | None:
         """Start ``plan`` on the device and return before its tokens are back (``finish``
@@ -522,11 +517,16 @@ class TorchRuntime:
         self._finished_at = launched.t1 + result.gpu_s
         return attrs.evolve(result, gpu_s=gpu_s)
 
-    def _launch_fast(self, plan: StepPlan, t0: float, params=None) -> Launched:
+    def _launch_fast(self, plan: StepPlan, t0: float, params=None, scored=None, meta=None) -> Launched:
         hb = self._host_batch(plan, fill=False)  # placeholders are read on the device
         t1 = time.perf_counter()
         pad = plan.num_padded_tokens if self.ep_padded and plan.uniform_decode else 0
-        logits, counts = self.runner.forward(hb, pad_to=pad)
+        prompt = None
+        if meta is not None:  # prompt logprobs (never launched ahead): the eager forward's extra rows
+            logits, extra, counts = self.runner.forward_scoring(hb, scored)
+            prompt = self.scores.score(extra, meta)
+        else:
+            logits, counts = self.runner.forward(hb, pad_to=pad)
         temp, top_p, top_k, seed, want = params if params is not None else self._slot_params(plan)
         positions = hb.positions[hb.sample_index]
         x, pending = self.processors.apply(plan, logits, positions, temp)
@@ -539,7 +539,8 @@ class TorchRuntime:
         return Launched(step_id=plan.step_id, num_sampled=plan.samples.astype(np.int32),
                          slots=plan.slots[plan.samples], kv_done=np.array(plan.kv_load_req_ids, np.int64),
                          host=host, num_tokens=len(tokens), counts_shape=tuple(counts.shape), event=event,
-                         want=want, logits=logits if keep_logits else None, t0=t0, t1=t1, pending=pending)
+                         want=want, logits=logits if keep_logits else None, t0=t0, t1=t1, pending=pending,
+                         prompt=prompt)
 
     def _finish(self, p: Launched, plan: StepPlan | None) -> StepResult:
         tokens, counts = self._returns.take(p)
@@ -552,7 +553,8 @@ class TorchRuntime:
         done, failed = self._kv_loads(plan) if plan is not None else (p.kv_done, np.zeros(0, np.int64))
         return StepResult(step_id=p.step_id, num_sampled=p.num_sampled, token_ids=tokens,
                           kv_loads_done=done, kv_loads_failed=failed, expert_counts=counts,
-                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=p.t1 - p.t0, gpu_s=t2 - p.t1)
+                          logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2], host_s=p.t1 - p.t0, gpu_s=t2 - p.t1,
+                          **(p.prompt or {}))
 
     def _update_tables(self, plan: StepPlan) -> None:
         """New block ids go into each slot's table at block_start onwards."""

@@ -40,7 +40,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
     p.add_argument("--redundant-experts", type=int, default=0,
                    help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")
-    p.add_argument("--eplb-window", type=int, default=64, help="steps of expert loads per rebalance")
+    p.add_argument("--eplb-window", type=int,
+                   help="steps of expert loads per rebalance (with --redundant-experts; default 64)")
     p.add_argument("--instances", type=int, default=1,
                    help="instances of --dep ranks (with --prefill-instances: the decode pool's)")
     p.add_argument("--prefill-instances", type=int, default=0,
@@ -58,9 +59,13 @@ def add_engine_flags(p) -> None:
 def eplb_config(args):
     """Expert load balancing from --redundant-experts / --eplb-window (None when off)."""
     if not args.redundant_experts:
+        if args.eplb_window is not None:
+            raise ValueError("--eplb-window needs --redundant-experts (expert load balancing; without spare "
+                             "slots nothing is rebalanced)")
         return None
     from lockstep.policy.rebalance import EplbConfig
-    return EplbConfig(redundant_experts=args.redundant_experts, window_steps=args.eplb_window)
+    return EplbConfig(redundant_experts=args.redundant_experts,
+                      window_steps=64 if args.eplb_window is None else args.eplb_window)
 
 
 def pd_options(args) -> dict:

@@ -143,8 +143,15 @@ def engine_config(args):
                         eplb=eplb_config(args), **pd_options(args), **node_options(args))
 
 
+_NODE_FLAGS = {"node_rank": 0, "node_addresses": "", "dist_init": "", "node_link": "auto", "node_rejoin_timeout": 60.0}
+
+
 def node_options(args) -> dict:
     if args.nodes == 1:
+        given = [f"--{k.replace('_', '-')}" for k, d in _NODE_FLAGS.items() if getattr(args, k) != d]
+        if given:  # one node: they would do nothing (a forgotten --nodes would serve a lone instance)
+            raise ValueError(f"{', '.join(given)}: only used with --nodes N > 1 (a DEP instance over several "
+                             "serve processes); give --nodes or drop them")
         return {}
     return dict(nodes=args.nodes, node_rank=args.node_rank, dist_init=args.dist_init, node_link=args.node_link,
                 node_addresses=tuple(a for a in args.node_addresses.split(",") if a),

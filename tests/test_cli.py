@@ -73,6 +73,10 @@ def test_speculation_and_pd_flags_that_would_do_nothing_are_refused(capsys):
     assert "--prefill-dep needs --prefill-instances" in capsys.readouterr().err
     assert main(["generate", "--kv-transport", "shm", "hi"]) == 2
     assert "--kv-transport needs --prefill-instances" in capsys.readouterr().err
+    assert main(["serve", "--dep", "2", "--eplb-window", "16", "--port", "0"]) == 2
+    assert "--eplb-window needs --redundant-experts" in capsys.readouterr().err
+    assert main(["serve", "--dep", "2", "--node-rank", "1", "--node-link", "tcp", "--port", "0"]) == 2
+    assert "--node-rank, --node-link: only used with --nodes" in capsys.readouterr().err
     assert main(["generate", "--draft-model", "layers:4", "hi"]) == 2  # one line, before anything loads
     err = capsys.readouterr().err
     assert "draft_model 'layers:4': N must be in [1, 4)" in err and "Traceback" not in err

@@ -204,6 +204,14 @@ def test_engine_config_refuses_slots_that_do_not_split_over_the_ranks():
         EngineConfig(model="tiny", dep=2, eplb=EplbConfig(redundant_experts=1))
     with pytest.raises(ConfigError, match="window_steps"):
         EplbConfig(window_steps=0)
+    # what the model's experts allow, read from its config before any runtime starts (these
+    # used to be runtime tracebacks)
+    with pytest.raises(ConfigError, match=r"engine.dep 3 must divide the expert slots: .* 8 routed experts"):
+        EngineConfig(model="tiny", dep=3)
+    with pytest.raises(ConfigError, match="redundant_experts 10: .* at most 8 replicas"):
+        EngineConfig(model="tiny", dep=2, eplb=EplbConfig(redundant_experts=10))
+    with pytest.raises(ConfigError, match="one rank has no room for replicas"):
+        EngineConfig(model="tiny", eplb=EplbConfig(redundant_experts=2))
 
 
 # -- DEP2 end to end ----------------------------------------------------------------------------
@@ -242,6 +250,26 @@ async def test_dep2_rebalances_mid_generation_with_greedy_tokens_unchanged():
     assert stats.generation >= 1 and stats.moved_experts > 0
     assert all(st.running >= 1 for st in status)  # the placement advanced on both ranks
     _check_switch(log, gen=1)
+
+
+async def test_a_planner_process_that_dies_is_replaced_and_serving_goes_on():
+    """The planner's process killed (the OOM killer's pick, say) loses one window's plan:
+    a new planner takes the next windows, requests are served on (the whole engine used to
+    die with BrokenProcessPool)."""
+    ps = E.prompts()
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cfg = attrs.evolve(E.config(tokenizer=None), dep=2, eplb=EplbConfig(redundant_experts=2, window_steps=3),
+                       runtime_options={"eplb_min_stage_steps": HOLD})
+    async with open_engine(cfg) as engine:
+        await greedy_all(engine, ps[:2], params)
+        before = engine.balancer_statistics().plans
+        for pid in list(engine.balancer._pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        got = await greedy_all(engine, ps, params)
+        stats = engine.balancer_statistics()
+    for p, g in zip(ps, got):
+        assert g == E.reference_greedy(p, params.max_tokens)
+    assert stats.planner_restarts == 1 and stats.plans > before
 
 
 @pytest.mark.parametrize("split, exchange", [("even", "nccl"), ("proportional", "nccl"), ("even", "peer"),

@@ -348,10 +348,11 @@ def test_penalties_count_alike_with_steps_launched_ahead():
     assert ahead == whole and ahead != plain and all(len(t) == 10 for t in ahead.values())
 
 
-def test_fast_path_runtime_scores_prompts_through_the_reference_forward():
-    """A step with prompt logprobs runs the reference forward (the fast path's return only
-    the sampled rows' logits) on the same KV pool; the steps after it go the fast way again,
-    reading the tokens it drew from the device."""
+def test_fast_path_runtime_scores_prompts_through_its_eager_forward():
+    """A step with prompt logprobs runs the fast path's eager forward with the scored rows
+    beside the sampled ones: the scores agree with the reference path's, and the tokens
+    drawn are those the fast path draws without scoring (its own kernels, not another
+    path's numbers)."""
     ref = _runtime(fast=False)
     fast = _runtime(fast=True, cuda_graphs="padded", compile=False)
     prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
@@ -360,14 +361,13 @@ def test_fast_path_runtime_scores_prompts_through_the_reference_forward():
     assert len(rows) >= 3 and sum(len(a.prompt_req_ids) for a, _ in rows) == 29 + 19 + 2
     for a, b in rows:
         assert (a.prompt_req_ids == b.prompt_req_ids).all() and (a.prompt_index == b.prompt_index).all()
-        np.testing.assert_allclose(a.prompt_token_logprobs, b.prompt_token_logprobs, atol=1e-6)
-        assert (a.prompt_top_ids == b.prompt_top_ids).all()
-    # the decode steps after them took the fast path, on the KV the reference forward wrote:
-    # what it draws agrees with the reference path as in the test below (bf16 paths differ by
-    # a few hundredths, so a near-tie may go either way; each runtime is fed the first's tokens)
-    assert fast.runner.replays
-    sampled = [(a, b) for a, b in zip(want, got) if len(a.token_ids)]
-    assert max(float(np.abs(b.logprobs - a.logprobs).max()) for a, b in sampled) < 0.1
+        np.testing.assert_allclose(a.prompt_token_logprobs, b.prompt_token_logprobs, atol=0.1)  # bf16 paths
+    assert fast.runner.replays  # the decode steps after them went the graph way
+    (plain,) = _drive([_runtime(fast=True, cuda_graphs="padded", compile=False)], prompts, max_tokens=6)
+    assert [r.token_ids.tolist() for r in got] == [r.token_ids.tolist() for r in plain]
+    for a, b in zip(got, plain):  # the same kernels: the same numbers
+        if b.logprobs is not None:
+            np.testing.assert_array_equal(a.logprobs, b.logprobs)
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8"], ids=["bf16_cache", "fp8_cache"])

@@ -16,10 +16,12 @@ from __future__ import annotations
 import functools
 import math
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
 import attrs
 import numpy as np
+import structlog
 import trio
 
 from lockstep.policy.eplb import Topology
@@ -47,12 +49,16 @@ class BalancerStats:
     moved_experts: int  # slots whose expert changed, over all generations
     active: tuple[int, ...]  # generation each rank last ran a step with
     balancedness: float | None  # the newest plan's, on its window
+    planner_restarts: int = 0  # times its planner process died and was started again
 
 
 Deliver = Callable[..., None]  # (generation, phy2log, model): to one rank's Scheduler
 
 
 SHUTDOWN_S = 10.0  # how long the planner process may take to finish at exit before it is killed
+MAX_PLANNER_RESTARTS = 3  # a planner that dies more often: rebalancing stops, serving goes on
+
+log = structlog.get_logger("lockstep.balancer")
 
 
 def _watch_parent() -> None:
@@ -92,6 +98,7 @@ class Balancer:
         self.policy: Rebalancer | None = None
         self.draft_policy: Rebalancer | None = None  # a speculative draft's sharded experts
         self._pool: ProcessPoolExecutor | None = None  # the planner's process, while running
+        self.planner_restarts = 0
 
     async def run(self, ready: Ready, deliver: list[Deliver], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -138,11 +145,20 @@ class Balancer:
                     await self._rebalance(policy, model, deliver)
 
     async def _rebalance(self, policy: Rebalancer, model: str, deliver: list[Deliver]) -> None:
-        future = self._pool.submit(plan_placement, *policy.plan_args(policy.take_window()))
+        if self._pool is None:  # the planner could not be restarted: placements stay as they are
+            policy.take_window()
+            return
         try:
-            plan = await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
-        finally:
-            future.cancel()
+            future = self._pool.submit(plan_placement, *policy.plan_args(policy.take_window()))
+            try:
+                plan = await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+            finally:
+                future.cancel()
+        except BrokenProcessPool:
+            # The planner's process died (the OOM killer's pick, say): this window's plan is
+            # lost, generation goes on; a new planner takes the next window.
+            await self._restart_planner()
+            return
         for a in (plan.placement.phy2log, plan.placement.log2phy, plan.placement.replicas):
             a.setflags(write=False)  # read-only as built (a process round trip made them writable)
         gen = policy.adopt(plan)
@@ -150,9 +166,26 @@ class Balancer:
             for d in deliver:
                 d(gen, plan.placement.phy2log, model)
 
+    async def _restart_planner(self) -> None:
+        old, self._pool = self._pool, None
+        old.shutdown(wait=False, cancel_futures=True)
+        self.planner_restarts += 1
+        if self.planner_restarts > MAX_PLANNER_RESTARTS:
+            log.warning("expert balancer: planner process died again; rebalancing stops (placements stay)",
+                        restarts=self.planner_restarts - 1)
+            return
+        log.warning("expert balancer: planner process died; starting a new one (this window's plan is lost)",
+                    restarts=self.planner_restarts)
+        try:
+            self._pool = await trio.to_thread.run_sync(_start_planner)
+        except Exception as e:  # noqa: BLE001 - serving goes on without rebalancing
+            log.warning("expert balancer: could not start a new planner; rebalancing stops (placements stay)",
+                        error=repr(e))
+
     def statistics(self, model: str = "target") -> BalancerStats | None:
         p = self.policy if model == "target" else self.draft_policy
         if p is None:
             return None
         return BalancerStats(plans=p.plans, generation=p.gen, moved_experts=p.moved,
-                             active=tuple(p.active.tolist()), balancedness=p.balancedness)
+                             active=tuple(p.active.tolist()), balancedness=p.balancedness,
+                             planner_restarts=self.planner_restarts)

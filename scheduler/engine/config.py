@@ -107,6 +107,8 @@ class EngineConfig:
             raise ConfigError(f"engine.num_spec_tokens must be an integer in [1, 16], got {self.num_spec_tokens!r}")
         if self.draft_model:
             self._check_draft()
+        if self.runtime == "torch" and (self.dep > 1 or self.eplb is not None):
+            self._check_experts()
         if self.draft_experts not in ("replicated", "sharded"):
             raise ConfigError(f"engine.draft_experts must be 'replicated' or 'sharded', got {self.draft_experts!r}")
         self._check_unused()
@@ -125,6 +127,25 @@ class EngineConfig:
         if self.runtime == "torch" and self.model not in preset_names() and not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"engine.model must be a preset {preset_names()} or a checkpoint directory "
                               f"holding config.json, got {self.model!r}")
+
+    def _check_experts(self) -> None:
+        """Expert parallelism shards the model's routed experts (and the balancer's spare
+        slots) evenly over the DEP ranks: read from its config, before any runtime starts."""
+        cfg = model_config(self.model)
+        if cfg is None or not cfg.n_routed_experts:
+            return
+        experts, spare = cfg.n_routed_experts, 0 if self.eplb is None else self.eplb.redundant_experts
+        slots = experts + spare
+        if slots % self.dep:
+            what = f"{experts} routed experts" + (f" + {spare} redundant" if spare else "")
+            fits = [d for d in range(1, slots + 1) if slots % d == 0]
+            raise ConfigError(f"engine.dep {self.dep} must divide the expert slots: model {self.model!r} has {what} "
+                              f"= {slots} (dep may be one of {fits})")
+        if spare > experts * (self.dep - 1):
+            room = (f"so at most {experts * (self.dep - 1)} replicas fit beside model {self.model!r}'s {experts} "
+                    "experts" if self.dep > 1 else "so one rank has no room for replicas: use dep >= 2")
+            raise ConfigError(f"eplb.redundant_experts {spare}: each of the {self.dep} ranks holds an expert at most "
+                              f"once, {room}")
 
     def _check_unused(self) -> None:
         """Settings that only mean something with P/D or with a draft, set away from their
@@ -197,7 +218,7 @@ class EngineConfig:
                 parse_address(a)
             except ValueError as e:
                 raise ConfigError(f"engine.node_addresses: {e}") from None
-        if not self.dist_init.startswith("tcp://"):
+        if not self.dist_init.startswith("tcp://") or not _port_ok(self.dist_init[len("tcp://"):]):
             raise ConfigError(f"engine.dist_init must be tcp://HOST:PORT (the same on every node) when "
                               f"engine.nodes > 1, got {self.dist_init!r}")
         if self.prefill_instances or self.instances != 1 or self.eplb is not None or self.draft_model:
@@ -343,6 +364,11 @@ class EngineConfig:
             return None
         from lockstep.runtime.tokenizer import load_tokenizer
         return load_tokenizer(self.tokenizer or self.model)
+
+
+def _port_ok(address: str) -> bool:
+    port = address.rpartition(":")[2]
+    return port.isdigit() and 1 <= int(port) <= 65535
 
 
 def model_config(model: str):

@@ -69,8 +69,8 @@ NODE_LINKS = ("auto", "tcp", "shm", "mixed")
 
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"node address must look like HOST:PORT, got {text!r}")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"node address must look like HOST:PORT, PORT in [1, 65535], got {text!r}")
     return host, int(port)
 
 
@@ -210,7 +210,12 @@ class NodeGroup(LocalGroup):
             host, port = self.addresses[0]
             return await shm_rendezvous.join(self.node, self.nodes, shm_rendezvous.abstract_name(f"{host}:{port}"),
                                              timeout_s=timeout_s)
-        listener, _ = await open_listener(*self.addresses[self.node])
+        try:
+            listener, _ = await open_listener(*self.addresses[self.node])
+        except OSError as e:  # this node's own address: not one of this host's, or in use
+            host, port = self.addresses[self.node]
+            raise OSError(e.errno, f"node {self.node} cannot listen on {host}:{port}, its entry in --node-addresses "
+                                   f"(engine.node_addresses): {e.strerror or e}") from None
         try:
             return await TcpCollective.connect(self.node, self.nodes, self.addresses, listener,
                                                connect_timeout_s=timeout_s)
