@@ -72,7 +72,6 @@ class LogitsRules(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     min_tokens: int = 0
     suppress: list[int] = []  # ids masked until min_tokens outputs: end of sequence, stop tokens
-    prompt: bytes = b""  # the prompt's int32 ids, with a repetition penalty (it counts them)
 
 
 class NewRequests(msgspec.Struct, frozen=True):
@@ -85,7 +84,8 @@ class NewRequests(msgspec.Struct, frozen=True):
     seed: list[int]  # -1: unseeded
     logprobs: list[int] = []  # -1: none; k: the sampled token's log-probability and the top k
     rules: list[LogitsRules | None] = []  # empty: none for any
-    # Prompt logprobs: top k (-1: none), and then the prompt's int32 ids (b"" otherwise)
+    # Prompt logprobs: top k (-1: none); the prompt's int32 ids where prompt logprobs or a
+    # repetition penalty read them (b"" otherwise)
     prompt_logprobs: list[int] = []
     prompts: list[bytes] = []
 

@@ -44,6 +44,7 @@ class LogitsProcessors:
     def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device):
         self.max_num_seqs, self.vocab, self.device = max_num_seqs, vocab_size, device
         self.rules: dict[int, LogitsRules] = {}
+        self.prompts: dict[int, bytes] = {}  # rid -> its prompt's int32 ids (a repetition penalty's)
         self.record: dict[int, np.ndarray] = {}  # rid -> its output ids by index (-1: not seen), counted ones
         self.owner = np.full(max_num_seqs, -1, np.int64)  # the request each row counts for
         self.counts: torch.Tensor | None = None  # (slots, vocab) int32, made for the first counted request
@@ -52,12 +53,15 @@ class LogitsProcessors:
     def __bool__(self) -> bool:
         return bool(self.rules)
 
-    def add(self, rid: int, rules: LogitsRules | None) -> None:
+    def add(self, rid: int, rules: LogitsRules | None, prompt: bytes = b"") -> None:
+        """``prompt``: its int32 ids, which a repetition penalty counts."""
         if rules is None:
             return
         if rules.suppress and max(rules.suppress) >= self.vocab:  # ids it can never draw anyway
             rules = msgspec.structs.replace(rules, suppress=[t for t in rules.suppress if 0 <= t < self.vocab])
         self.rules[rid] = rules
+        if rules.repetition_penalty != 1:
+            self.prompts[rid] = prompt
         if _counts(rules):
             self.record[rid] = np.full(16, -1, np.int32)
             if self.counts is None:
@@ -68,6 +72,7 @@ class LogitsProcessors:
         for rid in rids:
             if self.rules.pop(rid, None) is not None:
                 self.record.pop(rid, None)
+                self.prompts.pop(rid, None)
                 self.owner[self.owner == rid] = -1
 
     def apply(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray,
@@ -178,8 +183,9 @@ class LogitsProcessors:
         known = rec[rec >= 0].astype(np.int64)
         self.counts[slot] = to_device(np.bincount(known, minlength=self.vocab).astype(np.int32), self.device)
         self.seen[slot].zero_()
-        if r.prompt:
-            ids = to_device(np.frombuffer(r.prompt, np.int32).astype(np.int64), self.device)
+        prompt = self.prompts.get(rid, b"")
+        if prompt:
+            ids = to_device(np.frombuffer(prompt, np.int32).astype(np.int64), self.device)
             self.seen[slot].index_fill_(0, ids, True)
         self.owner[slot] = rid
 

@@ -390,7 +390,7 @@ class TorchRuntime:
             if msg.rules and msg.rules[i] is not None:
                 if self.spec is not None:  # the engine refuses them first (Engine.generate)
                     raise ValueError(f"request {rid}: penalties, min_p and min_tokens do not run with a draft model")
-                self.processors.add(rid, msg.rules[i])
+                self.processors.add(rid, msg.rules[i], msg.prompts[i] if msg.prompts else b"")
             if msg.prompt_logprobs:
                 self.scores.add(rid, msg.prompt_logprobs[i], msg.prompts[i])
 

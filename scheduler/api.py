@@ -103,7 +103,8 @@ class Engine:
             cfg = self.config
             dep = cfg.prefill_dep if cfg.prefill_instances else cfg.dep
             why = (f"speculative decoding (draft model {cfg.draft_model!r})" if cfg.draft_model else
-                   f"DEP (a prompt here is computed on {dep} ranks)" if dep > 1 else None)
+                   f"DEP (a prompt here is computed on {dep} ranks)" if dep > 1 else
+                   "the timing runtime (it computes no logits)" if cfg.runtime == "timing" else None)
             if why is not None:
                 raise RequestError(f"prompt_logprobs is not supported with {why}: leave it None",
                                    field="prompt_logprobs")

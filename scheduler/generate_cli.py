@@ -59,7 +59,7 @@ def add_engine_flags(p) -> None:
 def eplb_config(args):
     """Expert load balancing from --redundant-experts / --eplb-window (None when off)."""
     if not args.redundant_experts:
-        if args.eplb_window is not None:
+        if args.eplb_window not in (None, 64):
             raise ValueError("--eplb-window needs --redundant-experts (expert load balancing; without spare "
                              "slots nothing is rebalanced)")
         return None
@@ -74,8 +74,9 @@ def pd_options(args) -> dict:
     if not args.draft_model and (args.num_spec_tokens is not None or args.spec_adaptive):
         flag = "--num-spec-tokens" if args.num_spec_tokens is not None else "--spec-adaptive"
         raise ValueError(f"{flag} needs --draft-model (the model that proposes the drafts)")
-    if not args.prefill_instances and (args.prefill_dep is not None or args.kv_transport is not None):
-        flag = "--prefill-dep" if args.prefill_dep is not None else "--kv-transport"
+    # (their defaults given explicitly, as a templated launch may, change nothing: accepted)
+    if not args.prefill_instances and (args.prefill_dep not in (None, 1) or args.kv_transport not in (None, "nixl")):
+        flag = "--prefill-dep" if args.prefill_dep not in (None, 1) else "--kv-transport"
         raise ValueError(f"{flag} needs --prefill-instances (prefill/decode disaggregation; without it nothing "
                          "is prefilled apart or moved)")
     return dict(instances=args.instances, prefill_instances=args.prefill_instances,

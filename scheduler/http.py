@@ -257,10 +257,13 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
     except BadRequest as e:
         return error(str(e), e.param)
     except RequestError as e:
-        param = _request_param(e, chat)
+        param, message = _request_param(e, chat), str(e)
         if param == "max_tokens" and body.get("max_completion_tokens") is not None:  # the name it was given
             param = "max_completion_tokens"
-        return error(str(e), param)
+        if param == "prompt_logprobs":  # asked for as echo with logprobs
+            param, message = "echo", message.replace("prompt_logprobs", "echo with logprobs (the prompt's)", 1) \
+                .replace(": leave it None", ": drop echo or logprobs")
+        return error(message, param)
     rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
     if job.stream:
         return _sse(server, job, gens, rid)

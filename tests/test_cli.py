@@ -73,6 +73,9 @@ def test_speculation_and_pd_flags_that_would_do_nothing_are_refused(capsys):
     assert "--prefill-dep needs --prefill-instances" in capsys.readouterr().err
     assert main(["generate", "--kv-transport", "shm", "hi"]) == 2
     assert "--kv-transport needs --prefill-instances" in capsys.readouterr().err
+    # their defaults given explicitly change nothing (a templated launch): accepted
+    assert main(["generate", "--prefill-dep", "1", "--kv-transport", "nixl", "--eplb-window", "64",
+                 "--max-tokens", "1", "hi"]) == 0
     assert main(["serve", "--dep", "2", "--eplb-window", "16", "--port", "0"]) == 2
     assert "--eplb-window needs --redundant-experts" in capsys.readouterr().err
     assert main(["serve", "--dep", "2", "--node-rank", "1", "--node-link", "tcp", "--port", "0"]) == 2

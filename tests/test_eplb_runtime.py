@@ -265,10 +265,12 @@ async def test_a_planner_process_that_dies_is_replaced_and_serving_goes_on():
         before = engine.balancer_statistics().plans
         for pid in list(engine.balancer._pool._processes):
             os.kill(pid, signal.SIGKILL)
-        got = await greedy_all(engine, ps, params)
-        stats = engine.balancer_statistics()
-    for p, g in zip(ps, got):
-        assert g == E.reference_greedy(p, params.max_tokens)
+        want = [E.reference_greedy(p, params.max_tokens) for p in ps]
+        for _ in range(8):  # until the new planner has planned (its start takes a while)
+            assert await greedy_all(engine, ps, params) == want
+            stats = engine.balancer_statistics()
+            if stats.plans > before:
+                break
     assert stats.planner_restarts == 1 and stats.plans > before
 
 

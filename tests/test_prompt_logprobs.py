@@ -103,3 +103,41 @@ async def test_the_first_output_carries_them_and_bad_values_name_their_field():
         assert e.value.field == "prompt_logprobs"
     got, _ = await serve(config(tokenizer=None), [prompts()[1]], ASK)  # (serve: the token path alone)
     assert got == [reference(prompts()[1], ASK)]
+
+
+def test_scored_chunks_are_capped_so_a_steps_rows_fit_its_result():
+    """A step scores at most max_scored_tokens_per_step prompt tokens (their rows travel in
+    the step's result, a ring message: too many overflowed it and killed the runtime)."""
+    from lockstep.policy.core import SchedulerCore
+    from lockstep.policy.hashing import BlockHasher
+    from lockstep.policy.request import Request
+
+    cfg = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=100,
+                          max_model_len=512, max_scored_tokens_per_step=24, async_scheduling=False)
+    core = SchedulerCore(cfg, BlockHasher(b"k", 16))
+    rng = np.random.default_rng(0)
+    for i, k in enumerate((2, 0, None)):
+        core.add_request(Request(id=i, prompt=rng.integers(3, 500, 60).astype(np.int32),
+                                 params=SamplingParams(max_tokens=2, prompt_logprobs=k)))
+    plan = core.schedule(0.0)
+    fed = dict(zip(plan.req_ids.tolist(), plan.num_new.tolist()))
+    # the cap is the step's: request 1 waits for the next step (and 2, in FCFS order, behind it)
+    assert fed == {0: 24}
+
+
+def test_the_ring_must_hold_a_steps_scored_rows():
+    from lockstep.policy.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_scored_tokens_per_step 4096: .* engine.ring_bytes"):
+        EngineConfig(ring_bytes=1 << 20)
+    EngineConfig(ring_bytes=1 << 20, scheduler=SchedulerConfig(max_scored_tokens_per_step=1024))
+
+
+async def test_a_long_prompt_scored_in_capped_chunks_matches_one_forward():
+    sched = SchedulerConfig(num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=64,
+                            max_model_len=512, max_scored_tokens_per_step=20)
+    prompt = prompts()[2]  # 150 tokens: chunks of 20
+    async with open_engine(EngineConfig(model="tiny", dtype="float64", scheduler=sched, tokenizer=None)) as engine:
+        got = await engine.complete(prompt, ASK)
+    check(got.prompt_logprobs, scored(prompt, 3))
+    assert got.token_ids.tolist() == reference(prompt, ASK)

@@ -102,6 +102,18 @@ async def test_access_log_writes_one_line_per_request(capsys):
     assert any('"GET /nope HTTP/1.1" 404 ' in ln for ln in lines)
 
 
+async def test_echo_with_logprobs_is_refused_where_the_prompt_cannot_be_scored():
+    """The timing runtime computes no logits: echo with logprobs (the prompt's) is a 400
+    naming what the client sent (echo), not the engine's internal prompt_logprobs."""
+    async with InProcess(*TIMING) as srv:
+        async with httpx.AsyncClient() as client:
+            r = await client.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "echo": True,
+                                                                     "logprobs": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "echo", err
+    assert "echo with logprobs (the prompt's) is not supported with the timing runtime" in err["message"]
+
+
 @pytest.mark.slow
 async def test_two_thousand_concurrent_streams_no_errors_no_leaks():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

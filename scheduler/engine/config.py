@@ -105,6 +105,12 @@ class EngineConfig:
             raise ConfigError(f"engine.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if not isinstance(self.num_spec_tokens, int) or not 1 <= self.num_spec_tokens <= 16:
             raise ConfigError(f"engine.num_spec_tokens must be an integer in [1, 16], got {self.num_spec_tokens!r}")
+        rows = self.scheduler.max_scored_tokens_per_step
+        need = rows * SCORED_ROW_BYTES + (1 << 16)  # and the rest of the result
+        if need > self.ring_bytes // 3:  # a message may take a third of its ring
+            raise ConfigError(f"scheduler.max_scored_tokens_per_step {rows}: a step's prompt logprobs take up to "
+                              f"{need} bytes of its result, more than a message may take of engine.ring_bytes "
+                              f"({self.ring_bytes}, a third): lower it or raise ring_bytes")
         if self.draft_model:
             self._check_draft()
         if self.runtime == "torch" and (self.dep > 1 or self.eplb is not None):
@@ -179,6 +185,9 @@ class EngineConfig:
                 raise ConfigError(f"engine.draft_model {name!r}: the timing runtime prices the draft of its "
                                   f"deployment's [speculative] table, and {path or 'the built-in deployment'} has "
                                   "none: give runtime option 'deployment' a file with one")
+            if dep.speculative.acceptance == "measured":
+                from lockstep.policy.deployment import UNMODELED_ACCEPTANCE
+                raise ConfigError(UNMODELED_ACCEPTANCE.format(source=dep.source))
         if self.runtime != "torch":
             return
         if name.startswith("layers:"):
@@ -192,6 +201,9 @@ class EngineConfig:
         target = model_config(self.model)
         if target is None:
             return  # the model's own check reports it
+        overrides = self.runtime_options.get("preset_overrides") or {}
+        if isinstance(overrides, dict) and overrides.get("num_hidden_layers"):  # as the runtime builds it
+            target = attrs.evolve(target, num_hidden_layers=int(overrides["num_hidden_layers"]))
         if name.startswith("layers:"):
             if int(name.split(":", 1)[1]) >= target.num_hidden_layers:
                 raise ConfigError(f"engine.draft_model {name!r}: N must be in [1, {target.num_hidden_layers}) "
@@ -267,10 +279,15 @@ class EngineConfig:
             spec = dict(draft_model=(d.checkpoint and str((Path(dep.source).parent / d.checkpoint).resolve()))
                         or d.name, num_spec_tokens=dep.speculative.num_spec_tokens,
                         spec_adaptive=dep.speculative.adaptive)
+        # The timing runtime prices this file's model, hardware and [speculative] draft (else the
+        # built-in deployment's): the same pool the engine runs.
+        options = {"deployment": dep.source, "pool": dep.pools.index(pool)} if (
+            eng.runtime == "timing" and Path(dep.source).is_file()) else {}
         try:
             return cls(model=ref or model.name, runtime=eng.runtime, device=eng.device, dtype=eng.dtype,
                        scheduler=sched, hash_secret=dep.hash_secret, seed=dep.seed, dep=pool.dep, eplb=dep.eplb,
-                       instances=pool.instances, kv_cache_dtype=eng.kv_cache_dtype, **pd, **spec)
+                       instances=pool.instances, kv_cache_dtype=eng.kv_cache_dtype, runtime_options=options,
+                       **pd, **spec)
         except ConfigError as e:  # named by the file it came from, as the schema's own errors are
             hint = ""
             if not ref and str(e).startswith("engine.model"):
@@ -364,6 +381,9 @@ class EngineConfig:
             return None
         from lockstep.runtime.tokenizer import load_tokenizer
         return load_tokenizer(self.tokenizer or self.model)
+
+
+SCORED_ROW_BYTES = 8 + 8 + 4 + 8 * 20  # a prompt-logprob row: request, index, logprob, 20 top (id, logprob)
 
 
 def _port_ok(address: str) -> bool:

@@ -44,13 +44,13 @@ def new_requests(req: Request, outputs_in_prompt: int = 0) -> NewRequests:
             prompt_len=n, presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
             repetition_penalty=float(p.repetition_penalty), min_p=float(p.min_p),
             # the request's min_tokens less the outputs in its prompt, counted from n again
-            min_tokens=p.min_tokens + outputs_in_prompt if p.min_tokens else 0, suppress=stop,
-            prompt=req.prompt[:n].astype(np.int32).tobytes() if p.repetition_penalty != 1 else b"")
+            min_tokens=p.min_tokens + outputs_in_prompt if p.min_tokens else 0, suppress=stop)
     # Prompt logprobs are the prefill's: not a decode side's, whose prompt's KV arrives computed
     k = -1 if p.prompt_logprobs is None or outputs_in_prompt else p.prompt_logprobs
+    n = req.prompt_len - outputs_in_prompt  # the prompt proper, sent once for either reader
+    ids = req.prompt[:n].astype(np.int32).tobytes() if k >= 0 or p.repetition_penalty != 1 else b""
     return NewRequests([req.id], [p.temperature], [p.top_p], [p.top_k], [-1 if p.seed is None else p.seed],
-                       [-1 if p.logprobs is None else p.logprobs], [rules], [k],
-                       [req.prompt.astype(np.int32).tobytes() if k >= 0 else b""])
+                       [-1 if p.logprobs is None else p.logprobs], [rules], [k], [ids])
 
 
 def stop_forkserver() -> None:
@@ -58,8 +58,10 @@ def stop_forkserver() -> None:
     tracker, and wait for both (a command ending without this leaves them behind for a
     moment, until they notice their parent is gone, and then as zombies where nothing
     reaps orphans)."""
-    from multiprocessing import forkserver, resource_tracker
+    from multiprocessing import active_children, forkserver, resource_tracker
 
+    if active_children():  # something started from it still runs: stopping would wait for it
+        return
     for server, pid in ((forkserver._forkserver, "_forkserver_pid"), (resource_tracker._resource_tracker, "_pid")):
         if getattr(server, pid, None) is None:
             continue

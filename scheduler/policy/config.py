@@ -39,6 +39,9 @@ class SchedulerConfig:
     host_cache_blocks: int = attrs.field(default=0, validator=_non_negative)  # host KV tier
     async_scheduling: bool = True
     watermark: float = 0.01  # share of blocks kept free when admitting new requests
+    # Prompt tokens a step may score for prompt logprobs (requests with prompt_logprobs are
+    # chunked to it): their rows travel in the step's result, which must fit the ring.
+    max_scored_tokens_per_step: int = attrs.field(default=4096, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if self.policy not in POLICIES:

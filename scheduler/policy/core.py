@@ -57,6 +57,7 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         # (request id -> blocks, one reference each) until ``release_held``.
         self.held: dict[int, list[int]] = {}
         self._preempted_this_step = False
+        self._scored_left = config.max_scored_tokens_per_step
         self._prefilling: set[int] = set()  # slots with prompt (or recompute) tokens left
         self._chunked_now: set[int] = set()  # slots given a prefill chunk in this schedule
         n = config.max_num_seqs
@@ -172,6 +173,7 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
             self._chunked_now.clear()
             return self._idle_plan()
         budget = self.config.max_num_batched_tokens
+        self._scored_left = self.config.max_scored_tokens_per_step  # prompt tokens scored (prompt logprobs)
         entries: list[tuple] = []  # (req, n_new, tokens, new_blocks, block_start)
         if self.config.num_spec_tokens:  # decodes with drafts: entries like prefill chunks
             dec_slots, grown = EMPTY_I64, (EMPTY_I64, EMPTY_I64)
@@ -202,6 +204,11 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
             if req is None or not self.s_decodable[slot]:  # preempted, or waiting for KV
                 continue
             n = min(budget, req.num_known - req.num_computed)
+            if req.params.prompt_logprobs is not None:  # its rows must fit the step's result
+                n = min(n, self._scored_left)
+                if n <= 0:
+                    continue
+                self._scored_left -= n
             start = len(req.blocks)
             if not self._grow_blocks(req, req.num_computed + n, preempt=True):
                 continue
@@ -228,9 +235,14 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
                 continue
             if budget <= 0 or not self.caps.may_start_prefill():
                 break
-            n, host = self._admit_one(req, budget)
+            scored = req.params.prompt_logprobs is not None
+            if scored and self._scored_left <= 0:
+                break
+            n, host = self._admit_one(req, min(budget, self._scored_left) if scored else budget)
             if n == 0:
                 break
+            if scored:
+                self._scored_left -= n
             if host:  # the host blocks sit right after the GPU-cached ones
                 loads.append((req.id, req.num_computed // self.bs - host, host))
             entries.append(self._prefill_entry(req, n, 0))
