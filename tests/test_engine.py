@@ -594,6 +594,20 @@ async def test_dep2_a_killed_rank_fails_the_group_cleanly_and_it_restarts():
         assert not set(pids) & {s.client.ready.pid for s in engine.schedulers}
 
 
+async def test_dep2_a_rank_killed_while_idle_restarts_the_group_before_any_request():
+    """As a lone rank does: the next request is served, not failed with the dead rank's
+    error (the group used to notice only when a request reached it)."""
+    async with open_engine(attrs_evolve(config(tokenizer=None), dep=2)) as engine:
+        pids = [s.client.ready.pid for s in engine.schedulers]
+        os.kill(pids[0], signal.SIGKILL)
+        with trio.fail_after(60):  # (a guard against a hang, not a timing assertion)
+            while [s.statistics().runtime_restarts for s in engine.schedulers] != [1, 1]:
+                await trio.sleep(0.05)
+        toks, _ = await collect(engine, prompts()[1], GREEDY)
+        assert toks == reference_greedy(prompts()[1], GREEDY.max_tokens)
+        assert not set(pids) & {s.client.ready.pid for s in engine.schedulers}
+
+
 async def test_logprobs_of_sampled_tokens_and_top_k():
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
     async with open_engine(config(tokenizer=None)) as engine:

@@ -205,6 +205,10 @@ class Scheduler:
             self._take_messages(now)
         else:
             await self._wait_group()
+            if not self.client.alive():  # died while idle: the group restarts now, not on the next request
+                code = None if self.client.proc is None else self.client.proc.exitcode
+                self.group.fail(RuntimeDied(f"the runtime process of rank {self.rank} exited while idle (code {code})"))
+                await trio.sleep_forever()  # cancelled by the group's failure
             now = self.pacer.now()
             self._take_messages(now)
         if self.group is not None or self.core.has_work():
@@ -213,6 +217,7 @@ class Scheduler:
     async def _wait_group(self) -> None:
         seen = self.group.wake_gen
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._until_runtime_exits, nursery.cancel_scope)
             async def on_message():
                 msg = await self._inbox.receive()
                 self._handle(msg, self.pacer.now())
@@ -441,7 +446,7 @@ class Scheduler:
     async def _restart_with_group(self) -> None:
         error = self.group.failure
         log.error("a rank of the DEP group died; failing the group's requests and restarting it",
-                  rank=self.rank, error=str(error).splitlines()[0])
+                  rank=self.rank, error=str(error).splitlines()[0].rstrip(":"))
         self._fail_all(error)
         self._new_core()
         if self.client.proc is not None and self.client.proc.is_alive():
@@ -465,6 +470,7 @@ class Scheduler:
             self._failed_starts = 0
             self._started()
             self.restarts += 1
+            log.info("runtime restarted", rank=self.rank, pid=self.client.ready.pid, restarts=self.restarts)
             await self.group.barrier("up")
             nursery.cancel_scope.cancel()
 
