@@ -329,6 +329,13 @@ async def _run_checked(gens: list, on_delta, server: Server) -> tuple[str, BaseE
     return failed
 
 
+def _failed(exc: BaseException) -> str:
+    """What a client is told of an engine failure: its first line (a runtime's traceback,
+    its internal paths included, is for the server's log, where it is)."""
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(":")
+    return f"the engine failed this request: {first} (the server's log has the details)"
+
+
 _CUT = ("the server shut down before this request finished: its drain deadline (--drain-timeout) passed "
         "with the request still running")
 
@@ -361,7 +368,7 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
     if failed is not None:
         kind, exc = failed
         if kind == "server_error":
-            return error(f"the engine failed this request: {exc}", status=500, kind=kind)
+            return error(_failed(exc), status=500, kind=kind)
         return error(str(exc), _request_param(exc, job.chat))
     if _cut(server, finals):
         return error(_CUT, status=503, kind="service_unavailable")
@@ -496,7 +503,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
         failed = await _run_checked(gens, on_delta, server)
         if failed is not None:
             kind, exc = failed
-            message = f"the engine failed this request: {exc}" if kind == "server_error" else str(exc)
+            message = _failed(exc) if kind == "server_error" else str(exc)
             emit(b"data: " + _JSON.encode({"error": {"message": message, "type": kind,
                  "param": None if kind == "server_error" else _request_param(exc, job.chat), "code": None}}) + b"\n\n")
         elif _cut(server, finals):

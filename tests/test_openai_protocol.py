@@ -142,3 +142,13 @@ def test_stop_strings_cut_the_same_however_the_text_is_split(text, stops, cuts):
         if hit:
             break
     assert ("".join(out), hit) == want
+
+
+def test_an_engine_failure_tells_the_client_its_first_line_only():
+    """A runtime's traceback (its internal paths included) stays in the server's log."""
+    from lockstep.http import _failed
+
+    exc = RuntimeError("runtime process 'torch' failed:\nTraceback (most recent call last):\n  File \"/x/y.py\"")
+    msg = _failed(exc)
+    assert msg == "the engine failed this request: runtime process 'torch' failed (the server's log has the details)"
+    assert "Traceback" not in msg and _failed(RuntimeError()).endswith("RuntimeError (the server's log has the details)")
