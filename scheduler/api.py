@@ -192,6 +192,10 @@ class Engine:
         for s in targets:
             s.send_channel.send_nowait(Abort(request_id, reason))
 
+    def down(self) -> list[int]:
+        """The ranks whose runtime (or DEP group, or nodes) is being restarted right now."""
+        return [s.rank for s in self.schedulers if s.down]
+
     def abort_all(self) -> None:
         """Abort every request being consumed (a server's drain deadline)."""
         for rid in list(self._live):

@@ -79,6 +79,10 @@ def make_app(servers: Server | list[Server]) -> Starlette:
     async def health(request: Request) -> Response:
         if first.draining:
             return error("the server is shutting down", status=503, kind="service_unavailable")
+        down = {s.model_name: s.engine.down() for s in servers if s.engine.down()}
+        if down:  # a load balancer should route elsewhere until the runtimes (or nodes) are back
+            return error(f"restarting: ranks {down} (a runtime died, or a node is being waited for)", status=503,
+                         kind="service_unavailable")
         return JSONResponse({"status": "ok"})
 
     async def models(request: Request) -> Response:

@@ -606,6 +606,7 @@ async def test_dep2_a_rank_killed_while_idle_restarts_the_group_before_any_reque
         toks, _ = await collect(engine, prompts()[1], GREEDY)
         assert toks == reference_greedy(prompts()[1], GREEDY.max_tokens)
         assert not set(pids) & {s.client.ready.pid for s in engine.schedulers}
+        assert engine.down() == []  # (what /health reads)
 
 
 async def test_logprobs_of_sampled_tokens_and_top_k():

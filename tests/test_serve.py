@@ -102,6 +102,19 @@ async def test_access_log_writes_one_line_per_request(capsys):
     assert any('"GET /nope HTTP/1.1" 404 ' in ln for ln in lines)
 
 
+async def test_health_is_503_while_a_runtime_or_dep_group_restarts():
+    """A load balancer routes elsewhere while ranks are down (a runtime restarting, a DEP
+    group waiting for a lost node to rejoin: /health used to say ok throughout)."""
+    async with InProcess(*TIMING) as srv:
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"{srv.url}/health")).status_code == 200
+            srv.server.engine.schedulers[0].down = True  # as _restart sets it
+            r = await client.get(f"{srv.url}/health")
+            assert r.status_code == 503 and "restarting: ranks {'tiny': [0]}" in r.json()["error"]["message"]
+            srv.server.engine.schedulers[0].down = False
+            assert (await client.get(f"{srv.url}/health")).status_code == 200
+
+
 async def test_echo_with_logprobs_is_refused_where_the_prompt_cannot_be_scored():
     """The timing runtime computes no logits: echo with logprobs (the prompt's) is a 400
     naming what the client sent (echo), not the engine's internal prompt_logprobs."""

@@ -128,6 +128,7 @@ class Scheduler:
         self._in_flight: deque[StepPlan] = deque()
         self._stopping = False
         self.steps = self.generated = self.restarts = 0
+        self.down = False  # its runtime (or its DEP group) is being restarted: requests wait
         self._failed_starts = 0  # group restarts in a row whose runtime did not start
         self._old = (0, 0, 0)  # prefix queries, hits, preemptions of cores replaced on restarts
         self._old_spec = (0, 0, 0)  # drafts, draft tokens, accepted tokens of replaced cores
@@ -424,6 +425,7 @@ class Scheduler:
         log.error("runtime died; failing its requests and restarting it", error=str(error).splitlines()[0])
         self._fail_all(error)
         self._new_core()
+        self.down = True
         for attempt in range(1, _MAX_FAILED_STARTS + 1):
             await self.client.aclose()
             self.client = self.make_client()
@@ -436,6 +438,7 @@ class Scheduler:
                 log.error("restarted runtime died while starting; starting another", attempt=attempt,
                           error=str(e).splitlines()[0])
         self._started()
+        self.down = False
         self.restarts += 1
         log.info("runtime restarted", rank=self.rank, pid=self.client.ready.pid, restarts=self.restarts)
 
@@ -447,6 +450,7 @@ class Scheduler:
         error = self.group.failure
         log.error("a rank of the DEP group died; failing the group's requests and restarting it",
                   rank=self.rank, error=str(error).splitlines()[0].rstrip(":"))
+        self.down = True  # until the group is up again (a lost node may take a while to rejoin)
         self._fail_all(error)
         self._new_core()
         if self.client.proc is not None and self.client.proc.is_alive():
@@ -472,6 +476,7 @@ class Scheduler:
             self.restarts += 1
             log.info("runtime restarted", rank=self.rank, pid=self.client.ready.pid, restarts=self.restarts)
             await self.group.barrier("up")
+            self.down = False
             nursery.cancel_scope.cancel()
 
     def _new_core(self) -> None:
