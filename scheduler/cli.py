@@ -145,6 +145,7 @@ def _run(module: str, fn: str, label: str, args) -> int:
     """Bad input ends the command with one line naming it and exit status 2."""
     from importlib import import_module
 
+    from lockstep.engine.node_group import InstanceLost
     from lockstep.engine.runtime_client import RuntimeDied
     from lockstep.policy.config import ConfigError
     from lockstep.policy.request import RequestError
@@ -166,6 +167,9 @@ def _run(module: str, fn: str, label: str, args) -> int:
         # A runtime that could not start (its model failed to load, or took too long) is said
         # in its own words: its message carries the runtime's traceback where it has one.
         start = isinstance(leaf, RuntimeDied) and label in ("serve", "generate")
+        if isinstance(leaf, InstanceLost):  # nodes that never joined, or did not rejoin: not bad input
+            print(f"lockstep {label}: error: {leaf}", file=sys.stderr)
+            return 1
         if not (isinstance(leaf, (ConfigError, RequestError, TraceFormatError)) or bind or start):
             raise
         print(f"lockstep {label}: error: {leaf}", file=sys.stderr)

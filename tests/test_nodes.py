@@ -503,3 +503,18 @@ async def test_mixed_link_names_a_dead_node_on_another_host(dead, idle):
         proc.wait(GUARD_S)
         proc.stdout.close()
     assert open_fds() == fds_before
+
+
+@pytest.mark.parametrize("link", LINKS)
+async def test_a_node_that_never_joins_ends_the_start_naming_the_missing_ones(link):
+    """Within the start timeout (--start-timeout), not a fixed 60 s, and as InstanceLost naming
+    the addresses that never came (it read as a peer stuck outside an all-reduce)."""
+    fds_before = open_fds()
+    addresses = [("127.0.0.1", p) for p in free_ports(2)]
+    group = NodeGroup(1, 0, addresses, "tcp://127.0.0.1:1", link=link, join_timeout_s=0.5)
+    with trio.fail_after(GUARD_S):
+        with pytest.RaisesGroup(pytest.RaisesExc(InstanceLost, match=rf"127.0.0.1:{addresses[1][1]}\) did not all "
+                                                                     r"join within 0.5 s \(--start-timeout\)")):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(group.run)
+    assert open_fds() == fds_before

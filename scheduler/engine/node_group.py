@@ -42,7 +42,7 @@ import numpy as np
 import structlog
 import trio
 
-from lockstep.policy.allreduce import CollectiveError, RankFailed
+from lockstep.policy.allreduce import CollectiveError, CollectiveTimeout, RankFailed
 from lockstep.transports import shm_rendezvous
 from lockstep.transports.collective_mixed import MixedCollective
 from lockstep.transports.collective_shm import ShmCollective
@@ -97,9 +97,9 @@ def _is_loopback(host: str) -> bool:
 
 class NodeGroup(LocalGroup):
     def __init__(self, local_size: int, node: int, addresses: Sequence[tuple[str, int]], dist_init: str,
-                 link: str = "auto", rejoin_timeout_s: float = 60.0):
+                 link: str = "auto", rejoin_timeout_s: float = 60.0, join_timeout_s: float = 60.0):
         super().__init__(local_size, lambda: dist_init)
-        self.rejoin_timeout_s = rejoin_timeout_s
+        self.rejoin_timeout_s, self.join_timeout_s = rejoin_timeout_s, join_timeout_s
         self._rejoin = trio.Event()  # set by ``restarted``: the run task makes a fresh link
         self._rejoined = trio.Event()
         self._cause: BaseException | None = None  # the failure being recovered from
@@ -120,7 +120,14 @@ class NodeGroup(LocalGroup):
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Connect to the other nodes, then watch the link while every local rank idles; after
         a failure, once every local rank is down, join a fresh link with all the nodes."""
-        self.link = await self._connect()
+        try:
+            with trio.fail_after(self.join_timeout_s):
+                self.link = await self._connect(timeout_s=self.join_timeout_s)
+        except (CollectiveTimeout, trio.TooSlowError):
+            others = [f"{h}:{p}" for n, (h, p) in enumerate(self.addresses) if n != self.node]
+            raise InstanceLost(f"DEP node {self.node}: the other nodes ({', '.join(others)}) did not all join within "
+                               f"{self.join_timeout_s:g} s (--start-timeout): start every node with the same "
+                               "--nodes, --node-addresses and --dist-init") from None
         log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind)
         task_status.started()
         try:
