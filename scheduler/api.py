@@ -344,7 +344,7 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
             group = NodeGroup(NodeGroup.local_size(config.dep, config.nodes), config.node_rank,
                               [parse_address(a) for a in config.node_addresses], config.dist_init,
                               link=config.node_link, rejoin_timeout_s=config.node_rejoin_timeout_s,
-                              join_timeout_s=config.start_timeout_s)
+                              join_timeout_s=config.start_timeout_s, digest=config.settings_digest())
             await nursery.start(group.run)
             pool = [Scheduler(config.make_core, partial(_node_client, config, group, r), group=group, rank=r)
                     for r in range(group.size)]

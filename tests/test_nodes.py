@@ -518,3 +518,33 @@ async def test_a_node_that_never_joins_ends_the_start_naming_the_missing_ones(li
             async with trio.open_nursery() as nursery:
                 await nursery.start(group.run)
     assert open_fds() == fds_before
+
+
+@pytest.mark.parametrize("link", LINKS)
+async def test_nodes_started_with_different_settings_are_refused_when_they_join(link):
+    """A node started with another dtype (say) used to join, then crash its runtimes on
+    every step; the join compares a digest of the settings (EngineConfig.settings_digest)."""
+    base = EngineConfig(dep=2, nodes=2, node_rank=0, node_addresses=("127.0.0.1:7011", "127.0.0.1:7012"),
+                        dist_init="tcp://127.0.0.1:7110")
+    same = attrs_evolve(base, node_rank=1)
+    assert base.settings_digest() == same.settings_digest()
+    assert base.settings_digest() != attrs_evolve(same, dtype="float64").settings_digest()
+    addresses = [("127.0.0.1", p) for p in free_ports(2)]
+    digests = [base.settings_digest(), attrs_evolve(same, dtype="float64").settings_digest()]
+    groups = [NodeGroup(1, i, addresses, "tcp://127.0.0.1:1", link=link, digest=digests[i]) for i in range(2)]
+    with trio.fail_after(GUARD_S):
+        with pytest.raises(BaseExceptionGroup) as e:  # one node's or both (the first cancels the other)
+            async with trio.open_nursery() as nursery:
+                await start_groups(nursery, groups)
+    leaves = _leaves(e.value)
+    assert leaves and all(isinstance(x, InstanceLost) and "started with different settings" in str(x)
+                          for x in leaves), leaves
+
+
+def _leaves(eg):
+    return [y for x in eg.exceptions for y in (_leaves(x) if isinstance(x, BaseExceptionGroup) else [x])]
+
+
+def attrs_evolve(config, **kw):
+    import attrs
+    return attrs.evolve(config, **kw)

@@ -295,6 +295,17 @@ class EngineConfig:
                         "[[models]] a checkpoint directory")
             raise ConfigError(f"{dep.source}: {e}{hint}") from None
 
+    def settings_digest(self) -> int:
+        """56 bits of what every node of one instance must share: every field but the node's
+        own rank and how long it waits (checked when the nodes join)."""
+        import hashlib
+        import json
+
+        shared = {k: v for k, v in attrs.asdict(self, recurse=True).items()
+                  if k not in ("node_rank", "start_timeout_s", "node_rejoin_timeout_s")}
+        text = json.dumps(shared, sort_keys=True, default=repr)
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
+
     def _check_types(self) -> None:
         """Each field of the kind it must be, named when it is not (before anything reads it)."""
         for name in ("model", "runtime", "device", "dtype", "hash_secret", "kv_transport", "draft_model",

@@ -97,9 +97,11 @@ def _is_loopback(host: str) -> bool:
 
 class NodeGroup(LocalGroup):
     def __init__(self, local_size: int, node: int, addresses: Sequence[tuple[str, int]], dist_init: str,
-                 link: str = "auto", rejoin_timeout_s: float = 60.0, join_timeout_s: float = 60.0):
+                 link: str = "auto", rejoin_timeout_s: float = 60.0, join_timeout_s: float = 60.0,
+                 digest: int = 0):
         super().__init__(local_size, lambda: dist_init)
         self.rejoin_timeout_s, self.join_timeout_s = rejoin_timeout_s, join_timeout_s
+        self.digest = digest  # of the settings every node must share (``settings_digest``)
         self._rejoin = trio.Event()  # set by ``restarted``: the run task makes a fresh link
         self._rejoined = trio.Event()
         self._cause: BaseException | None = None  # the failure being recovered from
@@ -128,6 +130,7 @@ class NodeGroup(LocalGroup):
             raise InstanceLost(f"DEP node {self.node}: the other nodes ({', '.join(others)}) did not all join within "
                                f"{self.join_timeout_s:g} s (--start-timeout): start every node with the same "
                                "--nodes, --node-addresses and --dist-init") from None
+        await self._check_settings()
         log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind)
         task_status.started()
         try:
@@ -148,6 +151,18 @@ class NodeGroup(LocalGroup):
             if self.link is not None:
                 self.link.close()
 
+    async def _check_settings(self) -> None:
+        """Every node runs the same model, dtype, scheduler, ... (a node started with another
+        dtype joined, then its runtimes crashed on every step): one round of the link carries
+        each node's digest of them, and its negation, maximized."""
+        got = await self.link.allreduce_async(np.array([self.digest, -self.digest], np.int64), "max")
+        if int(got[0]) != -int(got[1]):
+            self.link.close()
+            self.link = None
+            raise InstanceLost(f"DEP node {self.node}: the nodes were started with different settings (model, "
+                               "runtime, device, dtype, dep, scheduler, KV cache, runtime options, ...): start "
+                               "every node with the same flags or deployment, only --node-rank differing")
+
     async def _relink(self) -> None:
         """A fresh link with every node, or (none within the timeout) the instance's end. A
         join that fails early (a node dying again mid-rendezvous, a port not free yet) is
@@ -165,6 +180,11 @@ class NodeGroup(LocalGroup):
                 last = e
                 await trio.sleep(min(0.2, max(deadline - trio.current_time(), 0)))
                 continue
+            try:
+                await self._check_settings()
+            except InstanceLost as e:  # a node restarted with other settings: the instance stops
+                self._lost = e
+                return
             log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind, epoch=self.epoch)
             return
         why = f" (last: {last})" if last is not None and not isinstance(last, trio.TooSlowError) else ""
