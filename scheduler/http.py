@@ -96,7 +96,7 @@ def make_app(servers: Server | list[Server]) -> Starlette:
         for s in servers:
             eng = s.engine
             per_pos = eng.spec_statistics()["accepted_per_position"] if eng.config.draft_model else ()
-            texts.append(s.metrics.render(eng.statistics(), per_pos))
+            texts.append(s.metrics.render(eng.statistics(), per_pos, eng.balancer_statistics(), len(eng.down())))
         return PlainTextResponse(merge_exposition(texts), media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request) -> Response:

@@ -120,7 +120,9 @@ class ServerMetrics:
         """A request that ended without a final output (its client went away)."""
         self.finished["abort"] = self.finished.get("abort", 0) + 1
 
-    def render(self, stats, accepted_per_pos=()) -> str:
+    def render(self, stats, accepted_per_pos=(), balancer=None, down: int = 0) -> str:
+        """``balancer``: the expert balancer's BalancerStats when it runs; ``down``: ranks
+        being restarted now."""
         lb = self.labels
         gauges = [
             ("vllm:num_requests_running", "Requests in model execution batches.", stats.running),
@@ -131,7 +133,14 @@ class ServerMetrics:
             ("lockstep:num_requests_waiting_for_kv", "Decode-side requests whose prompt KV is being pulled.",
              stats.waiting_for_kv),
             ("lockstep:num_kv_held", "Prefilled requests whose KV waits for a decode rank's pull.", stats.kv_held),
+            ("lockstep:num_ranks_down", "Ranks whose runtime (or DEP group, or nodes) is being restarted.", down),
         ]
+        if balancer is not None:  # live expert rebalancing (lockstep serve --redundant-experts)
+            gauges.append(("lockstep:eplb_generation", "The newest expert placement generation handed out.",
+                           balancer.generation))
+            if balancer.balancedness is not None:  # once a plan is made
+                gauges.append(("lockstep:eplb_balancedness", "Balancedness (mean / max tokens per GPU) of the "
+                               "newest plan, on its window.", balancer.balancedness))
         counters = [
             ("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", stats.prefix_queries),
             ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens.", stats.prefix_hits),
@@ -144,7 +153,17 @@ class ServerMetrics:
              stats.kv_pull_failures),
             ("vllm:prompt_tokens", "Prefill tokens processed.", self.prompt_tokens),
             ("vllm:generation_tokens", "Generation tokens processed.", self.generation_tokens),
+            ("lockstep:runtime_restarts", "Runtime restarts (a runtime process, or a rank of its DEP group, died).",
+             stats.runtime_restarts),
         ]
+        if balancer is not None:
+            counters += [
+                ("lockstep:eplb_plans", "Expert placement plans made.", balancer.plans),
+                ("lockstep:eplb_moved_experts", "Expert slots whose expert changed, over all placements.",
+                 balancer.moved_experts),
+                ("lockstep:eplb_planner_restarts", "Times the balancer's planner process died and was replaced.",
+                 balancer.planner_restarts),
+            ]
         out = []
         for name, help_, v in gauges:
             out += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name}{{{lb}}} {float(v)}"]

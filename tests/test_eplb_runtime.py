@@ -271,7 +271,11 @@ async def test_a_planner_process_that_dies_is_replaced_and_serving_goes_on():
             stats = engine.balancer_statistics()
             if stats.plans > before:
                 break
+        from lockstep.prom import ServerMetrics
+        text = ServerMetrics("tiny").render(engine.statistics(), (), stats, len(engine.down()))
     assert stats.planner_restarts == 1 and stats.plans > before
+    assert 'lockstep:eplb_planner_restarts_total{model_name="tiny"} 1.0' in text  # what /metrics shows
+    assert f'lockstep:eplb_plans_total{{model_name="tiny"}} {float(stats.plans)}' in text
 
 
 @pytest.mark.parametrize("split, exchange", [("even", "nccl"), ("proportional", "nccl"), ("even", "peer"),
