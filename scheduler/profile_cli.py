@@ -18,6 +18,7 @@ contents and weights are random: they do not change the time. Cells whose KV doe
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import statistics
@@ -54,12 +55,14 @@ def add_parser(sub) -> None:
 
 
 def _ints(text: str) -> list[int]:
+    # argparse names what a type function's ArgumentTypeError says (a ValueError it reports as
+    # "invalid _ints value")
     try:
         vals = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or vals[0] < 1:
-        raise ValueError(f"expected comma-separated integers >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return vals
 
 
@@ -73,6 +76,8 @@ def run_profile(args) -> int:
         raise ValueError("--device cuda: torch sees no CUDA device here (use --device cpu)")
     if args.steps < 1 or args.warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if not args.budget_s > 0:  # none would measure nothing and write an empty profile
+        raise ValueError(f"--budget-s must be > 0 seconds, got {args.budget_s}")
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     started = time.monotonic()
     deadline = started + args.budget_s

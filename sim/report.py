@@ -43,7 +43,16 @@ def print_table(report: dict, console: Console | None = None) -> None:
                      f"(balancer {'on' if b['balancer'] else 'off'})")
     if report.get("trace_rows_skipped"):
         head.add_row("trace rows skipped", f"{report['trace_rows_skipped']:,} (--skip-bad-rows)")
+    cp = report.get("cost_profile")
+    if cp is not None:  # step times from a measured profile, not the analytic model
+        out, n = cp["lookups_outside_grid"], cp["lookups"]
+        head.add_row("step costs", f"measured profile {cp['profile']} ({cp['device']}); {out:,} of {n:,} lookups "
+                     "outside its grid (extrapolated)")
     console.print(head)
+    if cp is not None and cp["lookups"] and cp["lookups_outside_grid"] > cp["lookups"] / 10:
+        console.print(f"[yellow]warning:[/yellow] {cp['lookups_outside_grid']:,} of {cp['lookups']:,} step-cost "
+                      "lookups fell outside the profile's measured grid and were extrapolated: measure the batch "
+                      "sizes and contexts this workload reaches (lockstep profile --batches/--contexts/--chunks)")
     lat = Table(title="latency (ms)")
     for col in ("", "mean", "p50", "p90", "p99"):
         lat.add_column(col, justify="right")

@@ -38,7 +38,7 @@ def write_deployment(tmp_path: Path, profile: str, model: str = "v2-lite") -> Pa
     return path
 
 
-def test_profile_command_writes_a_loadable_profile_on_cpu(tmp_path):
+def test_profile_command_writes_a_loadable_profile_on_cpu(tmp_path, capsys):
     out = tmp_path / "tiny.json"
     assert main(["profile", "--model", "tiny", "--device", "cpu", "--out", str(out), "--batches", "1,3",
                  "--contexts", "16,40", "--chunks", "24,48", "--steps", "1", "--warmup", "1"]) == 0
@@ -56,8 +56,17 @@ def test_profile_command_writes_a_loadable_profile_on_cpu(tmp_path):
     assert main(["sim", "--deployment", str(dep), "--limit", "20"]) == 2  # a CPU's times priced as an H200's
     dep.write_text(dep.read_text() + '[hardware]\npreset = "h200"\nname = "this-cpu"\n')  # hardware of its own
     rep = tmp_path / "rep.json"
+    capsys.readouterr()
     assert main(["sim", "--deployment", str(dep), "--limit", "20", "--json", str(rep)]) == 0
-    assert json.loads(rep.read_text())["cost_profile"]["lookups"] > 0
+    cp = json.loads(rep.read_text())["cost_profile"]
+    assert cp["lookups"] > 0
+    table = capsys.readouterr().out  # the table says the costs were measured, and how far off the grid
+    assert "measured profile" in table and f"{cp['lookups_outside_grid']:,} of {cp['lookups']:,} lookups" in table
+    assert main(["profile", "--model", "tiny", "--device", "cpu", "--out", str(out), "--budget-s", "0"]) == 2
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", "tiny", "--device", "cpu", "--out", str(out), "--batches", "0,8"])
+    err = capsys.readouterr().err
+    assert "--budget-s must be > 0" in err and "argument --batches: expected comma-separated integers >= 1" in err
 
 
 def test_profile_command_with_an_fp8_cache(tmp_path):
