@@ -379,7 +379,7 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
     choices = []
     for i, f in enumerate(finals):
         text = (job.echoes[i // job.n] if job.echo else "") + "".join(texts[i])
-        reason = _finish_reason(f.finish_reason)
+        reason = "length" if job.echo_only else _finish_reason(f.finish_reason)  # (its one token unasked for)
         lp = _logprobs_json(server, lps[i], job) if job.params.logprobs is not None else None
         if job.chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
@@ -496,7 +496,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                 emit(chunk([choice(i, job.echoes[i // job.n], None, rows=out.prompt_logprobs)]))
             if job.echo_only:  # the prompt is the answer
                 if out.finished:
-                    emit(chunk([choice(i, "", _finish_reason(out.finish_reason))]))
+                    emit(chunk([choice(i, "", "length")]))
                 return
             emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs)]))
 
