@@ -209,9 +209,16 @@ class FastRunner:
         return self.fast.forward(inp, self.kv)
 
     def forward_scoring(self, hb: HostBatch, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits of hb.sample_index's rows, logits of token ``rows``, expert counts): one
-        eager forward that returns more rows than it samples (prompt logprobs), with the
-        kernels of any other eager step."""
+        """(logits of hb.sample_index's rows, logits of token ``rows``, expert counts) for a
+        step that scores prompts: through the prefill graphs where ``forward`` would take
+        them (the same products; the scored rows' logits from one of their own), else one
+        eager forward returning more rows than it samples. Never a decode graph: those
+        return the sampled rows only (a prompt that short goes eagerly)."""
+        t = len(hb.input_ids)
+        if self.prefill is not None and t <= self.prefill.sizes[-1]:  # as ``forward`` would run it
+            got = self.prefill.forward(hb, score_rows=to_device(rows, self.device))
+            if got is not None:
+                return got[0], got[2], got[1]
         n = len(hb.sample_index)
         self.eager_steps += 1
         logits, counts = self._eager(dataclasses.replace(hb, sample_index=np.concatenate([hb.sample_index, rows])))

@@ -127,9 +127,11 @@ class PrefillGraphs:
             out = piece(out)
         return out
 
-    def forward(self, hb: HostBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward(self, hb: HostBatch, score_rows: torch.Tensor | None = None) -> tuple | None:
         """The step through the pieces, or None where it does not go this way (its size
-        failed to capture, or it decodes only)."""
+        failed to capture, or it decodes only). With ``score_rows`` (prompt logprobs) also
+        those token rows' logits, from a product of their own (the sampled rows' stays as
+        without them): (logits, counts, scored logits)."""
         t = len(hb.input_ids)
         if self.runner._decode_rows(hb):
             return None
@@ -158,9 +160,10 @@ class PrefillGraphs:
         with torch.inference_mode():
             h, counts = self._run(size, core)
             logits = self.fast._linear(h[st_dev[4, :s]], self.fast.model.lm_head.weight).float()
+            scored = None if score_rows is None else self.fast._linear(h[score_rows], self.fast.model.lm_head.weight).float()
         self.runner._sample_slots = st_dev[5, :s]
         self.replays += 1
-        return logits, counts
+        return (logits, counts) if score_rows is None else (logits, counts, scored)
 
     def capture(self, sizes: list[int] | None = None) -> None:
         """Every size's pieces (or ``sizes``'), largest first, in the runner's graph pool: each

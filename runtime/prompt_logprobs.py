@@ -6,8 +6,9 @@ The logits at position p score prompt token p + 1, so a step that feeds position
 last position's logits are the first output's, sampled as usual). The runtime learns the
 prompt's ids with the request, since the token a chunk's last position scores is the next
 chunk's first. A step with such rows returns those rows' logits too: from the reference
-forward, or on the fast path from its eager forward (the kernels of any other eager step,
-so a prompt scores as the step that serves it computes it); it is never launched ahead.
+forward, or on the fast path through the prefill graphs where the step would take them
+(else its eager forward), the scored rows' logits from a product of their own, so the
+tokens drawn are those of the same step without scoring; it is never launched ahead.
 """
 
 from __future__ import annotations

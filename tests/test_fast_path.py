@@ -348,11 +348,11 @@ def test_penalties_count_alike_with_steps_launched_ahead():
     assert ahead == whole and ahead != plain and all(len(t) == 10 for t in ahead.values())
 
 
-def test_fast_path_runtime_scores_prompts_through_its_eager_forward():
-    """A step with prompt logprobs runs the fast path's eager forward with the scored rows
-    beside the sampled ones: the scores agree with the reference path's, and the tokens
-    drawn are those the fast path draws without scoring (its own kernels, not another
-    path's numbers)."""
+def test_fast_path_runtime_scores_prompts_with_the_kernels_that_serve_the_step():
+    """A step with prompt logprobs runs as the fast path runs it without them (prefill graphs
+    where they apply, else eagerly), the scored rows' logits from a product of their own:
+    the scores agree with the reference path's, and the tokens drawn are those the fast path
+    draws without scoring (its own kernels, not another path's numbers)."""
     ref = _runtime(fast=False)
     fast = _runtime(fast=True, cuda_graphs="padded", compile=False)
     prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
