@@ -54,6 +54,9 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs, on the first output only: per prompt token, the
     # same (the first token's logprob None: nothing comes before it)
     prompt_logprobs: list | None = None
+    # On the last output: the stop string (str) or stop token id (int) that ended the request,
+    # as vLLM's stop_reason; None when it ended otherwise (end of sequence, length, abort)
+    stop_reason: str | int | None = None
 
 
 @attrs.frozen
@@ -70,6 +73,7 @@ class Completion:
     # With SamplingParams.logprobs: per token (token id, logprob, [(top id, logprob), ...])
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs (RequestOutput's)
+    stop_reason: str | int | None = None  # RequestOutput's
 
 
 class Engine:
@@ -132,20 +136,24 @@ class Engine:
             while True:
                 tokens, reason = await stream.next_delta()
                 lps = stream.take_logprobs() if params.logprobs is not None else None
+                stop_reason = None  # the stop string or stop token id that ended it (vLLM's stop_reason)
                 if stops and len(tokens):
                     tokens, hit = _cut_at_stop_ids(tokens, stops, params.min_tokens - n)
-                    reason = self._stopped(p.req_id) if hit else reason
+                    if hit:
+                        reason, stop_reason = self._stopped(stream), int(tokens[-1])
                 text = ""
                 if cut is not None:  # token by token: a stop string ends the tokens where it ends
                     text, upto = _feed_stop_strings(cut, detok, tokens, final=reason is not None,
                                                     skip=params.min_tokens - n)
                     if upto is not None:
                         tokens, lps = tokens[:upto], None if lps is None else lps[:upto]
-                        reason = self._stopped(p.req_id)
+                        reason, stop_reason = self._stopped(stream), cut.matched
                 elif detok is not None:
                     text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
                 n += len(tokens)
                 out = self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
+                if stop_reason is not None:
+                    out = attrs.evolve(out, stop_reason=stop_reason)
                 if first and params.prompt_logprobs is not None:
                     out = attrs.evolve(out, prompt_logprobs=stream.take_prompt_logprobs() or [])
                 first = False
@@ -158,8 +166,12 @@ class Engine:
             self._live.pop(p.req_id, None)
             self.frontend.rank_of.pop(p.req_id, None)
 
-    def _stopped(self, req_id: int) -> FinishReason:
-        self.abort(req_id, FinishReason.STOP)
+    def _stopped(self, stream: RequestStream) -> FinishReason:
+        """A stop string or stop token id ended the request here (the core goes on until the
+        abort reaches it): it finished now, for its timings."""
+        if stream.finished_at is None:
+            stream.finished_at = trio.current_time()
+        self.abort(stream.req_id, FinishReason.STOP)
         return FinishReason.STOP
 
     def _output(self, s: RequestStream, text, tokens, reason, n, logprobs=None) -> RequestOutput:
@@ -193,8 +205,13 @@ class Engine:
             s.send_channel.send_nowait(Abort(request_id, reason))
 
     def down(self) -> list[int]:
-        """The ranks whose runtime (or DEP group, or nodes) is being restarted right now."""
-        return [s.rank for s in self.schedulers if s.down]
+        """The ranks (indices into ``schedulers``) whose runtime (or DEP group, or nodes) is
+        being restarted right now."""
+        return [i for i, s in enumerate(self.schedulers) if s.down]
+
+    def accepting(self) -> bool:
+        """Whether some rank that takes new requests is up (not being restarted)."""
+        return any(not s.down for s in self.frontend.schedulers)
 
     def abort_all(self) -> None:
         """Abort every request being consumed (a server's drain deadline)."""
@@ -275,16 +292,18 @@ class StopStrings:
         self.stops = tuple(stops)
         self.hold = max(len(s) for s in self.stops) - 1
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the output
 
     def feed(self, text: str, final: bool = False, armed: bool = True) -> tuple[str, bool]:
         """The text to return now, and whether a stop string ended the output: one that ends
         in ``text`` (the held text was searched when it came), and only when ``armed``."""
         held = len(self.held)
         text, self.held = self.held + text, ""
-        found = [(i + len(s), i) for s in (self.stops if armed else ())
+        found = [(i + len(s), i, s) for s in (self.stops if armed else ())
                  for i in (text.find(s, max(held - len(s) + 1, 0)),) if i >= 0]
         if found:
-            return text[: min(found)[1]], True
+            _, start, self.matched = min(found)
+            return text[:start], True
         keep = 0 if final else min(self.hold, len(text))
         text, self.held = text[: len(text) - keep], text[len(text) - keep :]
         return text, False
@@ -420,4 +439,4 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
         last = out
     return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
                       last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s,
-                      lps if last.logprobs is not None else None, prompt)
+                      lps if last.logprobs is not None else None, prompt, last.stop_reason)

@@ -145,7 +145,6 @@ def _run(module: str, fn: str, label: str, args) -> int:
     """Bad input ends the command with one line naming it and exit status 2."""
     from importlib import import_module
 
-    from lockstep.engine.node_group import InstanceLost
     from lockstep.engine.runtime_client import RuntimeDied
     from lockstep.policy.config import ConfigError
     from lockstep.policy.request import RequestError
@@ -158,6 +157,15 @@ def _run(module: str, fn: str, label: str, args) -> int:
         print(f"lockstep {label}: error: {e}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as eg:  # trio wraps what a task raised: one bad input is still one line
+        from lockstep.engine.node_group import InstanceLost
+
+        lost, rest = eg.split(InstanceLost)
+        if lost is not None and rest is None:  # every local rank of a node says so: once
+            first = lost
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            print(f"lockstep {label}: error: {first}", file=sys.stderr)
+            return 1
         leaf = eg
         while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
             leaf = leaf.exceptions[0]
@@ -167,9 +175,6 @@ def _run(module: str, fn: str, label: str, args) -> int:
         # A runtime that could not start (its model failed to load, or took too long) is said
         # in its own words: its message carries the runtime's traceback where it has one.
         start = isinstance(leaf, RuntimeDied) and label in ("serve", "generate")
-        if isinstance(leaf, InstanceLost):  # nodes that never joined, or did not rejoin: not bad input
-            print(f"lockstep {label}: error: {leaf}", file=sys.stderr)
-            return 1
         if not (isinstance(leaf, (ConfigError, RequestError, TraceFormatError)) or bind or start):
             raise
         print(f"lockstep {label}: error: {leaf}", file=sys.stderr)

@@ -111,9 +111,11 @@ def run_generate(args: argparse.Namespace) -> int:
                 sys.stdout.flush()
                 last = out
             sys.stdout.write("\n")
-            rate = last.num_output_tokens / max(last.e2e_s - last.ttft_s, 1e-9) if last.num_output_tokens > 1 else 0.0
-            print(f"[{last.num_output_tokens} tokens, finish: {last.finish_reason}, "
-                  f"TTFT {last.ttft_s * 1e3:.1f} ms, {rate:.1f} tokens/s]", file=sys.stderr)
+            timed = last.num_output_tokens > 1 and last.e2e_s is not None and last.ttft_s is not None
+            rate = last.num_output_tokens / max(last.e2e_s - last.ttft_s, 1e-9) if timed else 0.0
+            ttft = "-" if last.ttft_s is None else f"{last.ttft_s * 1e3:.1f} ms"
+            print(f"[{last.num_output_tokens} tokens, finish: {last.finish_reason}, TTFT {ttft}, {rate:.1f} tokens/s]",
+                  file=sys.stderr)
             if config.draft_model:
                 sp = engine.spec_statistics()
                 print(f"[speculative: {sp['drafts']} drafts, acceptance {sp['acceptance_rate']:.0%}, "

@@ -80,10 +80,10 @@ def make_app(servers: Server | list[Server]) -> Starlette:
         if first.draining:
             return error("the server is shutting down", status=503, kind="service_unavailable")
         down = {s.model_name: s.engine.down() for s in servers if s.engine.down()}
-        if down:  # a load balancer should route elsewhere until the runtimes (or nodes) are back
+        if any(not s.engine.accepting() for s in servers):  # a model nothing can serve until they are back
             return error(f"restarting: ranks {down} (a runtime died, or a node is being waited for)", status=503,
                          kind="service_unavailable")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **({"ranks_down": down} if down else {})})
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{
@@ -381,11 +381,12 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         text = (job.echoes[i // job.n] if job.echo else "") + "".join(texts[i])
         reason = "length" if job.echo_only else _finish_reason(f.finish_reason)  # (its one token unasked for)
         lp = _logprobs_json(server, lps[i], job) if job.params.logprobs is not None else None
+        stop = None if job.echo_only else f.stop_reason  # vLLM's: the stop string or token id that ended it
         if job.chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": reason})
+                            "finish_reason": reason, "stop_reason": stop})
         else:
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason})
+            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
     return Response(_JSON.encode({
         "id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
         "model": server.model_name, "choices": choices, "usage": _usage(finals, job)}),
@@ -476,7 +477,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
 
     offsets = [0] * len(gens)  # per choice: its tokens' text so far (completions' text_offset)
 
-    def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None) -> dict:
+    def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None, stop=None) -> dict:
         lp = None
         if rows is not None:
             lp = _logprobs_json(server, rows, job, offsets[i])
@@ -484,8 +485,8 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
 
     async def produce(emit) -> None:
         async def on_delta(i, out):
@@ -498,7 +499,8 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                 if out.finished:
                     emit(chunk([choice(i, "", "length")]))
                 return
-            emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs)]))
+            emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs,
+                               stop=out.stop_reason)]))
 
         if job.chat:
             emit(chunk([choice(i, "", None, first=True) for i in range(len(gens))]))

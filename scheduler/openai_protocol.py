@@ -78,6 +78,11 @@ _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temp
 _FIELDS = {False: _COMMON | {"prompt", "echo"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 _NO_OP = {  # field -> is the value the no-op one
     "logit_bias": lambda v: not v, "best_of": lambda v: v == 1, "suffix": lambda v: not v,
+    # vLLM's extras at their defaults (clients built for vLLM send them)
+    "include_stop_str_in_output": lambda v: v is False, "skip_special_tokens": lambda v: v is True,
+    "spaces_between_special_tokens": lambda v: v is True, "use_beam_search": lambda v: v is False,
+    "length_penalty": lambda v: v == 1, "return_tokens_as_token_ids": lambda v: v is False,
+    "echo": lambda v: v is False,  # (chat's; completions implement it)
     "tools": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"), "parallel_tool_calls": lambda v: True,
     "response_format": lambda v: not v or v == {"type": "text"}, "functions": lambda v: not v,
     # OpenAI's bookkeeping fields (clients such as the openai package's send them): nothing stored,

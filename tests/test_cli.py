@@ -168,3 +168,18 @@ def test_a_command_leaves_no_process_behind_when_it_ends():
     assert p.returncode == 0, out
     left = subprocess.run(["ps", "-o", "pid=,stat=,cmd=", "-s", str(p.pid)], capture_output=True, text=True).stdout
     assert left.strip() == "", left
+
+
+def test_a_lost_dep_instance_is_one_line_however_many_ranks_report_it(monkeypatch, capsys):
+    """Every local rank of a node raises its own InstanceLost when the nodes do not rejoin:
+    still one error line and exit status 1, not a traceback of the group."""
+    import lockstep.generate_cli
+    from lockstep.engine.node_group import InstanceLost
+
+    def lost(args):
+        err = InstanceLost("DEP node 0: the nodes did not all rejoin within 5 s after x")
+        raise BaseExceptionGroup("ranks", [BaseExceptionGroup("rank 0", [err]), BaseExceptionGroup("rank 1", [err])])
+    monkeypatch.setattr(lockstep.generate_cli, "run_generate", lost)
+    assert main(["generate", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "lockstep generate: error: DEP node 0: the nodes did not all rejoin within 5 s after x"

@@ -131,7 +131,8 @@ async def test_stop_token_ids_end_the_request_early():
         await trio.sleep(0.05)  # the abort reaches the scheduler at the next step boundary
         used = engine.statistics().kv_blocks_used
     assert cut == full[: full.index(stop) + 1]
-    assert last.finish_reason == "stop"
+    assert last.finish_reason == "stop" and last.stop_reason == stop  # vLLM's stop_reason: the id
+    assert last.e2e_s is not None and last.e2e_s >= last.ttft_s  # (it was None: a crash in `generate`)
     assert used == 0
 
 
@@ -159,7 +160,8 @@ async def test_stop_strings_spanning_deltas_are_never_partly_returned():
             outs = [o async for o in engine.generate("hello", attrs_evolve(params, stop=(stop, "never here")))]
             text = "".join(o.text for o in outs)
             assert text == full[: full.find(stop)], (stop, full)
-            assert outs[-1].finish_reason == "stop"
+            assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+            assert outs[-1].e2e_s is not None
             got = [t for o in outs for t in o.token_ids.tolist()]
             assert got == ids[: completing(stop)] and outs[-1].num_output_tokens == len(got), (stop, full)
 

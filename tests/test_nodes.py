@@ -548,3 +548,32 @@ def _leaves(eg):
 def attrs_evolve(config, **kw):
     import attrs
     return attrs.evolve(config, **kw)
+
+
+async def test_a_node_that_goes_again_during_the_settings_round_is_waited_for():
+    """A rejoin whose settings round fails (the restarted node crashed again) is retried
+    while the rejoin timeout lasts, as a failed connect is (it used to end the engine)."""
+    from lockstep.policy.allreduce import RankFailed
+
+    class Link:
+        def __init__(self, fail: bool):
+            self.fail, self.closed = fail, False
+
+        async def allreduce_async(self, values, op):
+            if self.fail:
+                raise RankFailed(1, "rank 1 broke its connection")
+            return values
+
+        def close(self):
+            self.closed = True
+
+    links = [Link(True), Link(False)]
+    group = NodeGroup(1, 0, [("127.0.0.1", 1), ("127.0.0.1", 2)], "tcp://127.0.0.1:1", link="tcp",
+                      rejoin_timeout_s=30)
+
+    async def connect(timeout_s=60.0):
+        return links.pop(0)
+    group._connect = connect
+    with trio.fail_after(GUARD_S):
+        await group._relink()
+    assert group.link is not None and not group.link.fail and group._lost is None and not links

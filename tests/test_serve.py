@@ -103,8 +103,9 @@ async def test_access_log_writes_one_line_per_request(capsys):
 
 
 async def test_health_is_503_while_a_runtime_or_dep_group_restarts():
-    """A load balancer routes elsewhere while ranks are down (a runtime restarting, a DEP
-    group waiting for a lost node to rejoin: /health used to say ok throughout)."""
+    """A load balancer routes elsewhere while nothing can serve (a runtime restarting, a DEP
+    group waiting for a lost node to rejoin: /health used to say ok throughout); while other
+    ranks can, it is ok, lists the ranks down, and new requests go to the others."""
     async with InProcess(*TIMING) as srv:
         async with httpx.AsyncClient() as client:
             assert (await client.get(f"{srv.url}/health")).status_code == 200
@@ -113,6 +114,13 @@ async def test_health_is_503_while_a_runtime_or_dep_group_restarts():
             assert r.status_code == 503 and "restarting: ranks {'tiny': [0]}" in r.json()["error"]["message"]
             srv.server.engine.schedulers[0].down = False
             assert (await client.get(f"{srv.url}/health")).status_code == 200
+    async with InProcess(*TIMING, "--instances", "2") as srv:  # one of two down: the other serves
+        async with httpx.AsyncClient() as client:
+            srv.server.engine.schedulers[1].down = True
+            r = await client.get(f"{srv.url}/health")
+            assert r.status_code == 200 and r.json() == {"status": "ok", "ranks_down": {"tiny": [1]}}
+            got = await client.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})
+            assert got.status_code == 200 and srv.server.engine.schedulers[0].statistics().generated_tokens == 2
 
 
 async def test_echo_with_logprobs_is_refused_where_the_prompt_cannot_be_scored():
@@ -391,6 +399,17 @@ def test_openai_client_completions_chat_and_errors(real_server):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, n=2, seed=2**63 - 1)
     with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
         client.completions.create(model="tiny", prompt="x", max_tokens=1, frequency_penalty=3)
+    # vLLM's stop_reason (the stop token id here), top_k 0 as off, vLLM's extras at their defaults
+    full = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    stop_id = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True}).choices[0]
+    ids = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": full.choices[0].text}).json()["tokens"]
+    got = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True, "stop_token_ids": [ids[-1]], "top_k": 0, "include_stop_str_in_output": False,
+        "skip_special_tokens": True})
+    assert got.choices[0].finish_reason == "stop" and got.choices[0].model_extra["stop_reason"] == ids[-1]
+    assert stop_id.model_extra["stop_reason"] is None  # (it ended on length)
     # vLLM's logits processing, through the OpenAI client (vLLM's own fields in extra_body)
     done = client.completions.create(model="tiny", prompt="x", max_tokens=4, frequency_penalty=0.5,
                                      presence_penalty=0.2, extra_body={"repetition_penalty": 1.1, "min_p": 0.1,

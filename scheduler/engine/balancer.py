@@ -67,8 +67,13 @@ def _watch_parent() -> None:
     waiting for work."""
     import multiprocessing.connection
     import os
+    import signal
     import threading
 
+    # The engine owns shutdown, as the runtimes do: a terminal's Ctrl-C (or a service
+    # manager's SIGTERM) to the whole process group must not kill the planner mid-drain.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
     if parent is None or parent.sentinel is None:
         return
@@ -99,6 +104,7 @@ class Balancer:
         self.draft_policy: Rebalancer | None = None  # a speculative draft's sharded experts
         self._pool: ProcessPoolExecutor | None = None  # the planner's process, while running
         self.planner_restarts = 0
+        self._planner_deaths = 0
 
     async def run(self, ready: Ready, deliver: list[Deliver], *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -169,18 +175,20 @@ class Balancer:
     async def _restart_planner(self) -> None:
         old, self._pool = self._pool, None
         old.shutdown(wait=False, cancel_futures=True)
-        self.planner_restarts += 1
-        if self.planner_restarts > MAX_PLANNER_RESTARTS:
+        self._planner_deaths += 1
+        if self._planner_deaths > MAX_PLANNER_RESTARTS:
             log.warning("expert balancer: planner process died again; rebalancing stops (placements stay)",
-                        restarts=self.planner_restarts - 1)
+                        restarts=self.planner_restarts)
             return
         log.warning("expert balancer: planner process died; starting a new one (this window's plan is lost)",
-                    restarts=self.planner_restarts)
+                    deaths=self._planner_deaths)
         try:
             self._pool = await trio.to_thread.run_sync(_start_planner)
         except Exception as e:  # noqa: BLE001 - serving goes on without rebalancing
             log.warning("expert balancer: could not start a new planner; rebalancing stops (placements stay)",
                         error=repr(e))
+            return
+        self.planner_restarts += 1  # (replaced: what the metric counts)
 
     def statistics(self, model: str = "target") -> BalancerStats | None:
         p = self.policy if model == "target" else self.draft_policy

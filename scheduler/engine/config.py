@@ -138,6 +138,9 @@ class EngineConfig:
         """Expert parallelism shards the model's routed experts (and the balancer's spare
         slots) evenly over the DEP ranks: read from its config, before any runtime starts."""
         cfg = model_config(self.model)
+        overrides = self.runtime_options.get("preset_overrides") or {}
+        if cfg is not None and isinstance(overrides, dict) and overrides.get("n_routed_experts"):
+            cfg = attrs.evolve(cfg, n_routed_experts=int(overrides["n_routed_experts"]))  # as the runtime builds it
         if cfg is None or not cfg.n_routed_experts:
             return
         experts, spare = cfg.n_routed_experts, 0 if self.eplb is None else self.eplb.redundant_experts
@@ -301,8 +304,16 @@ class EngineConfig:
         import hashlib
         import json
 
+        # Not what each node decides for its own host (its rank, timeouts, ring and mailbox
+        # sizes, KV blocks for its GPUs' memory, where its checkpoint and tokenizer sit): the
+        # model by what its config says, not by its path.
         shared = {k: v for k, v in attrs.asdict(self, recurse=True).items()
-                  if k not in ("node_rank", "start_timeout_s", "node_rejoin_timeout_s")}
+                  if k not in ("node_rank", "start_timeout_s", "node_rejoin_timeout_s", "ring_bytes", "mailbox_size",
+                               "tokenizer")}
+        shared["scheduler"] = {k: v for k, v in shared["scheduler"].items() if k != "num_blocks"}
+        cfg = model_config(self.model)
+        if cfg is not None:
+            shared["model"] = attrs.asdict(cfg, recurse=True)
         text = json.dumps(shared, sort_keys=True, default=repr)
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 

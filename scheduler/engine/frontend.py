@@ -93,8 +93,12 @@ class Frontend:
         is not in their cores yet (a burst routed on the cores' loads alone goes to one rank)."""
         if len(self.schedulers) == 1:
             return 0
-        return self.router.choose(hashes, [s.core.pool for s in self.schedulers],
-                                  [s.core.load() + s.inbound for s in self.schedulers])
+        # Ranks being restarted (a runtime died, a DEP group waits for a node) take nothing
+        # new while others can: their fresh cores would look idle and attract everything.
+        up = [i for i, s in enumerate(self.schedulers) if not s.down] or list(range(len(self.schedulers)))
+        pick = self.router.choose(hashes, [self.schedulers[i].core.pool for i in up],
+                                  [self.schedulers[i].core.load() + self.schedulers[i].inbound for i in up])
+        return up[pick]
 
     def _prepare(self, p: Prompt):
         if isinstance(p.prompt, str):

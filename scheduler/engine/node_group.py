@@ -125,12 +125,14 @@ class NodeGroup(LocalGroup):
         try:
             with trio.fail_after(self.join_timeout_s):
                 self.link = await self._connect(timeout_s=self.join_timeout_s)
+                await self._check_settings()
         except (CollectiveTimeout, trio.TooSlowError):
             others = [f"{h}:{p}" for n, (h, p) in enumerate(self.addresses) if n != self.node]
             raise InstanceLost(f"DEP node {self.node}: the other nodes ({', '.join(others)}) did not all join within "
                                f"{self.join_timeout_s:g} s (--start-timeout): start every node with the same "
                                "--nodes, --node-addresses and --dist-init") from None
-        await self._check_settings()
+        except CollectiveError as e:  # a node that joined, then went (before the first step)
+            raise InstanceLost(f"DEP node {self.node}: a node left while the nodes joined: {e}") from None
         log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind)
         task_status.started()
         try:
@@ -185,6 +187,10 @@ class NodeGroup(LocalGroup):
             except InstanceLost as e:  # a node restarted with other settings: the instance stops
                 self._lost = e
                 return
+            except CollectiveError as e:  # a node that rejoined went again: wait for it while time is left
+                self.link.close()
+                self.link, last = None, e
+                continue
             log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind, epoch=self.epoch)
             return
         why = f" (last: {last})" if last is not None and not isinstance(last, trio.TooSlowError) else ""

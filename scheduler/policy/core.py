@@ -204,14 +204,16 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
             if req is None or not self.s_decodable[slot]:  # preempted, or waiting for KV
                 continue
             n = min(budget, req.num_known - req.num_computed)
-            if req.params.prompt_logprobs is not None:  # its rows must fit the step's result
+            scored = req.params.prompt_logprobs is not None
+            if scored:  # its rows must fit the step's result
                 n = min(n, self._scored_left)
                 if n <= 0:
                     continue
-                self._scored_left -= n
             start = len(req.blocks)
             if not self._grow_blocks(req, req.num_computed + n, preempt=True):
                 continue
+            if scored:
+                self._scored_left -= n
             # Its blocks are published now; preempting it later in this step would leave
             # hashes naming KV that is never computed.
             self._chunked_now.add(slot)

@@ -102,8 +102,8 @@ class SamplingParams:
                                field="temperature")
         if not (_is_num(self.top_p) and 0 < self.top_p <= 1):
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", field="top_p")
-        if not (_is_int(self.top_k) and (self.top_k == -1 or 1 <= self.top_k <= INT32_MAX)):
-            raise RequestError(f"top_k must be -1 (off) or an integer in [1, 2**31 - 1], got {self.top_k!r}",
+        if not (_is_int(self.top_k) and (self.top_k in (-1, 0) or 1 <= self.top_k <= INT32_MAX)):
+            raise RequestError(f"top_k must be -1 or 0 (off) or an integer in [1, 2**31 - 1], got {self.top_k!r}",
                                field="top_k")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}", field="seed")
@@ -123,8 +123,8 @@ class SamplingParams:
             if not (_is_num(v) and -2 <= v <= 2):
                 raise RequestError(f"{name} must be a number in [-2, 2] (0: off), got {v!r}", field=name)
         v = self.repetition_penalty
-        if not (_is_num(v) and math.isfinite(v) and 0 < v <= 2):
-            raise RequestError(f"repetition_penalty must be a number in (0, 2] (1: off), got {v!r}",
+        if not (_is_num(v) and math.isfinite(v) and v > 0):
+            raise RequestError(f"repetition_penalty must be a finite number > 0 (1: off), got {v!r}",
                                field="repetition_penalty")
         if not (_is_num(self.min_p) and 0 <= self.min_p <= 1):
             raise RequestError(f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}", field="min_p")
