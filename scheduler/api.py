@@ -74,6 +74,12 @@ class Completion:
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs (RequestOutput's)
     stop_reason: str | int | None = None  # RequestOutput's
+    samples: tuple = ()  # with SamplingParams.n > 1: every sample (this one's fields are the first's)
+
+    @property
+    def outputs(self) -> tuple:
+        """The n samples, each a Completion (vLLM's RequestOutput.outputs); one: itself."""
+        return self.samples or (self,)
 
 
 class Engine:
@@ -94,6 +100,9 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         params.validate()
+        if params.n != 1:
+            raise RequestError(f"n {params.n}: a stream carries one sample; Engine.complete and LLM.generate take n "
+                               "(Completion.outputs), or start n streams", field="n")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestError(f"priority must be an integer, got {priority!r}", field="priority")
         if cache_salt is not None and not isinstance(cache_salt, str):
@@ -192,7 +201,19 @@ class Engine:
         return IncrementalDetokenizer(self.tokenizer)
 
     async def complete(self, prompt, params: SamplingParams | None = None, **kw) -> Completion:
-        return await collect(self.generate(prompt, params, **kw))
+        """The whole answer; with ``params.n`` > 1 its n samples (``Completion.outputs``), run
+        together."""
+        gens = [self.generate(prompt, p, **kw) for p in per_sample(params)]
+        if len(gens) == 1:
+            return await collect(gens[0])
+        got: list = [None] * len(gens)
+
+        async def one(i):
+            got[i] = await collect(gens[i])
+        async with trio.open_nursery() as nursery:
+            for i in range(len(gens)):
+                nursery.start_soon(one, i)
+        return attrs.evolve(got[0], samples=tuple(got))
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
         """Stop a request wherever it is; its blocks are freed at the next step boundary."""
@@ -424,6 +445,15 @@ def _client(config: EngineConfig, group: LocalGroup | None, rank: int, dep: int,
     if config.device == "cuda":  # no index given: one GPU per runtime
         options.setdefault("device_slot", slot)
     return config.make_client(rank, None if group is None else group.dist_init, world_size=dep, options=options)
+
+
+def per_sample(params: SamplingParams | None) -> list[SamplingParams | None]:
+    """One SamplingParams per sample of ``params.n``: sample i with seed + i where seeded."""
+    if params is None or not isinstance(params, SamplingParams) or params.n == 1:
+        return [params]
+    params.validate()  # (a seed too large for n is named before anything starts)
+    return [attrs.evolve(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
 
 
 async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:

@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import trio
 
-from lockstep.api import Completion, Engine, collect, open_engine
+from lockstep.api import Completion, Engine, collect, open_engine, per_sample
 from lockstep.engine.config import EngineConfig
 from lockstep.policy.config import ConfigError, SchedulerConfig
 from lockstep.policy.request import RequestError, SamplingParams
@@ -91,28 +91,33 @@ def _llm_config(model: str, config: dict) -> EngineConfig:
 
 
 async def _generate_all(engine: Engine, prompts: list, plist: list, single: bool) -> list[Completion]:
-    gens = []
+    gens = []  # (prompt index, sample generator)
     for i, (prompt, params) in enumerate(zip(prompts, plist)):  # every prompt checked before any runs
         try:
-            gens.append(engine.generate(prompt, params))
+            gens += [(i, engine.generate(prompt, p)) for p in per_sample(params)]
         except RequestError as e:
             if single:
                 raise
             raise RequestError(f"prompts[{i}]: {e}", reason=e.reason, field=e.field) from None
     results: list[Completion | None] = [None] * len(gens)
 
-    async def one(i):
+    async def one(j):
+        i, gen = gens[j]
         try:
-            results[i] = await collect(gens[i])
+            results[j] = await collect(gen)
         except RequestError as e:  # refused once tokenized (too long, empty)
             if single:
                 raise
             raise RequestError(f"prompts[{i}]: {e}", reason=e.reason, field=e.field) from None
 
     async with trio.open_nursery() as nursery:
-        for i in range(len(gens)):
-            nursery.start_soon(one, i)
-    return results
+        for j in range(len(gens)):
+            nursery.start_soon(one, j)
+    out = []
+    for i in range(len(prompts)):  # each prompt's samples together (n > 1: Completion.outputs)
+        mine = [r for (k, _), r in zip(gens, results) if k == i]
+        out.append(mine[0] if len(mine) == 1 else attrs.evolve(mine[0], samples=tuple(mine)))
+    return out
 
 
 class _Runner:

@@ -611,6 +611,23 @@ async def test_dep2_a_rank_killed_while_idle_restarts_the_group_before_any_reque
         assert engine.down() == []  # (what /health reads)
 
 
+async def test_n_samples_per_prompt_as_vllm_with_seed_plus_i():
+    """SamplingParams.n through Engine.complete and LLM.generate: Completion.outputs holds the
+    n samples (vLLM's RequestOutput.outputs), sample i seeded seed + i as the server's n; a
+    stream is one sample, so generate refuses n > 1 by name."""
+    p = SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3)
+    async with open_engine(config(tokenizer=None)) as engine:
+        whole = await engine.complete(prompts()[1], p)
+        alone = [await engine.complete(prompts()[1], attrs_evolve(p, n=1, seed=11 + i)) for i in range(3)]
+        with pytest.raises(RequestError, match="n 3: a stream carries one sample") as e:
+            engine.generate(prompts()[1], p)
+        assert e.value.field == "n"
+    assert [o.token_ids.tolist() for o in whole.outputs] == [a.token_ids.tolist() for a in alone]
+    assert whole.token_ids.tolist() == whole.outputs[0].token_ids.tolist() and alone[0].outputs == (alone[0],)
+    with pytest.raises(RequestError, match="seed must be at most 2\\*\\*63 - n"):
+        SamplingParams(n=2, seed=2**63 - 1).validate()
+
+
 async def test_logprobs_of_sampled_tokens_and_top_k():
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
     async with open_engine(config(tokenizer=None)) as engine:

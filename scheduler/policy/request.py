@@ -40,6 +40,7 @@ class RequestError(ValueError):
 
 
 INT32_MAX = 2**31 - 1
+MAX_N = 128  # samples per prompt
 
 
 def _is_int(v) -> bool:
@@ -81,6 +82,9 @@ class SamplingParams:
     # as vLLM's prompt_logprobs; such a request computes its whole prompt (no prefix-cache
     # hits, as in vLLM).
     prompt_logprobs: int | None = None
+    # Samples per prompt (LLM.generate, Engine.complete: Completion.outputs); sample i takes
+    # seed + i where a seed is given, as the OpenAI server's n does. A stream is one sample.
+    n: int = 1
 
     @property
     def processes_logits(self) -> bool:
@@ -128,6 +132,11 @@ class SamplingParams:
                                field="repetition_penalty")
         if not (_is_num(self.min_p) and 0 <= self.min_p <= 1):
             raise RequestError(f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}", field="min_p")
+        if not (_is_int(self.n) and 1 <= self.n <= MAX_N):
+            raise RequestError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}", field="n")
+        if self.n > 1 and self.seed is not None and self.seed > 2**63 - self.n:
+            raise RequestError(f"seed must be at most 2**63 - n with n = {self.n} (sample i takes seed + i), "
+                               f"got {self.seed}", field="seed")
         if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20):
             raise RequestError(f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}",
                                field="prompt_logprobs")
