@@ -38,7 +38,13 @@ _PULL = msgspec.msgpack.Decoder(KVPull)
 ORPHAN_GRACE_S = 10.0  # the engine gone: how long the main thread has to wind down by itself
 
 
-def run(sock: socket.socket, spec_bytes: bytes) -> None:
+def run(sock: socket.socket, spec_bytes: bytes, stderr: socket.socket | None = None) -> None:
+    """``stderr``: where this process's fd 2 goes (the engine logs each line it reads there:
+    a server logging JSON keeps its log JSON, a Python traceback and native libraries' lines
+    included); None: the engine's own stderr."""
+    if stderr is not None:
+        os.dup2(stderr.fileno(), 2)
+        stderr.close()
     # The engine owns shutdown: a Ctrl-C or a service manager's SIGTERM to the whole group
     # must not kill the runtime under in-flight requests while the server drains.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -177,7 +177,11 @@ def _run(module: str, fn: str, label: str, args) -> int:
         start = isinstance(leaf, RuntimeDied) and label in ("serve", "generate")
         if not (isinstance(leaf, (ConfigError, RequestError, TraceFormatError)) or bind or start):
             raise
-        print(f"lockstep {label}: error: {leaf}", file=sys.stderr)
+        message = str(leaf)
+        from lockstep.engine import runtime_client
+        if start and runtime_client._STDERR_SINK is not None:  # JSON logs: its traceback is an event there
+            message = message.splitlines()[0].rstrip(":") + " (its traceback is in the log)"
+        print(f"lockstep {label}: error: {message}", file=sys.stderr)
         return 2
 
 

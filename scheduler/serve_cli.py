@@ -81,6 +81,13 @@ def configure_logging(fmt: str) -> None:
                                     structlog.processors.TimeStamper(fmt="iso"), render],
                         logger_factory=_stderr_logger)
     logging.getLogger("hypercorn.error").setLevel(logging.WARNING)
+    from lockstep.engine.runtime_client import capture_runtime_stderr
+
+    # JSON logs stay JSON: what runtimes write to stderr (a traceback, Gloo's or NCCL's lines)
+    # comes through as events, one a line; the console format passes it through as it is.
+    log_runtime = structlog.get_logger("lockstep.runtime")
+    capture_runtime_stderr((lambda pid, line: log_runtime.warning("runtime stderr", pid=pid, line=line))
+                           if fmt == "json" else None)
 
 
 def engine_configs(args) -> list[tuple[str, object]]:

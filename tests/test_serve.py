@@ -624,6 +624,21 @@ def test_the_drain_deadline_ends_requests_with_an_error_not_a_dropped_connection
     assert whole["status"] == 503 and "drain" in whole["body"]["error"]["message"]
 
 
+def test_json_logs_stay_json_when_a_runtime_writes_a_traceback():
+    """With --log-format json a runtime's stderr (its traceback, native libraries' lines)
+    comes through as events, one a line (it used to be raw text in the JSON log); the
+    command's own error is its one line."""
+    p = subprocess.run([sys.executable, "-m", "lockstep.cli", "serve", "--model", "tiny", "--log-format", "json",
+                        "--runtime-option", "kv_cache_dtype=bogus", "--port", str(free_port())],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
+    assert p.returncode == 2 and lines[-1] == ("lockstep serve: error: runtime process 'torch' failed (its traceback "
+                                               "is in the log)"), lines[-3:]
+    events = [json.loads(ln) for ln in lines[:-1]]  # every other line is JSON
+    said = [e["line"] for e in events if e["event"] == "runtime stderr"]
+    assert any("ValueError: runtime option kv_cache_dtype must be 'auto' or 'fp8'" in ln for ln in said), said
+
+
 def _stream_in_thread(url: str, max_tokens: int = 300):
     """A streamed completion of ``max_tokens`` in a thread: (the thread, a dict whose "lines"
     are the stream's data lines once it ends)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import threading
 
 import msgspec
 import numpy as np
@@ -71,6 +72,24 @@ def stop_forkserver() -> None:
             pass
 
 
+# Where runtime processes' stderr lines go: None, the engine's own stderr (inherited); else a
+# callable (pid, line) that a server logging JSON sets (``capture_runtime_stderr``).
+_STDERR_SINK = None
+
+
+def capture_runtime_stderr(sink) -> None:
+    """Runtimes started from now on write their stderr (tracebacks, native libraries' lines)
+    to ``sink(pid, line)``, one call a line, from a thread of this process; None: inherit."""
+    global _STDERR_SINK
+    _STDERR_SINK = sink
+
+
+def _pump(sock: socket.socket, pid: int, sink) -> None:
+    with sock, sock.makefile("rb") as lines:
+        for raw in lines:  # until every copy of the other end is closed: the runtime has exited
+            sink(pid, raw.decode("utf-8", "replace").rstrip("\n"))
+
+
 class RuntimeDied(RuntimeError):
     """The runtime process exited or failed; in-flight steps are lost."""
 
@@ -100,14 +119,27 @@ class RuntimeClient:
         mine, theirs = socket.socketpair()
         self._to, self._from = Ring.create(self.ring_bytes), Ring.create(self.ring_bytes)
         self._sock = mine
+        sink, err = _STDERR_SINK, None
+        if sink is not None:
+            err_here, err = socket.socketpair()
         self.proc = ctx.Process(target=runtime_main.run, name=f"lockstep-runtime-{self.spec.runtime}",
-                                args=(theirs, _ENC.encode(self.spec)), daemon=True)
+                                args=(theirs, _ENC.encode(self.spec), err), daemon=True)
         try:
-            await trio.to_thread.run_sync(self.proc.start)
+            try:
+                await trio.to_thread.run_sync(self.proc.start)
+            except BaseException:
+                if err is not None:
+                    err_here.close()
+                raise
+            if sink is not None:
+                threading.Thread(target=_pump, args=(err_here, self.proc.pid, sink), daemon=True,
+                                 name=f"lockstep-runtime-{self.proc.pid}-stderr").start()
             send_ring(mine, self._to)
             send_ring(mine, self._from)
         finally:
             theirs.close()
+            if err is not None:
+                err.close()
         with trio.move_on_after(self.start_timeout) as waited:
             kind, _, payload = await self._recv()
         if waited.cancelled_caught:
