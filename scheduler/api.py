@@ -148,8 +148,10 @@ class Engine:
                 stop_reason = None  # the stop string or stop token id that ended it (vLLM's stop_reason)
                 if stops and len(tokens):
                     tokens, hit = _cut_at_stop_ids(tokens, stops, params.min_tokens - n)
-                    if hit:
-                        reason, stop_reason = self._stopped(stream), int(tokens[-1])
+                    if hit:  # (vLLM's stop_reason is None for the end of sequence, a stop id or not)
+                        reason = self._stopped(stream)
+                        stop_reason = None if int(tokens[-1]) == self.frontend.eos and not params.ignore_eos \
+                            else int(tokens[-1])
                 text = ""
                 if cut is not None:  # token by token: a stop string ends the tokens where it ends
                     text, upto = _feed_stop_strings(cut, detok, tokens, final=reason is not None,
@@ -178,8 +180,8 @@ class Engine:
     def _stopped(self, stream: RequestStream) -> FinishReason:
         """A stop string or stop token id ended the request here (the core goes on until the
         abort reaches it): it finished now, for its timings."""
-        if stream.finished_at is None:
-            stream.finished_at = trio.current_time()
+        if stream.finished_at is None:  # when its last token came (the consumer may read later)
+            stream.finished_at = stream.pushed_at if stream.pushed_at is not None else trio.current_time()
         self.abort(stream.req_id, FinishReason.STOP)
         return FinishReason.STOP
 
@@ -210,9 +212,17 @@ class Engine:
 
         async def one(i):
             got[i] = await collect(gens[i])
-        async with trio.open_nursery() as nursery:
-            for i in range(len(gens)):
-                nursery.start_soon(one, i)
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(gens)):
+                    nursery.start_soon(one, i)
+        except BaseExceptionGroup as eg:  # as one sample's would: a RequestError is raised as itself
+            leaf = eg
+            while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) >= 1:
+                leaf = leaf.exceptions[0]
+            if isinstance(leaf, Exception):
+                raise leaf from None
+            raise
         return attrs.evolve(got[0], samples=tuple(got))
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
@@ -231,8 +241,12 @@ class Engine:
         return [i for i, s in enumerate(self.schedulers) if s.down]
 
     def accepting(self) -> bool:
-        """Whether some rank that takes new requests is up (not being restarted)."""
-        return any(not s.down for s in self.frontend.schedulers)
+        """Whether some rank that takes new requests is up (not being restarted), and with P/D
+        some decode rank too."""
+        if not any(not s.down for s in self.frontend.schedulers):
+            return False
+        decode = [s for s in self.schedulers if s not in self.frontend.schedulers]
+        return not decode or any(not s.down for s in decode)
 
     def abort_all(self) -> None:
         """Abort every request being consumed (a server's drain deadline)."""

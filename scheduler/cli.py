@@ -179,8 +179,8 @@ def _run(module: str, fn: str, label: str, args) -> int:
             raise
         message = str(leaf)
         from lockstep.engine import runtime_client
-        if start and runtime_client._STDERR_SINK is not None:  # JSON logs: its traceback is an event there
-            message = message.splitlines()[0].rstrip(":") + " (its traceback is in the log)"
+        if start and runtime_client._STDERR_SINK is not None and "Traceback" in message:
+            message = message.splitlines()[0].rstrip(":") + " (its traceback is in the log)"  # an event there
         print(f"lockstep {label}: error: {message}", file=sys.stderr)
         return 2
 

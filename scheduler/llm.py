@@ -113,11 +113,10 @@ async def _generate_all(engine: Engine, prompts: list, plist: list, single: bool
     async with trio.open_nursery() as nursery:
         for j in range(len(gens)):
             nursery.start_soon(one, j)
-    out = []
-    for i in range(len(prompts)):  # each prompt's samples together (n > 1: Completion.outputs)
-        mine = [r for (k, _), r in zip(gens, results) if k == i]
-        out.append(mine[0] if len(mine) == 1 else attrs.evolve(mine[0], samples=tuple(mine)))
-    return out
+    by: list[list] = [[] for _ in prompts]  # each prompt's samples together (n > 1: Completion.outputs)
+    for (i, _), r in zip(gens, results):
+        by[i].append(r)
+    return [mine[0] if len(mine) == 1 else attrs.evolve(mine[0], samples=tuple(mine)) for mine in by]
 
 
 class _Runner:

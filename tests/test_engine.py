@@ -628,6 +628,13 @@ async def test_n_samples_per_prompt_as_vllm_with_seed_plus_i():
         SamplingParams(n=2, seed=2**63 - 1).validate()
 
 
+async def test_n_samples_refused_after_tokenizing_raise_the_request_error_itself():
+    """As one sample's would (it came wrapped in an ExceptionGroup of the samples' nursery)."""
+    async with open_engine(config()) as engine:
+        with pytest.raises(RequestError, match="prompt"):
+            await engine.complete("x" * 600, SamplingParams(max_tokens=4, n=2))
+
+
 async def test_logprobs_of_sampled_tokens_and_top_k():
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=3)
     async with open_engine(config(tokenizer=None)) as engine:

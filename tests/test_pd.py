@@ -135,6 +135,23 @@ async def test_pd_with_the_timing_runtime_serves_and_frees_everything():
     assert [len(g) for g in got] == [6] * len(ps) and stats.kv_pull_failures == 0
 
 
+async def test_pd_health_and_hand_offs_see_decode_ranks_being_restarted():
+    """/health's view (Engine.accepting) needs a decode rank up too, and hand-offs go to decode
+    ranks that are up (a restarting rank's empty core took every one meanwhile)."""
+    async with open_engine(pd_config("shm", decode=2)) as engine:
+        prefill, decode = engine.schedulers[0], engine.schedulers[1:]
+        disagg = decode[0].role.d
+        assert engine.accepting()
+        decode[0].down = True
+        assert engine.accepting() and disagg.choose_decode(10) == 1
+        decode[1].down = True
+        assert not engine.accepting() and engine.down() == [1, 2]
+        decode[0].down = decode[1].down = False
+        prefill.down = True
+        assert not engine.accepting()
+        prefill.down = False
+
+
 async def test_pd_aborts_free_blocks_on_both_sides():
     ps = prompts() * 3
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)

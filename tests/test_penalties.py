@@ -145,6 +145,8 @@ async def test_speculative_decoding_refuses_them_by_name():
 @pytest.mark.parametrize("kw, field", [
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
+    # a logit divided by 1e-40 overflowed float32: the runtime drew from NaNs and died
+    (dict(repetition_penalty=1e-40), "repetition_penalty"), (dict(repetition_penalty=1e39), "repetition_penalty"),
     (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=1.0), "min_tokens"), (dict(presence_penalty="1"), "presence_penalty"),
 ])

@@ -311,9 +311,10 @@ class EngineConfig:
                   if k not in ("node_rank", "start_timeout_s", "node_rejoin_timeout_s", "ring_bytes", "mailbox_size",
                                "tokenizer")}
         shared["scheduler"] = {k: v for k, v in shared["scheduler"].items() if k != "num_blocks"}
-        cfg = model_config(self.model)
-        if cfg is not None:
-            shared["model"] = attrs.asdict(cfg, recurse=True)
+        for name in ("model", "draft_model"):
+            cfg = model_config(getattr(self, name)) if getattr(self, name) else None
+            if cfg is not None:
+                shared[name] = attrs.asdict(cfg, recurse=True)
         text = json.dumps(shared, sort_keys=True, default=repr)
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "little")
 

@@ -87,7 +87,9 @@ class Disagg:
 
     def choose_decode(self, tokens: int) -> int:
         """The least loaded decode rank, counting hand-offs still in its mailbox."""
-        j = int(np.argmin([s.core.load() + s.role.inbound for s in self.decode]))
+        # (a rank being restarted has an empty core: it would take every hand-off meanwhile)
+        loads = [s.core.load() + s.role.inbound + (0 if not s.down else 1 << 62) for s in self.decode]
+        j = int(np.argmin(loads))
         self.decode[j].role.inbound += tokens
         return j
 

@@ -127,11 +127,13 @@ class NodeGroup(LocalGroup):
                 self.link = await self._connect(timeout_s=self.join_timeout_s)
                 await self._check_settings()
         except (CollectiveTimeout, trio.TooSlowError):
+            self._drop_link()
             others = [f"{h}:{p}" for n, (h, p) in enumerate(self.addresses) if n != self.node]
             raise InstanceLost(f"DEP node {self.node}: the other nodes ({', '.join(others)}) did not all join within "
                                f"{self.join_timeout_s:g} s (--start-timeout): start every node with the same "
                                "--nodes, --node-addresses and --dist-init") from None
         except CollectiveError as e:  # a node that joined, then went (before the first step)
+            self._drop_link()
             raise InstanceLost(f"DEP node {self.node}: a node left while the nodes joined: {e}") from None
         log.info("DEP nodes joined", node=self.node, nodes=self.nodes, link=self.link_kind)
         task_status.started()
@@ -152,6 +154,11 @@ class NodeGroup(LocalGroup):
         finally:
             if self.link is not None:
                 self.link.close()
+
+    def _drop_link(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
 
     async def _check_settings(self) -> None:
         """Every node runs the same model, dtype, scheduler, ... (a node started with another

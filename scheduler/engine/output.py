@@ -19,7 +19,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 class RequestStream:
     __slots__ = ("req_id", "num_prompt_tokens", "num_cached_tokens", "arrival", "scheduled_at",
                  "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup", "_logprobs",
-                 "abandoned", "_prompt_logprobs")
+                 "abandoned", "_prompt_logprobs", "pushed_at")
 
     def __init__(self, req_id: int, num_prompt_tokens: int, arrival: float):
         self.req_id = req_id
@@ -41,11 +41,13 @@ class RequestStream:
         # Prompt logprobs (requests that asked): prompt index -> (token, logprob, top pairs);
         # a recompute after a preemption scores the prompt again: the first row stays.
         self._prompt_logprobs: dict | None = None
+        self.pushed_at: float | None = None  # when the last tokens came
 
     # -- producer (the Scheduler): never blocks ---------------------------------------------------
     def push(self, tokens: np.ndarray, now: float) -> None:
         if self.first_token_at is None:
             self.first_token_at = now
+        self.pushed_at = now
         self._chunks.append(tokens)
         self._wake()
 

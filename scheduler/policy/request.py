@@ -127,8 +127,8 @@ class SamplingParams:
             if not (_is_num(v) and -2 <= v <= 2):
                 raise RequestError(f"{name} must be a number in [-2, 2] (0: off), got {v!r}", field=name)
         v = self.repetition_penalty
-        if not (_is_num(v) and math.isfinite(v) and v > 0):
-            raise RequestError(f"repetition_penalty must be a finite number > 0 (1: off), got {v!r}",
+        if not (_is_num(v) and 1e-4 <= v <= 1e4):  # (past these, a logit divided by it overflows float32)
+            raise RequestError(f"repetition_penalty must be a number in [0.0001, 10000] (1: off), got {v!r}",
                                field="repetition_penalty")
         if not (_is_num(self.min_p) and 0 <= self.min_p <= 1):
             raise RequestError(f"min_p must be a number in [0, 1] (0: off), got {self.min_p!r}", field="min_p")
