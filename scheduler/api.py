@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from functools import partial
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator
 
 import attrs
 import numpy as np
@@ -29,6 +29,7 @@ from lockstep.engine.node_group import NodeGroup, parse_address
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
 from lockstep.engine.output import RequestStream
 from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
+from lockstep.engine.stops import StopStrings, cut_at_stop_ids, feed_stop_strings
 from lockstep.policy.config import ConfigError
 from lockstep.runtime.models.config import ModelConfig, ModelConfigError, preset_names
 from lockstep.policy.request import FinishReason, RequestError, SamplingParams
@@ -147,15 +148,15 @@ class Engine:
                 lps = stream.take_logprobs() if params.logprobs is not None else None
                 stop_reason = None  # the stop string or stop token id that ended it (vLLM's stop_reason)
                 if stops and len(tokens):
-                    tokens, hit = _cut_at_stop_ids(tokens, stops, params.min_tokens - n)
+                    tokens, hit = cut_at_stop_ids(tokens, stops, params.min_tokens - n)
                     if hit:  # (vLLM's stop_reason is None for the end of sequence, a stop id or not)
                         reason = self._stopped(stream)
                         stop_reason = None if int(tokens[-1]) == self.frontend.eos and not params.ignore_eos \
                             else int(tokens[-1])
                 text = ""
                 if cut is not None:  # token by token: a stop string ends the tokens where it ends
-                    text, upto = _feed_stop_strings(cut, detok, tokens, final=reason is not None,
-                                                    skip=params.min_tokens - n)
+                    text, upto = feed_stop_strings(cut, detok, tokens, final=reason is not None,
+                                                   skip=params.min_tokens - n)
                     if upto is not None:
                         tokens, lps = tokens[:upto], None if lps is None else lps[:upto]
                         reason, stop_reason = self._stopped(stream), cut.matched
@@ -284,64 +285,6 @@ def _pair(tokens: np.ndarray, lps: list | None) -> list | None:
     for t, (lp, top) in zip(tokens.tolist(), lps):
         out.append((t, lp, [] if top is None else list(zip(top[0].tolist(), top[1].tolist()))))
     return out
-
-
-def _cut_at_stop_ids(tokens: np.ndarray, stops: set[int], skip: int = 0) -> tuple[np.ndarray, bool]:
-    """``tokens`` up to the first stop id past the first ``skip`` (min_tokens not reached)."""
-    hits = np.flatnonzero(np.isin(tokens, list(stops))) if stops else ()
-    hits = [h for h in hits.tolist() if h >= skip] if len(hits) else ()
-    if hits:
-        return tokens[: hits[0] + 1], True
-    return tokens, False
-
-
-def _feed_stop_strings(cut: StopStrings, detok, tokens: np.ndarray, final: bool,
-                       skip: int = 0) -> tuple[str, int | None]:
-    """A delta's text through ``cut`` one token at a time: (text, how many of the tokens to
-    keep where a stop string completed in them, else None), as vLLM, which checks after each
-    token, reports the tokens and their usage. No stop string ends the output in the first
-    ``skip`` tokens (min_tokens not reached), as in vLLM."""
-    out = []
-    for k, t in enumerate(tokens.tolist()):
-        piece, hit = cut.feed(detok.push([t]), armed=k >= skip)
-        out.append(piece)
-        if hit:
-            return "".join(out), k + 1
-    if final:
-        piece, hit = cut.feed(detok.finish(), final=True, armed=len(tokens) > skip)
-        out.append(piece)
-        if hit:
-            return "".join(out), len(tokens)
-    return "".join(out), None
-
-
-class StopStrings:
-    """Stop strings over streamed text, as vLLM applies them: generation stops where the first
-    stop string is complete (of two ending together, the longer), cut at its start, and the
-    stop string itself is not returned (as in OpenAI's API). The last (longest - 1)
-    characters are held back until what follows shows no stop string starts in them, so a
-    stop string spanning deltas is never partly returned, and the text returned is the
-    same however the output was split into deltas."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
-        self.hold = max(len(s) for s in self.stops) - 1
-        self.held = ""
-        self.matched: str | None = None  # the stop string that ended the output
-
-    def feed(self, text: str, final: bool = False, armed: bool = True) -> tuple[str, bool]:
-        """The text to return now, and whether a stop string ended the output: one that ends
-        in ``text`` (the held text was searched when it came), and only when ``armed``."""
-        held = len(self.held)
-        text, self.held = self.held + text, ""
-        found = [(i + len(s), i, s) for s in (self.stops if armed else ())
-                 for i in (text.find(s, max(held - len(s) + 1, 0)),) if i >= 0]
-        if found:
-            _, start, self.matched = min(found)
-            return text[:start], True
-        keep = 0 if final else min(self.hold, len(text))
-        text, self.held = text[: len(text) - keep], text[len(text) - keep :]
-        return text, False
 
 
 def _check_context(config: EngineConfig) -> None:

@@ -129,7 +129,7 @@ def test_request_errors_carry_the_field_they_blame():
 def test_stop_strings_cut_the_same_however_the_text_is_split(text, stops, cuts):
     """Streamed in any pieces, the text returned is the one-piece result: cut at the start of
     the stop string that ends first (the longer of two ending together), nothing after."""
-    from lockstep.api import StopStrings
+    from lockstep.engine.stops import StopStrings
 
     found = [(i + len(s), i) for s in stops for i in (text.find(s),) if i >= 0]
     want = (text[: min(found)[1]], True) if found else (text, False)

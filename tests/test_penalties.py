@@ -7,9 +7,9 @@ sampled by the prefill side)."""
 
 import numpy as np
 import pytest
-import trio
 
-from lockstep.api import StopStrings, _feed_stop_strings, open_engine
+from lockstep.api import open_engine
+from lockstep.engine.stops import StopStrings, feed_stop_strings
 from lockstep.engine.config import EngineConfig
 from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.request import RequestError, SamplingParams
@@ -54,15 +54,10 @@ def reference(prompt: np.ndarray, p: SamplingParams) -> list[int]:
 
 
 async def serve(cfg: EngineConfig, ps, params) -> tuple[list[list[int]], object]:
-    got = [None] * len(ps)
+    """Every prompt's tokens, served concurrently by a fresh engine, and its statistics."""
     async with open_engine(cfg) as engine:
-        async def one(i):
-            got[i], _ = await collect(engine, ps[i], params)
-        async with trio.open_nursery() as n:
-            for i in range(len(ps)):
-                n.start_soon(one, i)
-        stats = engine.statistics()
-    return got, stats
+        got = await run_all(engine, ps, params)
+        return got, engine.statistics()
 
 
 async def test_penalized_greedy_matches_the_reference_with_batching_chunks_and_prefix_hits():
@@ -174,9 +169,9 @@ def test_stop_strings_end_nothing_before_min_tokens():
     passed through, and one completing after ends the output, even if it began before."""
     pieces = {0: "a", 1: "STOP", 2: "b", 3: "ST", 4: "OP"}
     det = _Pieces(pieces)
-    text, upto = _feed_stop_strings(StopStrings(["STOP"]), det, np.array([0, 1, 2, 1, 2]), final=True, skip=3)
+    text, upto = feed_stop_strings(StopStrings(["STOP"]), det, np.array([0, 1, 2, 1, 2]), final=True, skip=3)
     assert (text, upto) == ("aSTOPb", 4)
-    text, upto = _feed_stop_strings(StopStrings(["STOP"]), det, np.array([0, 1, 2, 3, 4, 2]), final=True, skip=4)
+    text, upto = feed_stop_strings(StopStrings(["STOP"]), det, np.array([0, 1, 2, 3, 4, 2]), final=True, skip=4)
     assert (text, upto) == ("aSTOPb", 5)  # "ST" came at 3 (held off), "OP" at 4 completes it
-    text, upto = _feed_stop_strings(StopStrings(["STOP"]), det, np.array([0, 1, 2]), final=True, skip=5)
+    text, upto = feed_stop_strings(StopStrings(["STOP"]), det, np.array([0, 1, 2]), final=True, skip=5)
     assert (text, upto) == ("aSTOPb", None)
