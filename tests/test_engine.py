@@ -628,6 +628,16 @@ async def test_n_samples_per_prompt_as_vllm_with_seed_plus_i():
         SamplingParams(n=2, seed=2**63 - 1).validate()
 
 
+async def test_max_tokens_none_fills_what_the_context_leaves():
+    """vLLM's max_tokens None: the prompt's room in max_model_len (512 here), at least min_tokens."""
+    p = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    async with open_engine(config(tokenizer=None)) as engine:
+        got = await engine.complete(prompts()[2], p)  # 150 tokens
+        assert len(got.token_ids) == 512 - 150 and got.finish_reason == "length"
+        with pytest.raises(RequestError, match="leaves 2 of the model's context of 512 tokens, fewer than min_tokens"):
+            await engine.complete(np.full(510, 7, np.int32), attrs_evolve(p, min_tokens=3))
+
+
 async def test_n_samples_refused_after_tokenizing_raise_the_request_error_itself():
     """As one sample's would (it came wrapped in an ExceptionGroup of the samples' nursery)."""
     async with open_engine(config()) as engine:

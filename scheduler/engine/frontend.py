@@ -73,6 +73,7 @@ class Frontend:
             return
         try:
             tokens, hashes, acc = await trio.to_thread.run_sync(self._prepare, p)
+            p = fill_max_tokens(p, len(tokens), self.max_model_len)
         except RequestError as e:
             p.stream.fail(e, trio.current_time())
             return
@@ -148,6 +149,18 @@ def as_token_array(prompt) -> object:
     return arr.astype(np.int32, copy=False)
 
 
+def fill_max_tokens(p: Prompt, prompt_len: int, max_model_len: int) -> Prompt:
+    """max_tokens None: what the context leaves after the prompt (vLLM's), at least min_tokens."""
+    if p.params.max_tokens is not None:
+        return p
+    room = max_model_len - prompt_len
+    if room < max(p.params.min_tokens, 1):
+        raise RequestError(f"prompt ({prompt_len} tokens) leaves {room} of the model's context of {max_model_len} "
+                           f"tokens, fewer than min_tokens ({p.params.min_tokens})", reason="context_length",
+                           field="min_tokens")
+    return attrs.evolve(p, params=attrs.evolve(p.params, max_tokens=room))
+
+
 def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int, *,
                  check_ids: bool = True) -> None:
     if len(tokens) == 0:
@@ -155,7 +168,7 @@ def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int,
     if len(tokens) >= max_model_len:  # whatever max_tokens says (a server may have filled it in)
         raise RequestError(f"prompt ({len(tokens)} tokens) leaves no room for output in the model's context "
                            f"of {max_model_len} tokens", reason="context_length", field="prompt")
-    if len(tokens) + params.max_tokens > max_model_len:
+    if params.max_tokens is not None and len(tokens) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                            f"the model's context of {max_model_len} tokens", reason="context_length",
                            field="max_tokens")

@@ -96,6 +96,9 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
         if len(prompt) == 0:
             raise RequestError(f"request {req.id}: prompt must hold at least one token")
         req.params.validate()
+        if req.params.max_tokens is None:  # (the engine's Frontend fills it in from the context)
+            raise RequestError(f"request {req.id}: max_tokens must be a number here (None is the engine's: "
+                               "what the context leaves)", field="max_tokens")
         if not 0 <= req.remote_kv_tokens <= len(prompt):
             raise RequestError(f"request {req.id}: remote_kv_tokens must be in [0, prompt length "
                                f"{len(prompt)}], got {req.remote_kv_tokens}")

@@ -59,7 +59,7 @@ def _as_stops(v):
 
 @attrs.frozen
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: what the context leaves after the prompt (vLLM's)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -95,9 +95,9 @@ class SamplingParams:
     def validate(self) -> None:
         """Every field's type and range, so that nothing accepted here fails later in the
         scheduler or a runtime (where one request's bad value would take others down)."""
-        if not (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX):
-            raise RequestError(f"max_tokens must be an integer in [1, 2**31 - 1], got {self.max_tokens!r}",
-                               field="max_tokens")
+        if self.max_tokens is not None and not (_is_int(self.max_tokens) and 1 <= self.max_tokens <= INT32_MAX):
+            raise RequestError(f"max_tokens must be None (the context's room) or an integer in [1, 2**31 - 1], "
+                               f"got {self.max_tokens!r}", field="max_tokens")
         t = self.temperature
         # Any t > 0 samples: the samplers shift the logits by their max before dividing by t,
         # so a tiny t tends to greedy instead of overflowing (1e-40 once made them NaN).
@@ -140,7 +140,7 @@ class SamplingParams:
         if self.prompt_logprobs is not None and not (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= 20):
             raise RequestError(f"prompt_logprobs must be None or an integer in [0, 20], got {self.prompt_logprobs!r}",
                                field="prompt_logprobs")
-        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens):
+        if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or INT32_MAX)):
             raise RequestError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], "
                                f"got {self.min_tokens!r}", field="min_tokens")
 
