@@ -264,7 +264,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
         param, message = _request_param(e, chat), str(e)
         if param == "max_tokens" and body.get("max_completion_tokens") is not None:  # the name it was given
             param = "max_completion_tokens"
-        if param == "prompt_logprobs":  # asked for as echo with logprobs
+        if param == "prompt_logprobs" and body.get("prompt_logprobs") is None:  # asked for as echo with logprobs
             param, message = "echo", message.replace("prompt_logprobs", "echo with logprobs (the prompt's)", 1) \
                 .replace(": leave it None", ": drop echo or logprobs")
         return error(message, param)
@@ -358,9 +358,13 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
     lps = [[] for _ in gens]
     finals: list = [None] * len(gens)
 
+    prompt_rows: list = [None] * len(gens)
+
     async def on_delta(i, out):
-        if out.prompt_logprobs is not None:  # echo with logprobs: the prompt's rows come first
-            lps[i][:0] = out.prompt_logprobs
+        if out.prompt_logprobs is not None:
+            prompt_rows[i] = out.prompt_logprobs
+            if job.echo and job.params.logprobs is not None:  # echo with logprobs: the prompt's rows come first
+                lps[i][:0] = [r[:3] for r in out.prompt_logprobs]
         if not job.echo_only:
             texts[i].append(out.text)
             lps[i] += out.logprobs or []
@@ -387,10 +391,13 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
                             "finish_reason": reason, "stop_reason": stop})
         else:
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
-    return Response(_JSON.encode({
-        "id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-        "model": server.model_name, "choices": choices, "usage": _usage(finals, job)}),
-        media_type="application/json")
+            if job.prompt_logprobs:
+                choices[-1]["prompt_logprobs"] = _prompt_logprobs_json(server, prompt_rows[i])
+    body = {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
+            "model": server.model_name, "choices": choices, "usage": _usage(finals, job)}
+    if job.chat and job.prompt_logprobs:  # vLLM's: the conversation's, once
+        body["prompt_logprobs"] = _prompt_logprobs_json(server, prompt_rows[0])
+    return Response(_JSON.encode(body), media_type="application/json")
 
 
 def _logprobs_json(server: Server, rows: list, job: Job, offset: int = 0) -> dict:
@@ -416,6 +423,30 @@ def _logprobs_json(server: Server, rows: list, job: Job, offset: int = 0) -> dic
             for t, lp, top in rows]
     return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
             "top_logprobs": tops, "text_offset": offsets}
+
+
+def _prompt_logprobs_json(server: Server, rows: list | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token and the top ones (rank: 1 for the most likely; the token's
+    own where it is among them, else null)."""
+    if rows is None:
+        return None
+    tok = server.engine.tokenizer
+
+    def text(t: int) -> str:
+        return tok.decode([t]) if tok is not None else str(t)
+
+    out = []
+    for t, lp, top in (r[:3] for r in rows):
+        if lp is None:
+            out.append(None)
+            continue
+        ranks = {u: j + 1 for j, (u, _) in enumerate(top)}
+        entry = {str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": text(t)}}
+        for u, v in top:
+            entry.setdefault(str(u), {"logprob": v, "rank": ranks[u], "decoded_token": text(u)})
+        out.append(entry)
+    return out
 
 
 def _usage(finals: list, job: Job) -> dict:
@@ -493,18 +524,21 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             if out.finished:
                 finals[i] = out
                 _record(server, out)
-            if out.prompt_logprobs is not None:  # echo with logprobs: the prompt, with its rows
+            if out.prompt_logprobs is not None and job.echo and job.params.logprobs is not None:
+                # echo with logprobs: the prompt, with its rows
                 emit(chunk([choice(i, job.echoes[i // job.n], None, rows=out.prompt_logprobs)]))
             if job.echo_only:  # the prompt is the answer
                 if out.finished:
                     emit(chunk([choice(i, "", "length")]))
                 return
-            emit(chunk([choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs,
-                               stop=out.stop_reason)]))
+            c = choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs, stop=out.stop_reason)
+            if job.prompt_logprobs and out.prompt_logprobs is not None:  # vLLM's field, with the first delta
+                c["prompt_logprobs"] = _prompt_logprobs_json(server, out.prompt_logprobs)
+            emit(chunk([c]))
 
         if job.chat:
             emit(chunk([choice(i, "", None, first=True) for i in range(len(gens))]))
-        elif job.echo and job.params.prompt_logprobs is None:  # each choice's prompt first, as vLLM streams
+        elif job.echo and job.params.logprobs is None:  # each choice's prompt first, as vLLM streams
             emit(chunk([choice(i, job.echoes[i // job.n], None) for i in range(len(gens))]))
         failed = await _run_checked(gens, on_delta, server)
         if failed is not None:

@@ -46,6 +46,8 @@ class Job:
     # scores a text): one token is generated and not returned; the answer is the prompt
     # (and its logprobs)
     echo_only: bool = False
+    # vLLM's prompt_logprobs field was given: the response carries its prompt_logprobs
+    prompt_logprobs: bool = False
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -74,7 +76,7 @@ def parse_body(raw: bytes) -> dict:
 # dropped silently); any other field is a 400.
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k",
            "seed", "stop_token_ids", "ignore_eos", "logprobs", "priority", "cache_salt", "user",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens"}
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 _NO_OP = {  # field -> is the value the no-op one
     "logit_bias": lambda v: not v, "best_of": lambda v: v == 1, "suffix": lambda v: not v,
@@ -148,8 +150,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
         repetition_penalty=_num(body, "repetition_penalty", 1.0), min_p=_num(body, "min_p", 0.0),
         min_tokens=_get(body, "min_tokens", int, 0),
-        # echo with logprobs: the prompt's too (vLLM's prompt_logprobs), with as many top ones
-        prompt_logprobs=logprobs if echo else None,
+        # echo with logprobs: the prompt's too, with as many top ones; or vLLM's own field
+        prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None),
     )
     if n > 1 and params.seed is not None and params.seed > 2**63 - n:  # sample i takes seed + i
         raise BadRequest(f"seed must be at most 2**63 - n ({2**63 - n}) with n = {n}: sample i uses seed + i; "
@@ -172,7 +174,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     _get(body, "user", str, None)  # accepted (an end-user id), and checked
     return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
-               cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo, echo_only=echo_only)
+               cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo, echo_only=echo_only,
+               prompt_logprobs=body.get("prompt_logprobs") is not None)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -190,6 +193,14 @@ def _logprobs(body: dict, chat: bool) -> int | None:
         raise BadRequest(f"{'top_logprobs' if chat else 'logprobs'} must be in [0, 20], got {n}",
                          "top_logprobs" if chat else "logprobs")
     return n
+
+
+def _prompt_logprobs(body: dict, echoed: int | None) -> int | None:
+    """vLLM's prompt_logprobs (top k, 0 to 20), or echo with logprobs' k; the larger of both."""
+    k = _get(body, "prompt_logprobs", int, None)
+    if k is not None and not 0 <= k <= 20:
+        raise BadRequest(f"prompt_logprobs must be in [0, 20], got {k}", "prompt_logprobs")
+    return echoed if k is None else k if echoed is None else max(k, echoed)
 
 
 def _prompts(p) -> tuple:

@@ -545,6 +545,18 @@ def test_echo_starts_each_choice_with_its_prompt(real_server):
     assert chunks[0].choices[0].text == "hello" and streamed == lp.token_logprobs
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    # vLLM's own prompt_logprobs field: per prompt token None (the first) or {id: {logprob, rank,
+    # decoded_token}}, the same numbers as echo's
+    got = client.completions.create(model="tiny", prompt="hello", max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 1, "ignore_eos": True})
+    plp = got.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == 5
+    for row, tok, lp_ in zip(plp[1:], "ello", lp.token_logprobs[1:5]):
+        mine = next(v for v in row.values() if v["decoded_token"] == tok)
+        assert mine["logprob"] == pytest.approx(lp_) and sorted(v["rank"] for v in row.values() if v["rank"]) == [1]
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, "prompt_logprobs": 0,
+                                                          "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 2  # the conversation's, once
 
 
 def test_streamed_logprobs_count_text_offsets_from_the_start(real_server):
