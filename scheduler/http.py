@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import math
 import secrets
-import sys
 import time
-from datetime import datetime, timezone
 from functools import partial
 
 import attrs
@@ -27,6 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .openai_protocol import BadRequest, Job, parse_body, parse_completion
+from .openai_output import logprobs_json, prompt_logprobs_json, usage
 from .policy.request import RequestError
 from .prom import ServerMetrics, merge_exposition
 
@@ -179,45 +178,6 @@ def make_app(servers: Server | list[Server]) -> Starlette:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ], exception_handlers={HTTPException: http_error})
-
-
-class AccessLog:
-    """ASGI middleware: one line per HTTP request, written once it has ended, to ``out``
-    (stdout by default): client, request line, status, body bytes, seconds. A request whose
-    client went away before a response started is logged with status 499."""
-
-    def __init__(self, app, out=None, *, json_lines: bool = False):
-        self.app, self.out, self.json_lines = app, out, json_lines  # json_lines: one JSON object a line
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status, size = time.perf_counter(), 499, 0
-
-        async def sending(message) -> None:
-            nonlocal status, size
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                size += len(message.get("body", b""))
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            host, port = scope.get("client") or ("-", 0)
-            path = scope["path"] + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
-            seconds = time.perf_counter() - start
-            if self.json_lines:
-                line = _JSON.encode({"event": "access", "client": f"{host}:{port}", "method": scope["method"],
-                                     "path": path, "status": status, "bytes": size, "duration_s": round(seconds, 6),
-                                     "level": "info",  # as the structlog lines are keyed and stamped
-                                     "timestamp": datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")}
-                                    ).decode()
-            else:
-                line = (f'{host}:{port} - "{scope["method"]} {path} HTTP/{scope.get("http_version", "1.1")}" '
-                        f"{status} {size} {seconds:.3f}s")
-            print(line, file=self.out or sys.stdout, flush=True)
 
 
 def _tokenizer(server: Server):
@@ -384,7 +344,7 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
     for i, f in enumerate(finals):
         text = (job.echoes[i // job.n] if job.echo else "") + "".join(texts[i])
         reason = "length" if job.echo_only else _finish_reason(f.finish_reason)  # (its one token unasked for)
-        lp = _logprobs_json(server, lps[i], job) if job.params.logprobs is not None else None
+        lp = logprobs_json(server.engine.tokenizer, lps[i], job.chat) if job.params.logprobs is not None else None
         stop = None if job.echo_only else f.stop_reason  # vLLM's: the stop string or token id that ended it
         if job.chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
@@ -392,67 +352,12 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         else:
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
             if job.prompt_logprobs:
-                choices[-1]["prompt_logprobs"] = _prompt_logprobs_json(server, prompt_rows[i])
+                choices[-1]["prompt_logprobs"] = prompt_logprobs_json(server.engine.tokenizer, prompt_rows[i])
     body = {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": int(time.time()),
-            "model": server.model_name, "choices": choices, "usage": _usage(finals, job)}
+            "model": server.model_name, "choices": choices, "usage": usage(finals, job)}
     if job.chat and job.prompt_logprobs:  # vLLM's: the conversation's, once
-        body["prompt_logprobs"] = _prompt_logprobs_json(server, prompt_rows[0])
+        body["prompt_logprobs"] = prompt_logprobs_json(server.engine.tokenizer, prompt_rows[0])
     return Response(_JSON.encode(body), media_type="application/json")
-
-
-def _logprobs_json(server: Server, rows: list, job: Job, offset: int = 0) -> dict:
-    """OpenAI's shapes: chat's ``content`` list, or completions' parallel lists, whose
-    ``text_offset`` counts from ``offset`` (a stream's: the tokens' text before this chunk)."""
-    tok = server.engine.tokenizer
-
-    def text(t: int) -> str:
-        return tok.decode([t]) if tok is not None else str(t)
-
-    if job.chat:
-        return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
-                             "top_logprobs": [{"token": text(u), "logprob": v, "bytes": list(text(u).encode())}
-                                              for u, v in top]} for t, lp, top in rows]}
-    offsets, pos = [], offset
-    for t, _, _ in rows:
-        offsets.append(pos)
-        pos += len(text(t))
-    # As OpenAI's: the sampled token is always among top_logprobs (up to logprobs + 1 entries);
-    # an echoed prompt's first token has neither (None, as vLLM's).
-    tops = [None if lp is None else
-            {**{text(u): v for u, v in top}, **({} if text(t) in {text(u) for u, _ in top} else {text(t): lp})}
-            for t, lp, top in rows]
-    return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
-            "top_logprobs": tops, "text_offset": offsets}
-
-
-def _prompt_logprobs_json(server: Server, rows: list | None) -> list | None:
-    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the token and the top ones (rank: 1 for the most likely; the token's
-    own where it is among them, else null)."""
-    if rows is None:
-        return None
-    tok = server.engine.tokenizer
-
-    def text(t: int) -> str:
-        return tok.decode([t]) if tok is not None else str(t)
-
-    out = []
-    for t, lp, top in (r[:3] for r in rows):
-        if lp is None:
-            out.append(None)
-            continue
-        ranks = {u: j + 1 for j, (u, _) in enumerate(top)}
-        entry = {str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": text(t)}}
-        for u, v in top:
-            entry.setdefault(str(u), {"logprob": v, "rank": ranks[u], "decoded_token": text(u)})
-        out.append(entry)
-    return out
-
-
-def _usage(finals: list, job: Job) -> dict:
-    prompt = sum(f.num_prompt_tokens for f in finals[::job.n])
-    completion = 0 if job.echo_only else sum(f.num_output_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _record(server: Server, out) -> None:
@@ -511,7 +416,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
     def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None, stop=None) -> dict:
         lp = None
         if rows is not None:
-            lp = _logprobs_json(server, rows, job, offsets[i])
+            lp = logprobs_json(server.engine.tokenizer, rows, job.chat, offsets[i])
             if not job.chat and lp["tokens"]:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if job.chat:
@@ -533,7 +438,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                 return
             c = choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs, stop=out.stop_reason)
             if job.prompt_logprobs and out.prompt_logprobs is not None:  # vLLM's field, with the first delta
-                c["prompt_logprobs"] = _prompt_logprobs_json(server, out.prompt_logprobs)
+                c["prompt_logprobs"] = prompt_logprobs_json(server.engine.tokenizer, out.prompt_logprobs)
             emit(chunk([c]))
 
         if job.chat:
@@ -550,7 +455,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
             emit(b"data: " + _JSON.encode({"error": {"message": _CUT, "type": "service_unavailable", "param": None,
                                                      "code": None}}) + b"\n\n")
         if job.include_usage and all(f is not None for f in finals):
-            emit(chunk([], _usage(finals, job)))
+            emit(chunk([], usage(finals, job)))
         emit(b"data: [DONE]\n\n")
 
     return SSEResponse(produce)

@@ -297,7 +297,8 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
     from hypercorn.trio import serve as hypercorn_serve
 
     from lockstep.api import open_engine
-    from lockstep.http import AccessLog, Server, make_app
+    from lockstep.access_log import AccessLog
+    from lockstep.http import Server, make_app
 
     async with contextlib.AsyncExitStack() as stack:
         servers = []
