@@ -72,6 +72,9 @@ class LogitsRules(msgspec.Struct, frozen=True):
     min_p: float = 0.0
     min_tokens: int = 0
     suppress: list[int] = []  # ids masked until min_tokens outputs: end of sequence, stop tokens
+    bias_ids: list[int] = []  # logit_bias: ids and what is added to their logits
+    bias: list[float] = []
+    allowed: list[int] = []  # allowed_token_ids (empty: any)
 
 
 class NewRequests(msgspec.Struct, frozen=True):

@@ -1,5 +1,7 @@
-"""Logits processing before sampling, per request, as vLLM's: min_tokens, the repetition,
-frequency and presence penalties, and min_p (``LogitsRules``, sent with ``NewRequests``).
+"""Logits processing before sampling, per request, as vLLM's: allowed_token_ids, logit_bias,
+min_tokens, the repetition, frequency and presence penalties, and min_p, in that order
+(``LogitsRules``, sent with ``NewRequests``). A request's allowed ids and biases go to the
+device once, when it arrives; a step gathers those of its rows.
 
 Penalties count a request's output tokens, per slot, in a (slots, vocab) table on the
 runtime's device: a sampled token is counted there right after it is drawn (the next step,
@@ -49,6 +51,8 @@ class LogitsProcessors:
         self.owner = np.full(max_num_seqs, -1, np.int64)  # the request each row counts for
         self.counts: torch.Tensor | None = None  # (slots, vocab) int32, made for the first counted request
         self.seen: torch.Tensor | None = None  # (slots, vocab) bool: the prompt's ids (repetition penalty)
+        self.bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> (ids, biases) on the device
+        self.allowed: dict[int, torch.Tensor] = {}  # rid -> its allowed ids on the device
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -60,6 +64,12 @@ class LogitsProcessors:
         if rules.suppress and max(rules.suppress) >= self.vocab:  # ids it can never draw anyway
             rules = msgspec.structs.replace(rules, suppress=[t for t in rules.suppress if 0 <= t < self.vocab])
         self.rules[rid] = rules
+        if rules.bias_ids:
+            keep = [(t, b) for t, b in zip(rules.bias_ids, rules.bias) if 0 <= t < self.vocab]
+            self.bias[rid] = (to_device(np.array([t for t, _ in keep], np.int64), self.device),
+                              to_device(np.array([b for _, b in keep], np.float32), self.device))
+        if rules.allowed:
+            self.allowed[rid] = to_device(np.unique(np.array(rules.allowed, np.int64)), self.device)
         if rules.repetition_penalty != 1:
             self.prompts[rid] = prompt
         if _counts(rules):
@@ -73,6 +83,8 @@ class LogitsProcessors:
             if self.rules.pop(rid, None) is not None:
                 self.record.pop(rid, None)
                 self.prompts.pop(rid, None)
+                self.bias.pop(rid, None)
+                self.allowed.pop(rid, None)
                 self.owner[self.owner == rid] = -1
 
     def apply(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray,
@@ -95,6 +107,12 @@ class LogitsProcessors:
         counted = []  # (row, rules, slot, rid, output index of the token drawn) of counting requests
         narrow = []  # (row, min_p)
         held_rows, held_ids = [], []  # min_tokens not reached: the ids masked in each row
+        allow = [(j, self.allowed[rids[entries[j]]]) for j in rows if rids[entries[j]] in self.allowed]
+        if allow:
+            self._allow(x, allow)
+        biased = [(j, *self.bias[rids[entries[j]]]) for j in rows if rids[entries[j]] in self.bias]
+        if biased:
+            self._bias(x, biased)
         for j in rows:
             i = entries[j]
             r = self.rules[rids[i]]
@@ -200,6 +218,25 @@ class LogitsProcessors:
         y = x[rows]
         y = torch.where(used | self.seen[slots], torch.where(y > 0, y / rep, y * rep), y)
         x[rows] = y - freq * n - pres * used
+
+    def _allow(self, x: torch.Tensor, allow: list[tuple[int, torch.Tensor]]) -> None:
+        """Mask every id of each row but its allowed ones."""
+        dev = x.device
+        rows = to_device(np.array([j for j, _ in allow], np.int64), dev)
+        lens = [len(ids) for _, ids in allow]
+        at = to_device(np.repeat(np.arange(len(allow)), lens), dev)
+        ids = allow[0][1] if len(allow) == 1 else torch.cat([ids for _, ids in allow])
+        banned = torch.ones((len(allow), x.shape[-1]), dtype=torch.bool, device=dev)
+        banned.index_put_((at, ids), torch.zeros(len(ids), dtype=torch.bool, device=dev))
+        x[rows] = x[rows].masked_fill(banned, float("-inf"))
+
+    @staticmethod
+    def _bias(x: torch.Tensor, biased: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        lens = [len(ids) for _, ids, _ in biased]
+        rows = to_device(np.repeat(np.array([j for j, _, _ in biased], np.int64), lens), x.device)
+        ids = torch.cat([ids for _, ids, _ in biased])
+        add = torch.cat([b for _, _, b in biased]).to(x.dtype)
+        x.index_put_((rows, ids), add, accumulate=True)
 
     @staticmethod
     def _min_p(x: torch.Tensor, narrow: list[tuple[int, float]], temperature: np.ndarray) -> None:

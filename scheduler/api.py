@@ -109,8 +109,9 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}", field="cache_salt")
         if params.processes_logits and self.config.draft_model:
-            name = next(f for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
-                        if getattr(params, f) != getattr(SamplingParams(), f))
+            name = next(f for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
+                                    "logit_bias", "allowed_token_ids")
+                        if getattr(params, f) not in (getattr(SamplingParams(), f), {}))
             raise RequestError(f"{name} is not supported with speculative decoding (this engine runs draft model "
                                f"{self.config.draft_model!r}): leave it at its default", field=name)
         if params.prompt_logprobs is not None:
@@ -127,7 +128,8 @@ class Engine:
                                "stop_token_ids", field="stop")
         prompt = as_token_array(prompt)
         if not isinstance(prompt, str):
-            check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size)
+            check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size,
+                         eos_token_id=self.frontend.eos)
         rid = next(self._ids)
         stream = RequestStream(rid, len(prompt) if not isinstance(prompt, str) else 0, trio.current_time())
         return self._stream(Prompt(rid, prompt, params, stream, priority, cache_salt))

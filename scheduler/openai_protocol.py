@@ -76,10 +76,11 @@ def parse_body(raw: bytes) -> dict:
 # dropped silently); any other field is a 400.
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k",
            "seed", "stop_token_ids", "ignore_eos", "logprobs", "priority", "cache_salt", "user",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs"}
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs",
+           "logit_bias", "allowed_token_ids"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 _NO_OP = {  # field -> is the value the no-op one
-    "logit_bias": lambda v: not v, "best_of": lambda v: v == 1, "suffix": lambda v: not v,
+    "best_of": lambda v: v == 1, "suffix": lambda v: not v,
     # vLLM's extras at their defaults (clients built for vLLM send them)
     "include_stop_str_in_output": lambda v: v is False, "skip_special_tokens": lambda v: v is True,
     "spaces_between_special_tokens": lambda v: v is True, "use_beam_search": lambda v: v is False,
@@ -149,7 +150,9 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
         presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
         repetition_penalty=_num(body, "repetition_penalty", 1.0), min_p=_num(body, "min_p", 0.0),
-        min_tokens=_get(body, "min_tokens", int, 0),
+        min_tokens=_get(body, "min_tokens", int, 0), logit_bias=_logit_bias(body),
+        allowed_token_ids=tuple(_int_list(body, "allowed_token_ids")) if body.get("allowed_token_ids") is not None
+        else None,
         # echo with logprobs: the prompt's too, with as many top ones; or vLLM's own field
         prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None),
     )
@@ -294,6 +297,26 @@ def _int(name: str, v) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise BadRequest(f"{name} must be an integer, got {v!r}", name)
     return v
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's logit_bias: an object from token ids (JSON keys, so strings) to biases."""
+    v = body.get("logit_bias")
+    if not v:
+        return None
+    if not isinstance(v, dict):
+        raise BadRequest(f"logit_bias must be an object from token ids to numbers, got {v!r}", "logit_bias")
+    out = {}
+    for key, b in v.items():
+        try:
+            t = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys must be token ids (integers), got {key!r}", "logit_bias") from None
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise BadRequest(f"logit_bias values must be numbers in [-100, 100], got {b!r} for token {key}",
+                             "logit_bias")
+        out[t] = float(b)
+    return out
 
 
 def _int_list(body: dict, name: str) -> list[int]:

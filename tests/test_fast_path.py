@@ -302,6 +302,21 @@ def test_fast_path_penalties_follow_the_reference_path():
             np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5)
 
 
+def test_fast_path_logit_bias_and_allowed_ids_follow_the_reference_path():
+    """logit_bias and allowed_token_ids on the fast path: the reference path's choices,
+    which they change; logprobs stay the model's (as vLLM's: before processing)."""
+    ref = _runtime(fast=False)
+    fast = _runtime(fast=True, cuda_graphs="padded", compile=False)
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    (plain,) = _drive([_runtime(fast=False)], prompts, max_tokens=6)
+    first = sorted({int(t) for r in plain for t in r.token_ids[:1]})
+    processing = dict(logit_bias={t: -100 for t in first} | {40: 4.0}, allowed_token_ids=(40, 41, 42, 43, *first))
+    want, got = _drive([ref, fast], prompts, max_tokens=6, **processing)
+    toks = [r.token_ids.tolist() for r in want]
+    assert toks == [r.token_ids.tolist() for r in got]
+    assert all(set(t) <= {40, 41, 42, 43} for t in toks) and toks != [r.token_ids.tolist() for r in plain]
+
+
 def _async_run(rt, prompts, params, launch: bool) -> dict:
     """Serve through a core that plans step N+1 before step N's result (as the engine does),
     the runtime launching each step before the last one is finished (``launch``, as its

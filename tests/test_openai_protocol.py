@@ -28,7 +28,12 @@ def parse(body, chat=False):
     ({"prompt": [5], "temperature": float("inf")}, "temperature"),
     ({"prompt": [10**30]}, "prompt"),  # used to be a 500 (an OverflowError converting it)
     ({"prompt": [5], "bogus": 1}, "bogus"),
-    ({"prompt": [5], "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": [5], "logit_bias": {"x5": 10}}, "logit_bias"),
+    ({"prompt": [5], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": [5], "logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"prompt": [5], "logit_bias": [5]}, "logit_bias"),
+    ({"prompt": [5], "allowed_token_ids": [5, "6"]}, "allowed_token_ids"),
+    ({"prompt": [5], "allowed_token_ids": []}, "allowed_token_ids"),
     ({"prompt": [5], "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": [5], "repetition_penalty": "1.1"}, "repetition_penalty"),
     ({"prompt": [5], "min_tokens": 20, "max_tokens": 5}, "min_tokens"),
@@ -76,6 +81,9 @@ def test_vllm_logits_processing_fields_are_parsed():
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p, p.min_tokens) == (
         0.5, -1.0, 1.2, 0.05, 3) and p.processes_logits
     assert not parse({"prompt": [5]}).params.processes_logits
+    p = parse({"prompt": [5], "logit_bias": {"50": -100, "7": 2.5}, "allowed_token_ids": [7, 50, 9]}).params
+    assert p.logit_bias == {50: -100.0, 7: 2.5} and p.allowed_token_ids == (7, 50, 9) and p.processes_logits
+    assert not parse({"prompt": [5], "logit_bias": {}}).params.processes_logits
     # no max_tokens given: the default is capped at what the context leaves, but never below
     # min_tokens (the length check then refuses the prompt, as it would the default)
     job = parse({"prompt": [5], "min_tokens": 10})

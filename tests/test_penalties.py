@@ -1,12 +1,14 @@
-"""Logits processing as vLLM's (presence, frequency and repetition penalties, min_p,
-min_tokens) end to end: real runtime processes, the tiny torch model on CPU, greedy tokens
+"""Logits processing as vLLM's (allowed_token_ids, logit_bias, presence, frequency and
+repetition penalties, min_p, min_tokens) end to end: real runtime processes, the tiny torch model on CPU, greedy tokens
 checked against a reference that decodes one sequence alone and applies the rules written
 out here from their definitions. Also across preemptions (a recompute re-feeds the output,
 which must not count twice) and across a P/D hand-off (the decode side's first token was
 sampled by the prefill side)."""
 
+import attrs
 import numpy as np
 import pytest
+import trio
 
 from lockstep.api import open_engine
 from lockstep.engine.stops import StopStrings, feed_stop_strings
@@ -28,6 +30,10 @@ def processed(logits: np.ndarray, prompt, out: list[int], p: SamplingParams) -> 
     penalty and a negative one multiplied; an output token loses frequency x its count and
     presence once."""
     x = logits.copy()
+    if p.allowed_token_ids is not None:
+        x = np.where(np.isin(np.arange(len(x)), p.allowed_token_ids), x, -np.inf)
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
     if len(out) < p.min_tokens:
         x[list(p.stop_token_ids) + ([] if p.ignore_eos else [EOS])] = -np.inf
     counts = np.bincount(np.asarray(out, np.int64), minlength=len(x))
@@ -131,13 +137,61 @@ async def test_speculative_decoding_refuses_them_by_name():
         with pytest.raises(RequestError, match="frequency_penalty is not supported with speculative") as e:
             engine.generate(prompts()[0], SamplingParams(frequency_penalty=0.5))
         assert e.value.field == "frequency_penalty"
+        with pytest.raises(RequestError, match="logit_bias is not supported with speculative"):
+            engine.generate(prompts()[0], SamplingParams(logit_bias={5: 1.0}))
         with pytest.raises(RequestError, match="prompt_logprobs is not supported with speculative"):
             engine.generate(prompts()[0], SamplingParams(prompt_logprobs=0))
         got, _ = await collect(engine, prompts()[0], SamplingParams(max_tokens=3, temperature=0.0))
         assert len(got) == 3  # the engine serves on
 
 
+async def test_logit_bias_and_allowed_token_ids_match_the_reference():
+    """A ban (-100) on each prompt's first greedy token, a push (+100) on another token for
+    one request, and allowed ids for another, batched together with penalties."""
+    ps = prompts()[:4]
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    firsts = [reference(x, plain)[0] for x in ps]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={firsts[0]: -100.0}),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={7: 100, firsts[1]: -3.5}),
+        SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, allowed_token_ids=[11, 12, 13, firsts[2]],
+                       logit_bias={firsts[2]: -100}),
+        attrs.evolve(PENALIZED, max_tokens=8, logit_bias={firsts[3]: -100}, allowed_token_ids=(5, 9, 17, 200)),
+    ]
+    got = [None] * len(ps)
+
+    async def one(i):
+        got[i], _ = await collect(engine, ps[i], params[i])
+    async with open_engine(config(tokenizer=None)) as engine:
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+    want = [reference(x, p) for x, p in zip(ps, params)]
+    assert got == want
+    assert want[0][0] != firsts[0] and want[1] == [7] * 8 and set(want[2]) <= {11, 12, 13}
+    assert set(want[3]) <= {5, 9, 17, 200} and firsts[3] not in want[3]
+
+
+async def test_logit_bias_and_allowed_ids_outside_the_vocabulary_are_refused_by_name():
+    async with open_engine(config(tokenizer=None)) as engine:
+        vocab = engine.frontend.vocab_size
+        for kw, field in ((dict(logit_bias={vocab: 1.0}), "logit_bias"),
+                          (dict(allowed_token_ids=(3, vocab + 5)), "allowed_token_ids"),
+                          (dict(allowed_token_ids=(EOS,), min_tokens=2), "allowed_token_ids")):
+            with pytest.raises(RequestError, match=f"{field}") as e:
+                engine.generate(prompts()[0], SamplingParams(max_tokens=4, **kw))
+            assert e.value.field == field
+        with pytest.raises(RequestError, match=f"vocabulary of {vocab}"):
+            engine.generate(prompts()[0], SamplingParams(logit_bias={vocab: 1.0}))
+        got, _ = await collect(engine, prompts()[0], SamplingParams(max_tokens=3, temperature=0.0))
+        assert len(got) == 3  # the engine serves on
+
+
 @pytest.mark.parametrize("kw, field", [
+    (dict(logit_bias={5: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(logit_bias={"5": 1}), "logit_bias"), (dict(logit_bias=[(5, 1.0)]), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[3, -2]), "allowed_token_ids"), (dict(allowed_token_ids=5), "allowed_token_ids"),
     (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
     # a logit divided by 1e-40 overflowed float32: the runtime drew from NaNs and died

@@ -299,7 +299,9 @@ BODIES = st.fixed_dictionaries({
                              st.floats(0, 1e-20), st.just(1e308)),
     "top_p": st.one_of(st.floats(-1, 2), st.just(float("inf"))), "n": st.integers(-1, 20),
     "top_k": st.one_of(st.integers(-3, 5), st.integers(2**31, 2**100)),
-    "bogus": st.integers(), "logit_bias": st.one_of(st.just({}), st.just({"5": 1})),
+    "bogus": st.integers(), "logit_bias": st.one_of(st.just({}), st.just({"5": 1}), st.just({"x": 1}), st.just({"5": 500}),
+                                           st.just({"999999": -100}), st.integers()),
+    "allowed_token_ids": st.one_of(st.lists(st.integers(-2, 2**40), max_size=3), st.just([3]), st.text(max_size=2)),
     "stop_token_ids": st.one_of(st.lists(st.integers(-1, 2**40), max_size=2), st.integers()),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=10), st.integers()),
     "seed": st.one_of(st.integers(-3, 2**64), st.text(max_size=2)), "stream": st.booleans(),
@@ -415,6 +417,18 @@ def test_openai_client_completions_chat_and_errors(real_server):
                                      presence_penalty=0.2, extra_body={"repetition_penalty": 1.1, "min_p": 0.1,
                                                                        "min_tokens": 4})
     assert done.usage.completion_tokens == 4
+    # OpenAI's logit_bias (+100 all but forces a token) and vLLM's allowed_token_ids; ids
+    # outside the vocabulary are a 400 naming the field
+    forced = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,
+                                       logit_bias={str(ids[0]): 100}, logprobs=0, extra_body={"ignore_eos": True})
+    assert [t for t in forced.choices[0].logprobs.tokens] == [forced.choices[0].logprobs.tokens[0]] * 3
+    allowed = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=1.0, seed=3,
+                                        logprobs=0, extra_body={"ignore_eos": True, "allowed_token_ids": ids[:2]})
+    texts = {httpx.post(f"{url}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in ids[:2]}
+    assert set(allowed.choices[0].logprobs.tokens) <= texts
+    with pytest.raises(openai.BadRequestError, match="logit_bias") as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1, logit_bias={"99999999": 5})
+    assert e.value.body["param"] == "logit_bias"
     # vLLM's read-only routes, and unknown routes and methods as JSON errors
     assert httpx.get(f"{url}/v1/models/tiny").json()["id"] == "tiny"
     assert httpx.get(f"{url}/v1/models/nope").status_code == 404

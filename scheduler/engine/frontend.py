@@ -108,7 +108,7 @@ class Frontend:
             tokens = np.asarray(self.tokenizer.encode(p.prompt, add_bos=self.tokenizer.add_bos), dtype=np.int32)
         else:
             tokens = p.prompt
-        check_prompt(tokens, p.params, self.max_model_len, self.vocab_size, check_ids=False)
+        check_prompt(tokens, p.params, self.max_model_len, self.vocab_size, check_ids=False, eos_token_id=self.eos)
         # The token ids' range is checked inside the hashing pass: no extra pass over the prompt.
         hashes, acc = self.hasher.hash_prompt(tokens, p.cache_salt, vocab_size=self.vocab_size)
         return tokens, hashes, acc
@@ -162,7 +162,8 @@ def fill_max_tokens(p: Prompt, prompt_len: int, max_model_len: int) -> Prompt:
 
 
 def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int, *,
-                 check_ids: bool = True) -> None:
+                 check_ids: bool = True, eos_token_id: int = -1) -> None:
+    params.check_vocab(vocab_size, eos_token_id)
     if len(tokens) == 0:
         raise RequestError("prompt must hold at least one token", field="prompt")
     if len(tokens) >= max_model_len:  # whatever max_tokens says (a server may have filled it in)

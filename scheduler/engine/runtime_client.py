@@ -45,7 +45,9 @@ def new_requests(req: Request, outputs_in_prompt: int = 0) -> NewRequests:
             prompt_len=n, presence_penalty=float(p.presence_penalty), frequency_penalty=float(p.frequency_penalty),
             repetition_penalty=float(p.repetition_penalty), min_p=float(p.min_p),
             # the request's min_tokens less the outputs in its prompt, counted from n again
-            min_tokens=p.min_tokens + outputs_in_prompt if p.min_tokens else 0, suppress=stop)
+            min_tokens=p.min_tokens + outputs_in_prompt if p.min_tokens else 0, suppress=stop,
+            bias_ids=list(p.logit_bias or ()), bias=[float(b) for b in (p.logit_bias or {}).values()],
+            allowed=list(p.allowed_token_ids or ()))
     # Prompt logprobs are the prefill's: not a decode side's, whose prompt's KV arrives computed
     k = -1 if p.prompt_logprobs is None or outputs_in_prompt else p.prompt_logprobs
     n = req.prompt_len - outputs_in_prompt  # the prompt proper, sent once for either reader

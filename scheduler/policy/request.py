@@ -41,6 +41,12 @@ class RequestError(ValueError):
 
 INT32_MAX = 2**31 - 1
 MAX_N = 128  # samples per prompt
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _is_int(v) -> bool:
@@ -78,6 +84,11 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     min_tokens: int = 0
+    # Added to the logits of the token ids given, before the rest (OpenAI's logit_bias: -100
+    # bans a token, 100 all but forces it); allowed_token_ids: every other id is masked (vLLM's).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v)
     # The prompt's log-probabilities (each prompt token's after the first, and the top k),
     # as vLLM's prompt_logprobs; such a request computes its whole prompt (no prefix-cache
     # hits, as in vLLM).
@@ -90,7 +101,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether a runtime must change the logits before sampling for this request."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.min_p or self.min_tokens)
+                    or self.min_p or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None)
 
     def validate(self) -> None:
         """Every field's type and range, so that nothing accepted here fails later in the
@@ -143,6 +154,31 @@ class SamplingParams:
         if not (_is_int(self.min_tokens) and 0 <= self.min_tokens <= (self.max_tokens or INT32_MAX)):
             raise RequestError(f"min_tokens must be an integer in [0, max_tokens ({self.max_tokens})], "
                                f"got {self.min_tokens!r}", field="min_tokens")
+        bias = self.logit_bias
+        if bias is not None and not (isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS and all(
+                _is_int(t) and 0 <= t <= INT32_MAX and _is_num(b) and -100 <= b <= 100 for t, b in bias.items())):
+            raise RequestError(f"logit_bias must be None or a dict of at most {MAX_LOGIT_BIAS} token ids (integers "
+                               f"in [0, 2**31 - 1]) to biases (numbers in [-100, 100]), got {_short(bias)}",
+                               field="logit_bias")
+        ids = self.allowed_token_ids
+        if ids is not None and not (isinstance(ids, tuple) and ids and all(
+                _is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
+            raise RequestError(f"allowed_token_ids must be None or a non-empty tuple (or list) of integers in "
+                               f"[0, 2**31 - 1], got {_short(ids)}", field="allowed_token_ids")
+
+    def check_vocab(self, vocab_size: int, eos_token_id: int = -1) -> None:
+        """The token ids of logit_bias and allowed_token_ids against the model's vocabulary
+        and end-of-sequence id (known to the engine, not here)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids)):
+            out = sorted(t for t in ids or () if t >= vocab_size)
+            if out:
+                raise RequestError(f"{name} holds token ids outside the model's vocabulary of {vocab_size}: "
+                                   f"{out[:8]}{' ...' if len(out) > 8 else ''}", field=name)
+        held = set(self.stop_token_ids) | ({eos_token_id} if eos_token_id >= 0 and not self.ignore_eos else set())
+        if self.min_tokens and self.allowed_token_ids and held.issuperset(self.allowed_token_ids):
+            raise RequestError(f"allowed_token_ids {_short(self.allowed_token_ids)} are all stop or end-of-sequence "
+                               f"ids, which min_tokens ({self.min_tokens}) holds off: no token could be drawn",
+                               field="allowed_token_ids")
 
 
 @attrs.define(eq=False, slots=True)
