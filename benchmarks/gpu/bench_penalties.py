@@ -1,5 +1,5 @@
-"""Logits processing on the GPU (penalties, min_p, min_tokens): what it costs a decode step
-through the whole engine.
+"""Logits processing on the GPU (penalties, min_p, min_tokens, logit_bias, allowed_token_ids):
+what it costs a decode step through the whole engine.
 
 The v2-lite shape (random weights, bf16) on one GPU through ``open_engine`` (runtime
 process, fast path, CUDA graphs, steps launched one ahead): --batch requests of 512-token
@@ -8,7 +8,9 @@ output tokens per second of wall time from the first token to the last (the deco
 the median of --repeat rounds), and its ratio to the plain setting of the same sampling
 mode measured in the same run:
 - greedy; greedy with repetition 1.1, frequency 0.2 and presence 0.2 on every request;
-- sampled (temperature 1, top-p 0.95); the same with min_p 0.05; with min_tokens (= --tokens).
+  greedy with a logit_bias of 32 random ids (-100 to 100) on every request;
+- sampled (temperature 1, top-p 0.95); the same with min_p 0.05; with min_tokens (= --tokens);
+  with 1,000 random allowed_token_ids on every request.
 That steps launched ahead count as steps run whole do is tests/test_fast_path.py's
 test_penalties_count_alike_with_steps_launched_ahead (the same plans, so the same kernels:
 two engines would batch differently, and bf16 near-ties then go either way).
@@ -41,16 +43,21 @@ from lockstep.policy.request import SamplingParams  # noqa: E402
 PEN = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)
 
 
-def settings(tokens: int) -> dict[str, tuple[str, SamplingParams]]:
+def settings(tokens: int, vocab: int) -> dict[str, tuple[str, SamplingParams]]:
     g = dict(max_tokens=tokens, ignore_eos=True)
     s = dict(g, temperature=1.0, top_p=0.95, seed=None)
+    rng = np.random.default_rng(1)
+    bias = {int(t): float(b) for t, b in zip(rng.choice(vocab, 32, replace=False), rng.uniform(-100, 100, 32))}
+    allowed = tuple(int(t) for t in rng.choice(vocab, min(1000, vocab // 2), replace=False))
     return {
         "greedy": ("greedy", SamplingParams(temperature=0.0, **g)),
         "greedy + penalties": ("greedy", SamplingParams(temperature=0.0, **g, **PEN)),
+        "greedy + logit_bias (32 ids)": ("greedy", SamplingParams(temperature=0.0, **g, logit_bias=bias)),
         "sampled": ("sampled", SamplingParams(**s)),
         "sampled + min_p 0.05": ("sampled", SamplingParams(**s, min_p=0.05)),
         # every token must not be the end of sequence: its logit masked on every step
         "sampled + min_tokens": ("sampled", SamplingParams(**dict(s, ignore_eos=False), min_tokens=tokens)),
+        "sampled + allowed_token_ids (1,000)": ("sampled", SamplingParams(**s, allowed_token_ids=allowed)),
     }
 
 
@@ -87,7 +94,7 @@ async def main_async(args) -> None:
     async with open_engine(config(args)) as engine:
         await round_(engine, prompts[:4], SamplingParams(max_tokens=8, temperature=0.0))  # warm up
         base = {}
-        for name, (mode, params) in settings(args.tokens).items():
+        for name, (mode, params) in settings(args.tokens, vocab).items():
             rates = []
             for _ in range(args.repeat):
                 rate, toks = await round_(engine, prompts, params)
@@ -101,6 +108,10 @@ async def main_async(args) -> None:
     changed = sum(a != b for a, b in zip(tokens["greedy"], tokens["greedy + penalties"]))
     rows.append({"setting": "requests whose tokens the penalties changed", "batch": args.batch,
                  "decode_tok_s": 0.0, "vs_plain": float(changed)})
+    allowed = set(settings(args.tokens, vocab)["sampled + allowed_token_ids (1,000)"][1].allowed_token_ids)
+    outside = sum(t not in allowed for toks in tokens["sampled + allowed_token_ids (1,000)"] for t in toks)
+    rows.append({"setting": "tokens drawn outside allowed_token_ids (must be 0)", "batch": args.batch,
+                 "decode_tok_s": 0.0, "vs_plain": float(outside)})
     pen = next(r for r in rows if r["setting"] == "greedy + penalties")
     emit("bench_penalties", rows, {
         "metric": f"penalized greedy decode throughput / plain greedy, {args.model} {args.dtype}, batch {args.batch}",
