@@ -19,8 +19,8 @@ def add_parser(sub) -> None:
     g.add_argument("--seed", type=int, help="sampling seed (a fixed seed repeats the same answer)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="in (0, 2]: a prompt or output token's positive logit divided by it, a negative one "
-                        "multiplied; 1: off")
+                   help="in [0.0001, 10000]: a prompt or output token's positive logit divided by it, a negative "
+                        "one multiplied; 1: off")
     g.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="in [-2, 2]: subtracted from a token's logit per time it was generated")
     g.add_argument("--presence-penalty", type=float, default=0.0,
@@ -28,7 +28,26 @@ def add_parser(sub) -> None:
     g.add_argument("--min-p", type=float, default=0.0,
                    help="in [0, 1]: drop tokens less likely than this times the most likely one")
     g.add_argument("--min-tokens", type=int, default=0, help="no end of sequence or stop before this many tokens")
+    g.add_argument("--logit-bias", action="append", default=[], type=_bias, metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 bans it)")
+    g.add_argument("--allowed-token-ids", type=_ids, metavar="ID,ID,...",
+                   help="draw only these token ids (every other is masked)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+
+def _bias(text: str) -> tuple[int, float]:
+    tid, sep, bias = text.partition("=")
+    try:
+        return int(tid), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (an integer token id, a number), got {text!r}") from None
+
+
+def _ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integer token ids, got {text!r}") from None
 
 
 def add_engine_flags(p) -> None:
@@ -94,7 +113,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
-                            presence_penalty=args.presence_penalty, min_p=args.min_p, min_tokens=args.min_tokens)
+                            presence_penalty=args.presence_penalty, min_p=args.min_p, min_tokens=args.min_tokens,
+                            logit_bias=dict(args.logit_bias) or None, allowed_token_ids=args.allowed_token_ids)
     params.validate()
     config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                           dep=args.dep, eplb=eplb_config(args), **pd_options(args))

@@ -34,6 +34,16 @@ def test_bad_input_raised_inside_the_engine_is_one_line(capsys):
     assert err.startswith("lockstep generate: error: prompt") and "context" in err and "Traceback" not in err
 
 
+def test_generate_takes_logit_bias_and_allowed_ids_and_names_bad_ones(capsys):
+    assert main(["generate", "--max-tokens", "3", "--logit-bias", "7=100", "--allowed-token-ids", "7,8", "hi"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # argparse's own error: the flag and the form it takes
+        main(["generate", "--logit-bias", "7", "hi"])
+    assert "--logit-bias: expected ID=BIAS" in capsys.readouterr().err
+    assert main(["generate", "--logit-bias", "999999=1", "hi"]) == 2
+    assert "logit_bias holds token ids outside the model's vocabulary" in capsys.readouterr().err
+
+
 def test_serve_takes_the_models_context_and_refuses_more(capsys):
     from lockstep.serve_cli import engine_config
 
