@@ -26,7 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import emit  # noqa: E402
 
-from lockstep.policy.deployment import UNTUNED_HOST, HostSpec, load_deployment  # noqa: E402
+from lockstep.policy.deployment import UNTUNED_HOST, HostSpec  # noqa: E402
+from lockstep.policy.deployment_file import load_deployment  # noqa: E402
 from lockstep.sim.cost import AnalyticCost, StepLoad  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

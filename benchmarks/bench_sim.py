@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import emit  # noqa: E402
 
-from lockstep.policy.deployment import load_deployment
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.sim.simulator import Simulator
 from lockstep.sim.traces import read_trace
 

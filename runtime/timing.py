@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from lockstep.policy.deployment import default_deployment, load_deployment
+from lockstep.policy.deployment_file import default_deployment, load_deployment
 from lockstep.policy.step import StepPlan, StepResult
 from lockstep.sim.cost import AnalyticCost
 from lockstep.sim.load import plan_load

@@ -97,7 +97,7 @@ def engine_configs(args) -> list[tuple[str, object]]:
         return [(args.served_model_name or args.model, attrs.evolve(engine_config(args),
                                                                     start_timeout_s=args.start_timeout))]
     from lockstep.engine.config import EngineConfig
-    from lockstep.policy.deployment import load_deployment
+    from lockstep.policy.deployment_file import load_deployment
 
     _no_engine_flags(args)
     dep = load_deployment(args.deployment)
@@ -134,7 +134,7 @@ def engine_config(args):
     from lockstep.policy.config import SchedulerConfig
 
     if args.deployment:
-        from lockstep.policy.deployment import load_deployment
+        from lockstep.policy.deployment_file import load_deployment
         return EngineConfig.from_deployment(load_deployment(args.deployment))
 
     from lockstep.engine.config import model_context

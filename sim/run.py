@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lockstep.policy.config import ConfigError
-from lockstep.policy.deployment import Deployment, default_deployment, load_deployment
+from lockstep.policy.deployment import Deployment
+from lockstep.policy.deployment_file import default_deployment, load_deployment
 
 from .report import plot, print_table, write_json
 from .simulator import Simulator

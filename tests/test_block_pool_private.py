@@ -18,7 +18,7 @@ from test_core import FAST, Spec, check_outcome, drive, same_schedule, workloads
 
 from lockstep.policy.block_pool import BlockPool
 from lockstep.policy.config import SchedulerConfig
-from lockstep.policy.deployment import load_deployment
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.policy.hashing import BlockHasher
 from lockstep.sim import prompts as prompts_module
 from lockstep.sim.simulator import Simulator

@@ -8,12 +8,9 @@ import attrs
 import pytest
 
 from lockstep.policy.config import ConfigError, SchedulerConfig
-from lockstep.policy.deployment import (
-    DEFAULT_DEPLOYMENT_TOML,
-    Deployment,
-    default_deployment,
-    deployment_from_dict,
-    load_deployment,
+from lockstep.policy.deployment import Deployment
+from lockstep.policy.deployment_file import (
+    DEFAULT_DEPLOYMENT_TOML, default_deployment, deployment_from_dict, load_deployment,
 )
 
 EXAMPLES = Path(__file__).parents[1] / "examples"

@@ -16,7 +16,7 @@ from lockstep.engine.pacing import StepTime
 from lockstep.engine.runtime_client import RuntimeClient
 from lockstep.engine.scheduler import Scheduler, Submit
 from lockstep.policy.core import SchedulerCore
-from lockstep.policy.deployment import load_deployment
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.policy.request import Request, SamplingParams
 from lockstep.runtime.base import RuntimeSpec
 from lockstep.sim.simulator import Simulator

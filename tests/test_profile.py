@@ -11,7 +11,7 @@ import pytest
 
 from lockstep.cli import main
 from lockstep.policy.config import ConfigError
-from lockstep.policy.deployment import load_deployment
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.sim.profile import Grid, ProfiledCost, load_profile, step_mix
 from lockstep.sim.simulator import Simulator
 from lockstep.sim.traces import agentic_workload

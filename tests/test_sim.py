@@ -9,11 +9,8 @@ import numpy as np
 import pytest
 
 from lockstep.cli import main
-from lockstep.policy.deployment import (
-    DEFAULT_DEPLOYMENT_TOML,
-    default_deployment,
-    deployment_from_dict,
-    load_deployment,
+from lockstep.policy.deployment_file import (
+    DEFAULT_DEPLOYMENT_TOML, default_deployment, deployment_from_dict, load_deployment,
 )
 from lockstep.sim.simulator import Simulator
 from lockstep.sim.traces import TraceRequest, agentic_workload, read_trace

@@ -21,7 +21,7 @@ from lockstep.policy.block_pool import HostTier
 from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.core import SchedulerCore
 from lockstep.policy.config import ConfigError
-from lockstep.policy.deployment import load_deployment
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.policy.hashing import BlockHasher
 from lockstep.policy.request import FinishReason, Request, SamplingParams
 from lockstep.policy.step import StepResult

@@ -8,7 +8,7 @@ import pytest
 
 from lockstep.cli import main
 from lockstep.policy.config import ConfigError
-from lockstep.policy.deployment import deployment_from_dict, load_deployment
+from lockstep.policy.deployment_file import deployment_from_dict, load_deployment
 from lockstep.sim.link import Link, descriptors
 from lockstep.sim.simulator import Simulator
 from lockstep.sim.traces import TraceRequest, read_trace

@@ -9,7 +9,7 @@ import pytest
 
 from lockstep.cli import main
 from lockstep.policy.config import ConfigError
-from lockstep.policy.deployment import deployment_from_dict, load_deployment
+from lockstep.policy.deployment_file import deployment_from_dict, load_deployment
 from lockstep.policy.step import PLACEHOLDER
 from lockstep.sim.run import with_spec_tokens
 from lockstep.sim.simulator import Simulator

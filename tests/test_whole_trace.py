@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.policy.deployment import load_deployment
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.sim.simulator import Simulator
 from lockstep.sim.traces import read_trace
 

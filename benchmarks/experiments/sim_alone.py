@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 
 from lockstep.policy.core import SchedulerCore
-from lockstep.policy.deployment import load_deployment
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.sim.simulator import Simulator
 from lockstep.sim.traces import read_trace
 

@@ -180,7 +180,7 @@ class EngineConfig:
         the configs, before any weights load."""
         name = self.draft_model
         if self.runtime == "timing":  # it prices its deployment's [speculative] draft, whatever the name
-            from lockstep.policy.deployment import default_deployment, load_deployment
+            from lockstep.policy.deployment_file import default_deployment, load_deployment
 
             path = self.runtime_options.get("deployment")
             dep = load_deployment(path) if path else default_deployment()
