@@ -76,6 +76,7 @@ class Completion:
     prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs (RequestOutput's)
     stop_reason: str | int | None = None  # RequestOutput's
     samples: tuple = ()  # with SamplingParams.n > 1: every sample (this one's fields are the first's)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (RequestOutput's)
 
     @property
     def outputs(self) -> tuple:
@@ -428,4 +429,5 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
         last = out
     return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
                       last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s,
-                      lps if last.logprobs is not None else None, prompt, last.stop_reason)
+                      lps if last.logprobs is not None else None, prompt, last.stop_reason,
+                      num_cached_tokens=last.num_cached_tokens)

@@ -57,4 +57,6 @@ def prompt_logprobs_json(tokenizer, rows: list | None) -> list | None:
 def usage(finals: list, job: Job) -> dict:
     prompt = sum(f.num_prompt_tokens for f in finals[::job.n])
     completion = 0 if job.echo_only else sum(f.num_output_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum(f.num_cached_tokens for f in finals[::job.n])  # OpenAI's: prompt tokens from the cache
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

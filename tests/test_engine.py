@@ -123,6 +123,20 @@ async def test_stream_deltas_finish_reason_counts_and_text():
     assert sum(len(o.token_ids) for o in outs) == 6
 
 
+async def test_outputs_report_the_prompt_tokens_served_from_the_prefix_cache():
+    """vLLM's num_cached_tokens: 0 for a prompt seen first, the hit (whole blocks) after."""
+    prompt = prompts()[2]  # 150 tokens: 9 whole blocks of 16
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    async with open_engine(config(tokenizer=None)) as engine:
+        first = await engine.complete(prompt, params)
+        hits = engine.statistics().prefix_hits
+        outs = [o async for o in engine.generate(prompt, params)]
+        again = await engine.complete(prompt, params)
+        assert first.num_cached_tokens == 0
+        assert {o.num_cached_tokens for o in outs} == {144} and again.num_cached_tokens == 144
+        assert engine.statistics().prefix_hits - hits == 2 * 144
+
+
 async def test_stop_token_ids_end_the_request_early():
     async with open_engine(config(tokenizer=None)) as engine:
         full, _ = await collect(engine, prompts()[1], GREEDY)

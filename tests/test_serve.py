@@ -417,6 +417,11 @@ def test_openai_client_completions_chat_and_errors(real_server):
                                      presence_penalty=0.2, extra_body={"repetition_penalty": 1.1, "min_p": 0.1,
                                                                        "min_tokens": 4})
     assert done.usage.completion_tokens == 4
+    # OpenAI's usage.prompt_tokens_details.cached_tokens: the prompt's whole blocks seen before
+    long = " ".join(f"w{i}" for i in range(60))
+    once, twice = (client.completions.create(model="tiny", prompt=long, max_tokens=1) for _ in range(2))
+    assert once.usage.prompt_tokens_details.cached_tokens == 0
+    assert 0 < twice.usage.prompt_tokens_details.cached_tokens <= twice.usage.prompt_tokens
     # OpenAI's logit_bias (+100 all but forces a token) and vLLM's allowed_token_ids; ids
     # outside the vocabulary are a 400 naming the field
     forced = client.completions.create(model="tiny", prompt="hello", max_tokens=3, temperature=0,

@@ -378,6 +378,9 @@ class Scheduler:
                 s = self.streams.get(rid)
                 if s is not None:
                     s.scheduled_at = now
+                    req = self.core.requests.get(rid)  # admitted: its prefix-cache hit is known
+                    if req is not None and req.num_cached_tokens > 0:
+                        s.num_cached_tokens = req.num_cached_tokens
 
     def _note_placement(self, plan: StepPlan, result: StepResult) -> None:
         """The runtime's ready placement goes into the next DP sync; the step's expert
