@@ -41,6 +41,7 @@ class LLM:
     start, raises here."""
 
     def __init__(self, model: str = "tiny", **config):
+        _not_in_trio("LLM()")
         self.config = _llm_config(model, config)
         self._runner = _Runner(self.config)
         self._finalizer = weakref.finalize(self, self._runner.close)  # also at the interpreter's exit
@@ -55,11 +56,16 @@ class LLM:
         """Stop the engine: runtime processes and shared memory released; idempotent."""
         self._finalizer()
 
-    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
         """One Completion per prompt (text, token ids, or a list of either), all run
-        concurrently; ``params``: one SamplingParams for all, or one per prompt. A bad one
-        raises RequestError naming the field (and, in a batch, the prompt's index); a
-        KeyboardInterrupt aborts every request of the call."""
+        concurrently; ``params`` (or vLLM's name, ``sampling_params``): one SamplingParams for
+        all, or one per prompt. A bad one raises RequestError naming the field (and, in a
+        batch, the prompt's index); a KeyboardInterrupt aborts every request of the call."""
+        if sampling_params is not None:
+            if params is not None:
+                raise TypeError("give params or sampling_params (vLLM's name for it), not both")
+            params = sampling_params
         single = not isinstance(prompts, (list, tuple, np.ndarray)) or (  # text, a dict, or bad input
             isinstance(prompts, np.ndarray) and prompts.ndim == 1) or (
             len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
@@ -161,6 +167,7 @@ class _Runner:
                 await trio.sleep_forever()
 
     def call(self, fn, *args):
+        _not_in_trio("LLM.generate")
         if self._closed:
             raise RuntimeError("this LLM is closed")
         if not self._thread.is_alive():
@@ -201,11 +208,18 @@ class _Runner:
         atexit.unregister(self.close)
         while self._token is None and self._thread.is_alive():  # the run is only beginning
             time.sleep(0.001)
-        if self._token is not None:
+        if self._token is not None:  # (from any thread, a trio run's too: nothing is awaited)
             with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
+                self._token.run_sync_soon(self._scope.cancel)
         if self._thread.ident is not None:  # (interrupted before it started: nothing to wait for)
             self._thread.join()
+
+
+def _not_in_trio(what: str) -> None:
+    if trio.lowlevel.in_trio_run():  # it would block the run's loop while the engine works
+        raise RuntimeError(f"{what} is the synchronous API and this is a trio run: there, use `async with "
+                           "lockstep.api.open_engine(config) as engine` (engine.generate, engine.complete), or "
+                           "call the LLM from a worker thread (trio.to_thread.run_sync)")
 
 
 def _plain(e: BaseException) -> BaseException:

@@ -436,6 +436,25 @@ def test_sync_llm_keeps_one_engine_across_calls_and_releases_it_on_close():
         llm.generate("a")
 
 
+def test_sync_llm_inside_a_trio_run_says_what_to_use_and_still_closes():
+    """Its calls would block the run's loop: refused, naming the async API; a close from
+    there stops the engine (it used to fail half-way and leave the runtimes running)."""
+    procs = descendant_pids()
+    llm = LLM("tiny", dtype="float64")
+    assert llm.generate("a", sampling_params=SamplingParams(max_tokens=2))  # vLLM's keyword
+
+    async def inside():
+        with pytest.raises(RuntimeError, match="synchronous API and this is a trio run.*open_engine"):
+            llm.generate("a", SamplingParams(max_tokens=2))
+        with pytest.raises(RuntimeError, match=r"LLM\(\) is the synchronous API"):
+            LLM("tiny")
+        llm.close()
+    trio.run(inside)
+    assert descendant_pids() == procs
+    with pytest.raises(TypeError, match="not both"):
+        llm.generate("a", SamplingParams(), sampling_params=SamplingParams())
+
+
 def test_sync_llm_rejects_bad_input_plainly_and_leaves_nothing_behind():
     kids = descendant_pids()
     with pytest.raises(ValueError, match="unknown argument 'max_model_length' \\(did you mean 'max_model_len'"):
