@@ -24,6 +24,7 @@ import trio
 from lockstep.engine.balancer import Balancer, BalancerStats
 from lockstep.engine.config import EngineConfig, model_context
 from lockstep.engine.disagg import DecodeSide, Disagg, PrefillSide
+from lockstep.engine.errors import plain_error
 from lockstep.engine.group import LocalGroup
 from lockstep.engine.node_group import NodeGroup, parse_address
 from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
@@ -107,6 +108,10 @@ class Engine:
                                "(Completion.outputs), or start n streams", field="n")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestError(f"priority must be an integer, got {priority!r}", field="priority")
+        if priority and self.config.scheduler.policy != "priority":  # vLLM's rule: never ignored silently
+            raise RequestError(f"priority {priority} needs priority scheduling, and this engine schedules first come, "
+                               "first served: start it with scheduler policy 'priority' (SchedulerConfig(policy="
+                               "'priority'), lockstep serve --scheduling-policy priority)", field="priority")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}", field="cache_salt")
         if params.processes_logits and self.config.draft_model:
@@ -124,10 +129,21 @@ class Engine:
             if why is not None:
                 raise RequestError(f"prompt_logprobs is not supported with {why}: leave it None",
                                    field="prompt_logprobs")
+        if params.logprobs is not None and self.config.runtime == "timing":  # (it would answer none)
+            raise RequestError("logprobs is not supported with the timing runtime (it computes no logits): leave it "
+                               "None", field="logprobs")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this engine has none (tokenizer=None): use "
                                "stop_token_ids", field="stop")
         prompt = as_token_array(prompt)
+        # what does not depend on the prompt's tokens, also for a text prompt (tokenized later)
+        fe = self.frontend
+        params.check_vocab(fe.vocab_size, fe.eos)
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise RequestError("prompt: this engine has no tokenizer (tokenizer=None); pass token ids", field="prompt")
+        if params.max_tokens is not None and params.max_tokens >= fe.max_model_len:
+            raise RequestError(f"max_tokens ({params.max_tokens}) leaves no room for a prompt in the model's context "
+                               f"of {fe.max_model_len} tokens", reason="context_length", field="max_tokens")
         if not isinstance(prompt, str):
             check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size,
                          eos_token_id=self.frontend.eos)
@@ -328,7 +344,17 @@ async def open_engine(config: EngineConfig | None = None) -> AsyncIterator[Engin
     """Start the runtime processes and the actors; stop them all on exit.
 
     Ranks are laid out flat: with P/D the prefill pool's ranks come first (new requests go
-    there), then the decode pool's; otherwise every rank of every instance takes requests."""
+    there), then the decode pool's; otherwise every rank of every instance takes requests.
+    What leaves the block leaves it as itself (``plain_error``), not in trio's group."""
+    try:
+        async with _open_engine(config) as engine:
+            yield engine
+    except BaseExceptionGroup as eg:
+        raise plain_error(eg) from None
+
+
+@asynccontextmanager
+async def _open_engine(config: EngineConfig | None) -> AsyncIterator[Engine]:
     config = config or EngineConfig()
     _check_device(config)
     _check_context(config)

@@ -20,6 +20,7 @@ import numpy as np
 import trio
 
 from lockstep.api import Completion, Engine, collect, open_engine, per_sample
+from lockstep.engine.errors import plain_error
 from lockstep.engine.config import EngineConfig
 from lockstep.policy.config import ConfigError, SchedulerConfig
 from lockstep.policy.request import RequestError, SamplingParams
@@ -223,19 +224,4 @@ def _not_in_trio(what: str) -> None:
 
 
 def _plain(e: BaseException) -> BaseException:
-    """One error in a group, as itself; several of one type (requests failed together: a
-    runtime died, the engine stopped) as the first, noting how many; else the group."""
-    if isinstance(e, BaseExceptionGroup):
-        leaves = _leaves(e)
-        if len({type(x) for x in leaves}) == 1:
-            if len(leaves) > 1:
-                leaves[0].add_note(f"({len(leaves) - 1} more requests of this call failed with the same error type)")
-            return leaves[0]
-    return e
-
-
-def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
-    out = []
-    for e in eg.exceptions:
-        out += _leaves(e) if isinstance(e, BaseExceptionGroup) else [e]
-    return out
+    return plain_error(e, "requests of this call failed with the same error type")

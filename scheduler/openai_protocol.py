@@ -142,29 +142,29 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     if max_tokens == 0 and not isinstance(max_tokens, bool) and not echo:
         raise BadRequest(f"{max_name} must be at least 1 (0 only with echo, which then returns the prompt alone)",
                          max_name)
-    params = SamplingParams(
-        max_tokens=default_max_tokens if max_tokens is None else 1 if echo_only else _int(max_name, max_tokens),
-        temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
-        top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
-        stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
-        ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
-        presence_penalty=_num(body, "presence_penalty", 0.0), frequency_penalty=_num(body, "frequency_penalty", 0.0),
-        repetition_penalty=_num(body, "repetition_penalty", 1.0), min_p=_num(body, "min_p", 0.0),
-        min_tokens=_get(body, "min_tokens", int, 0), logit_bias=_logit_bias(body),
-        allowed_token_ids=tuple(_int_list(body, "allowed_token_ids")) if body.get("allowed_token_ids") is not None
-        else None,
-        # echo with logprobs: the prompt's too, with as many top ones; or vLLM's own field
-        prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None),
-    )
-    if n > 1 and params.seed is not None and params.seed > 2**63 - n:  # sample i takes seed + i
-        raise BadRequest(f"seed must be at most 2**63 - n ({2**63 - n}) with n = {n}: sample i uses seed + i; "
-                         f"got {params.seed}", "seed")
     try:
-        params.validate()
-    except RequestError as e:
+        params = SamplingParams(
+            max_tokens=default_max_tokens if max_tokens is None else 1 if echo_only else _int(max_name, max_tokens),
+            temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
+            top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
+            stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
+            ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
+            presence_penalty=_num(body, "presence_penalty", 0.0),
+            frequency_penalty=_num(body, "frequency_penalty", 0.0),
+            repetition_penalty=_num(body, "repetition_penalty", 1.0), min_p=_num(body, "min_p", 0.0),
+            min_tokens=_get(body, "min_tokens", int, 0), logit_bias=_logit_bias(body),
+            allowed_token_ids=tuple(_int_list(body, "allowed_token_ids")) if body.get("allowed_token_ids") is not None
+            else None,
+            # echo with logprobs: the prompt's too, with as many top ones; or vLLM's own field
+            prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None),
+        )
+    except RequestError as e:  # (SamplingParams checks itself when made)
         param = e.field
         raise BadRequest(str(e).replace("max_tokens", max_name, 1) if param == "max_tokens" else str(e),
                          max_name if param == "max_tokens" else param) from None
+    if n > 1 and params.seed is not None and params.seed > 2**63 - n:  # sample i takes seed + i
+        raise BadRequest(f"seed must be at most 2**63 - n ({2**63 - n}) with n = {n}: sample i uses seed + i; "
+                         f"got {params.seed}", "seed")
     stream = _get(body, "stream", bool, False)
     opts = body.get("stream_options")
     if opts is not None:

@@ -55,6 +55,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-model-len", type=int,
                    help="prompt + max_tokens at most, per request (default: the model's context, or 4096 where "
                         "it cannot be read, at most what --num-blocks hold for one request)")
+    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="fcfs: first come, first served; priority: a request's priority field first (lower first, "
+                        "then arrival), as vLLM's")
     s.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request omits it")
     s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the runtime (e.g. sleep=false for the timing runtime)")
@@ -112,7 +115,7 @@ def engine_configs(args) -> list[tuple[str, object]]:
 _DEPLOYMENT_SETS = ("model", "runtime", "device", "dtype", "num_blocks", "block_size", "max_num_seqs",
                     "max_num_batched_tokens", "max_model_len", "dep", "redundant_experts", "instances",
                     "prefill_instances", "prefill_dep", "kv_transport", "draft_model", "num_spec_tokens",
-                    "spec_adaptive", "eplb_window", "runtime_option", "nodes")
+                    "spec_adaptive", "eplb_window", "runtime_option", "nodes", "scheduling_policy")
 
 
 def _no_engine_flags(args) -> None:
@@ -141,7 +144,7 @@ def engine_config(args):
 
     sched = SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len or 4096)
+                            max_model_len=args.max_model_len or 4096, policy=args.scheduling_policy)
     if not args.max_model_len:  # the model's context, as far as one rank's KV cache holds it
         sched = attrs.evolve(sched, max_model_len=min(model_context(args.model) or 4096, sched.request_tokens))
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,

@@ -10,6 +10,10 @@ from rich.console import Console
 from rich.table import Table
 
 
+def _gpus(n) -> str:
+    return "1 GPU" if n == 1 else f"{n} GPUs"
+
+
 def write_json(report: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
@@ -21,7 +25,7 @@ def _ms(x) -> str:
 def print_table(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     r = report["requests"]
-    head = Table(title=f"lockstep sim: {report.get('deployment', '')} ({report.get('num_gpus')} GPUs)")
+    head = Table(title=f"lockstep sim: {report.get('deployment', '')} ({_gpus(report.get('num_gpus'))})")
     head.add_column("metric")
     head.add_column("value", justify="right")
     reasons = ", ".join(f"{k}: {v}" for k, v in r["rejected_reasons"].items()) or "none"
@@ -90,7 +94,7 @@ def _print_pd(report: dict, console: Console) -> None:
         steps.add_column(col, justify="right")
     for name, p in report["pools"].items():
         s, j = p["step_s"], p["step_jump_s"]
-        steps.add_row(f"{name} ({p['role']}, {p['gpus']} GPUs)", f"{p['steps']:,}", _ms(s["p50"]), _ms(s["p99"]),
+        steps.add_row(f"{name} ({p['role']}, {_gpus(p['gpus'])})", f"{p['steps']:,}", _ms(s["p50"]), _ms(s["p99"]),
                       _ms(s["max"]), _ms(j["p99"]), _ms(j["max"]))
     console.print(steps)
     kv = report["kv_transfer"]

@@ -30,7 +30,7 @@ def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, 
     else:
         load = read_trace(trace, fmt, skip_bad_rows=skip_bad_rows)
         if load.skipped:
-            console.print(f"[yellow]skipped {load.skipped} bad rows of {trace}[/]")
+            console.print(f"[yellow]skipped {load.skipped} bad {'row' if load.skipped == 1 else 'rows'} of {trace}[/]")
         reqs, name, skipped = load.requests, f"{Path(trace).name} ({load.format})", load.skipped
     if limit is not None:
         if limit < 1:

@@ -170,7 +170,7 @@ def _collect(
         else:
             good.append(row)
     if not good:
-        raise TraceFormatError(f"{path}: no usable requests ({skipped} bad rows skipped)")
+        raise TraceFormatError(f"{path}: no usable requests ({skipped} bad {'row' if skipped == 1 else 'rows'} skipped)")
     t0 = min(r.t for r in good)
     good.sort(key=lambda r: r.t)  # stable: equal timestamps keep file order
     ids, lens, bounds = _flatten_segments(good)

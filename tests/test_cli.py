@@ -31,7 +31,7 @@ def test_bad_input_raised_inside_the_engine_is_one_line(capsys):
     """max_tokens past the context is found inside trio's task groups: still one error line."""
     assert main(["generate", "--max-tokens", "100000", "hi"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("lockstep generate: error: prompt") and "context" in err and "Traceback" not in err
+    assert err.startswith("lockstep generate: error: max_tokens") and "context" in err and "Traceback" not in err
 
 
 def test_generate_takes_logit_bias_and_allowed_ids_and_names_bad_ones(capsys):

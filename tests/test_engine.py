@@ -137,6 +137,32 @@ async def test_outputs_report_the_prompt_tokens_served_from_the_prefix_cache():
         assert engine.statistics().prefix_hits - hits == 2 * 144
 
 
+async def test_priority_needs_priority_scheduling_and_then_orders_the_queue():
+    """vLLM's rule: a priority under first-come-first-served scheduling is an error, not
+    ignored; under priority scheduling the lower value starts first."""
+    async with open_engine(config(tokenizer=None)) as engine:
+        with pytest.raises(RequestError, match="priority 3 needs priority scheduling") as e:
+            engine.generate([5, 6], SamplingParams(max_tokens=2), priority=3)
+        assert e.value.field == "priority"
+        assert len((await engine.complete([5, 6], SamplingParams(max_tokens=2), priority=0)).token_ids) == 2
+    sched = SchedulerConfig(num_blocks=256, block_size=16, max_num_seqs=1, max_num_batched_tokens=64,
+                            max_model_len=512, policy="priority")
+    done = []
+    async with open_engine(EngineConfig(model="tiny", dtype="float64", scheduler=sched, tokenizer=None)) as engine:
+        async def one(name, prio, n):
+            await engine.complete([5, 6, 7], SamplingParams(max_tokens=n, ignore_eos=True), priority=prio)
+            done.append(name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, "first", 0, 200)
+            while engine.statistics().running == 0:  # it holds the one slot for 200 steps
+                await trio.sleep(0.001)
+            nursery.start_soon(one, "low", 5, 2)
+            await trio.sleep(0.001)
+            nursery.start_soon(one, "high", -5, 2)
+    assert done == ["first", "high", "low"]
+
+
 async def test_stop_token_ids_end_the_request_early():
     async with open_engine(config(tokenizer=None)) as engine:
         full, _ = await collect(engine, prompts()[1], GREEDY)
@@ -691,3 +717,22 @@ async def test_logprobs_of_sampled_tokens_and_top_k():
         assert len(top) == 3 and top[0][0] == tok  # greedy: the sampled token is the most likely
         assert lp == pytest.approx(top[0][1]) and lp <= 0
         assert top[0][1] >= top[1][1] >= top[2][1]
+
+
+async def test_what_leaves_an_open_engine_block_leaves_it_as_itself():
+    """Not wrapped in trio's group (a user's `except KeyError` must catch their KeyError); a
+    text prompt with no tokenizer, and other checks that need no tokens, at generate()."""
+    with pytest.raises(KeyError, match="mine"):
+        async with open_engine(config(tokenizer=None)) as engine:
+            raise KeyError("mine")
+    async with open_engine(config(tokenizer=None)) as engine:
+        for prompt, params, field in (("hello", SamplingParams(), "prompt"),
+                                      ([5], SamplingParams(max_tokens=512), "max_tokens"),
+                                      ("hi", SamplingParams(stop_token_ids=[9999]), "stop_token_ids")):
+            with pytest.raises(RequestError) as e:
+                engine.generate(prompt, params)
+            assert e.value.field == field
+    with pytest.raises(RequestError, match="temperature"):  # SamplingParams checks itself when made
+        SamplingParams(temperature=-1)
+    p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.0), allowed_token_ids=np.arange(5, 9))
+    assert p.max_tokens == 3 and type(p.max_tokens) is int and p.allowed_token_ids == (5, 6, 7, 8)

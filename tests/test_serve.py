@@ -130,9 +130,13 @@ async def test_echo_with_logprobs_is_refused_where_the_prompt_cannot_be_scored()
         async with httpx.AsyncClient() as client:
             r = await client.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "echo": True,
                                                                      "logprobs": 1})
+            plain = await client.post(f"{srv.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2,
+                                                                         "logprobs": 1})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "echo", err
     assert "echo with logprobs (the prompt's) is not supported with the timing runtime" in err["message"]
+    # nor the sampled tokens' (it answered an empty list)
+    assert plain.status_code == 400 and plain.json()["error"]["param"] == "logprobs"
 
 
 @pytest.mark.slow

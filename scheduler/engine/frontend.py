@@ -155,10 +155,14 @@ def fill_max_tokens(p: Prompt, prompt_len: int, max_model_len: int) -> Prompt:
         return p
     room = max_model_len - prompt_len
     if room < max(p.params.min_tokens, 1):
-        raise RequestError(f"prompt ({prompt_len} tokens) leaves {room} of the model's context of {max_model_len} "
+        raise RequestError(f"prompt ({_tokens(prompt_len)}) leaves {room} of the model's context of {max_model_len} "
                            f"tokens, fewer than min_tokens ({p.params.min_tokens})", reason="context_length",
                            field="min_tokens")
     return attrs.evolve(p, params=attrs.evolve(p.params, max_tokens=room))
+
+
+def _tokens(n: int) -> str:
+    return "1 token" if n == 1 else f"{n} tokens"
 
 
 def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int, *,
@@ -167,10 +171,10 @@ def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int,
     if len(tokens) == 0:
         raise RequestError("prompt must hold at least one token", field="prompt")
     if len(tokens) >= max_model_len:  # whatever max_tokens says (a server may have filled it in)
-        raise RequestError(f"prompt ({len(tokens)} tokens) leaves no room for output in the model's context "
+        raise RequestError(f"prompt ({_tokens(len(tokens))}) leaves no room for output in the model's context "
                            f"of {max_model_len} tokens", reason="context_length", field="prompt")
     if params.max_tokens is not None and len(tokens) + params.max_tokens > max_model_len:
-        raise RequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+        raise RequestError(f"prompt ({_tokens(len(tokens))}) + max_tokens ({params.max_tokens}) exceeds "
                            f"the model's context of {max_model_len} tokens", reason="context_length",
                            field="max_tokens")
     if not check_ids:

@@ -27,7 +27,7 @@ from .config import SchedulerConfig
 from .decode import DecodeScheduling
 from .hashing import BlockHasher
 from .plans import PlanAssembly, PlanConstants
-from .request import FinishReason, Request, RequestError, RequestState
+from .request import FinishReason, Request, RequestError, RequestState, SamplingParams
 from .spec import SpecDecoding
 from .step import EMPTY_I64, StepPlan
 from .update import UpdatePath
@@ -95,7 +95,8 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
                                f"{type(prompt).__name__} {getattr(prompt, 'dtype', '')}")
         if len(prompt) == 0:
             raise RequestError(f"request {req.id}: prompt must hold at least one token")
-        req.params.validate()
+        if not isinstance(req.params, SamplingParams):  # (made, it was checked: it is frozen)
+            raise RequestError(f"request {req.id}: params must be a SamplingParams, got {type(req.params).__name__}")
         if req.params.max_tokens is None:  # (the engine's Frontend fills it in from the context)
             raise RequestError(f"request {req.id}: max_tokens must be a number here (None is the engine's: "
                                "what the context leaves)", field="max_tokens")

@@ -63,39 +63,65 @@ def _as_stops(v):
     return (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
 
 
+def _scalar(v):
+    """A numpy scalar as the Python one (np.int64(8) is an integer here, as vLLM takes it)."""
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _id_tuple(v):
+    """A list, tuple, range or 1-D array of token ids as a tuple of Python values (what they
+    are is ``validate``'s to judge); anything else as given."""
+    if isinstance(v, np.ndarray):
+        return tuple(v.tolist()) if v.ndim == 1 else v
+    return tuple(_scalar(x) for x in v) if isinstance(v, (list, tuple, range)) else v
+
+
+def _bias_dict(v):
+    return {_scalar(t): _scalar(b) for t, b in v.items()} if isinstance(v, dict) else v
+
+
+def _num(default):
+    return attrs.field(default=default, converter=_scalar)
+
+
 @attrs.frozen
 class SamplingParams:
-    max_tokens: int | None = 16  # None: what the context leaves after the prompt (vLLM's)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    """How to sample one request, as vLLM's; checked when made (``validate``): a bad value
+    raises RequestError naming the field where it was typed."""
+
+    max_tokens: int | None = _num(16)  # None: what the context leaves after the prompt (vLLM's)
+    temperature: float = _num(1.0)
+    top_p: float = _num(1.0)
+    top_k: int = _num(-1)
+    seed: int | None = _num(None)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_id_tuple)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_as_stops)  # matched on the detokenized text
-    ignore_eos: bool = False
-    logprobs: int | None = None  # None: none; k >= 0: the sampled token's and the top k's
+    ignore_eos: bool = _num(False)
+    logprobs: int | None = _num(None)  # None: none; k >= 0: the sampled token's and the top k's
     # Logits processing before sampling, as vLLM's: penalties on tokens already generated
     # (frequency: per occurrence, presence: once), repetition on the prompt's and the
     # output's tokens (a positive logit divided by it, a negative one multiplied); min_p
     # drops tokens less likely than min_p times the most likely one; min_tokens: no end of
     # sequence, stop token or stop string before that many tokens.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
+    presence_penalty: float = _num(0.0)
+    frequency_penalty: float = _num(0.0)
+    repetition_penalty: float = _num(1.0)
+    min_p: float = _num(0.0)
+    min_tokens: int = _num(0)
     # Added to the logits of the token ids given, before the rest (OpenAI's logit_bias: -100
     # bans a token, 100 all but forces it); allowed_token_ids: every other id is masked (vLLM's).
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: tuple[int, ...] | None = attrs.field(
-        default=None, converter=lambda v: tuple(v) if isinstance(v, list) else v)
+    logit_bias: dict[int, float] | None = attrs.field(default=None, converter=_bias_dict)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_id_tuple)
     # The prompt's log-probabilities (each prompt token's after the first, and the top k),
     # as vLLM's prompt_logprobs; such a request computes its whole prompt (no prefix-cache
     # hits, as in vLLM).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = _num(None)
     # Samples per prompt (LLM.generate, Engine.complete: Completion.outputs); sample i takes
     # seed + i where a seed is given, as the OpenAI server's n does. A stream is one sample.
-    n: int = 1
+    n: int = _num(1)
+
+    def __attrs_post_init__(self) -> None:
+        self.validate()
 
     @property
     def processes_logits(self) -> bool:
@@ -124,8 +150,8 @@ class SamplingParams:
             raise RequestError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}", field="seed")
         if not isinstance(self.stop_token_ids, (tuple, list)) or any(
                 not (_is_int(t) and 0 <= t <= INT32_MAX) for t in self.stop_token_ids):
-            raise RequestError(f"stop_token_ids must be a tuple (or list) of integers in [0, 2**31 - 1], got {self.stop_token_ids!r}",
-                               field="stop_token_ids")
+            raise RequestError(f"stop_token_ids must be a tuple (or list, range or 1-D array) of integers in "
+                               f"[0, 2**31 - 1], got {_short(self.stop_token_ids)}", field="stop_token_ids")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= 20):
             raise RequestError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs!r}",
                                field="logprobs")
@@ -163,13 +189,15 @@ class SamplingParams:
         ids = self.allowed_token_ids
         if ids is not None and not (isinstance(ids, tuple) and ids and all(
                 _is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
-            raise RequestError(f"allowed_token_ids must be None or a non-empty tuple (or list) of integers in "
+            raise RequestError(f"allowed_token_ids must be None or a non-empty tuple (or list, range or 1-D array) of "
+                               f"integers in "
                                f"[0, 2**31 - 1], got {_short(ids)}", field="allowed_token_ids")
 
     def check_vocab(self, vocab_size: int, eos_token_id: int = -1) -> None:
-        """The token ids of logit_bias and allowed_token_ids against the model's vocabulary
-        and end-of-sequence id (known to the engine, not here)."""
-        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids)):
+        """The token ids of logit_bias, allowed_token_ids and stop_token_ids against the
+        model's vocabulary and end-of-sequence id (known to the engine, not here)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids),
+                          ("stop_token_ids", self.stop_token_ids)):
             out = sorted(t for t in ids or () if t >= vocab_size)
             if out:
                 raise RequestError(f"{name} holds token ids outside the model's vocabulary of {vocab_size}: "
