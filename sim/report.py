@@ -82,7 +82,9 @@ def _print_spec(sd: dict, console: Console) -> None:
     mal = sd["mean_acceptance_length"]
     t.add_row("mean acceptance length", "-" if mal is None else f"{mal:.2f} tokens per decode")
     per = sd["acceptance_rate_per_pos"]
-    t.add_row("acceptance per position", "-" if per is None else ", ".join(f"{p:.1%}" for p in per))
+    # vLLM's per-position figure: drafts accepted at position j over all drafts (so it
+    # compounds the positions before, unlike [speculative] rates, each given the ones before)
+    t.add_row("accepted at position j / drafts", "-" if per is None else ", ".join(f"{p:.1%}" for p in per))
     frac = sd["draft_time_fraction"]
     t.add_row("draft model's share of step time", "-" if frac is None else f"{frac:.1%}")
     console.print(t)

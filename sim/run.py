@@ -9,6 +9,7 @@ from pathlib import Path
 
 import attrs
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lockstep.policy.config import ConfigError
@@ -30,7 +31,8 @@ def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, 
     else:
         load = read_trace(trace, fmt, skip_bad_rows=skip_bad_rows)
         if load.skipped:
-            console.print(f"[yellow]skipped {load.skipped} bad {'row' if load.skipped == 1 else 'rows'} of {trace}[/]")
+            console.print(f"[yellow]skipped {load.skipped} bad {'row' if load.skipped == 1 else 'rows'} of "
+                          f"{escape(trace)}[/]")
         reqs, name, skipped = load.requests, f"{Path(trace).name} ({load.format})", load.skipped
     if limit is not None:
         if limit < 1:
@@ -80,6 +82,24 @@ def check_outputs(args) -> None:
         raise ValueError(f"--plot {args.plot}: the file name must end in one of {', '.join(PLOT_FORMATS)}")
 
 
+def unmodeled(deployment: Deployment, no_eplb: bool) -> list[str]:
+    """What the deployment (or a flag) says that this run does not model: shown, never
+    dropped silently (the engine reads the same file, so none of it is an error)."""
+    notes, eplb, cost = [], deployment.eplb, deployment.cost
+    skewed = cost.expert_skew > 0 and any(p.dep > 1 for p in deployment.pools)
+    if not skewed and (eplb is not None or no_eplb):
+        what = "[eplb]" if eplb is not None else "--no-eplb"
+        notes.append(f"{what} changes nothing here: expert loads drift only with [cost] expert_skew > 0 on a DEP pool "
+                     f"(without, the MoE is priced at expert_balancedness {cost.expert_balancedness})")
+    if skewed and eplb is not None and (eplb.window_steps != 64 or eplb.token_split != "even"):
+        notes.append(f"[eplb] window_steps and token_split are the engine's: the simulator re-plans every [cost] "
+                     f"expert_window_s ({cost.expert_window_s} s) and splits tokens evenly")
+    if not deployment.scheduler.async_scheduling:
+        notes.append("[scheduler] async_scheduling = false: host work is priced serially ([host] overlap off); "
+                     "arrivals still join steps as with async scheduling")
+    return notes
+
+
 def run_sim(args) -> int:
     check_outputs(args)
     console = Console(stderr=True)
@@ -98,6 +118,8 @@ def run_sim(args) -> int:
     seed = deployment.seed if args.seed is None else args.seed
     if seed < 0:
         raise ValueError(f"--seed must be >= 0, got {seed}")
+    for note in unmodeled(deployment, args.no_eplb):
+        console.print(f"[yellow]note: {escape(note)}[/]", soft_wrap=True)  # ([eplb] is not markup)
     workload, name, skipped = load_workload(args.trace, args.format, seed=seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
     sim = Simulator(deployment, workload, seed=seed, slo_ttft=args.slo_ttft,

@@ -349,20 +349,28 @@ _READERS = {"mooncake": read_mooncake, "azure": read_azure}
 _EXTENSIONS = {".jsonl": "mooncake", ".json": "mooncake", ".csv": "azure"}
 
 
-def detect_format(path: str | Path) -> str:
-    """The trace format from the file extension, or else from the first non-blank line."""
-    path = Path(path)
-    if path.suffix.lower() in _EXTENSIONS:
-        return _EXTENSIONS[path.suffix.lower()]
+def _sniff(path: Path) -> str | None:
+    """The format the first non-blank line shows plainly (a JSON object, Azure's header), if any."""
     with path.open("rb") as f:
         first = next((line for line in f if line.strip()), b"").removeprefix(b"\xef\xbb\xbf").strip()
     if first.startswith(b"{"):
         return "mooncake"
     if all(c.encode() in first for c in _AZURE_COLUMNS):
         return "azure"
+    return None
+
+
+def detect_format(path: str | Path) -> str:
+    """The trace format from the first non-blank line where it shows it plainly, or else from
+    the file extension."""
+    path = Path(path)
+    seen = _sniff(path)
+    if seen is not None:
+        return seen
+    if path.suffix.lower() in _EXTENSIONS:
+        return _EXTENSIONS[path.suffix.lower()]
     raise TraceFormatError(
-        f"{path}: cannot tell the trace format from extension {path.suffix!r} "
-        f"or first line {first[:80]!r}; "
+        f"{path}: cannot tell the trace format from its first line or extension {path.suffix!r}; "
         "give the format: --format mooncake (JSONL: timestamp, input_length, output_length, hash_ids) "
         "or --format azure (CSV: TIMESTAMP,ContextTokens,GeneratedTokens); read_trace(..., fmt=...) in Python"
     )
@@ -373,7 +381,15 @@ def read_trace(path: str | Path, fmt: str = "auto", *, skip_bad_rows: bool = Fal
     name = detect_format(path) if fmt == "auto" else fmt
     if name not in _READERS:
         raise ValueError(f"unknown trace format {fmt!r}; choose one of: auto, {', '.join(_READERS)}")
-    return _READERS[name](path, skip_bad_rows=skip_bad_rows)
+    try:
+        return _READERS[name](path, skip_bad_rows=skip_bad_rows)
+    except TraceFormatError as e:
+        seen = _sniff(Path(path)) if Path(path).is_file() else None
+        if seen is not None and seen != name:  # a format given that the file plainly is not
+            label = {"mooncake": "a Mooncake JSONL", "azure": "an Azure CSV"}[seen]
+            raise TraceFormatError(f"{path}: read as {name}, but the file looks like {label} trace: give --format "
+                                   f"{seen} (or auto). The {name} reader said: {e}") from None
+        raise
 
 
 # --- synthetic agentic workload ------------------------------------------------------------------

@@ -240,3 +240,33 @@ def test_dep_must_divide_the_expert_slots():
     assert "dep 6 must divide the expert slots" in msg and "[[pools]] #1" in msg
     msg = bad(lambda d: d["pools"][0].update(dep=6))  # a fixed balancedness too: EP shards experts evenly
     assert "dep 6 must divide the expert slots" in msg
+
+
+def test_redundant_expert_slots_take_memory_from_the_kv_cache():
+    """[eplb] redundant_experts: copies of experts, each rank holding its share (they took no
+    memory, so 1,024 slots on an H200 DEP8 planned as if free)."""
+    base = deployment_from_dict(copy.deepcopy(BASE))
+    data = copy.deepcopy(BASE)
+    data["eplb"] = {"redundant_experts": 32}
+    spare = deployment_from_dict(data)
+    pool, m = base.pools[0], base.model(base.pools[0].model)
+    per_block = base.kv_bytes_per_token(pool) * base.scheduler.block_size
+    lost = 32 / pool.dep * m.expert_bytes * m.moe_layers
+    assert base.kv_blocks_per_rank(pool) - spare.kv_blocks_per_rank(pool) == pytest.approx(lost / per_block, abs=1)
+    msg = bad(lambda d: d.update(eplb={"redundant_experts": 1024}))
+    assert "1024 redundant expert slots" in msg and "fewer redundant slots" in msg
+
+
+def test_a_host_tier_smaller_than_twice_the_gpu_cache_names_host_kv_bytes():
+    msg = bad(lambda d: d["hardware"].update(host_kv_bytes=1e9))
+    assert "[hardware] host_kv_bytes" in msg and "set it to 0 (no host tier) or at least" in msg
+
+
+def test_async_scheduling_off_turns_the_host_overlap_off_and_a_contradiction_is_named():
+    data = copy.deepcopy(BASE)
+    data.setdefault("scheduler", {})["async_scheduling"] = False
+    assert not deployment_from_dict(data).host.overlap
+    assert deployment_from_dict(copy.deepcopy(BASE)).host.overlap
+    msg = bad(lambda d: (d.setdefault("scheduler", {}).update(async_scheduling=False),
+                         d.setdefault("host", {}).update(overlap=True)))
+    assert "contradict" in msg and "[host] overlap" in msg

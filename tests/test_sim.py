@@ -312,3 +312,16 @@ def test_the_deployments_seed_is_the_default_and_a_negative_one_is_refused(tmp_p
     capsys.readouterr()
     assert main(["sim", "--limit", "5", "--seed", "-1"]) == 2
     assert "--seed must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_what_a_run_does_not_model_is_noted(tmp_path, capsys):
+    """[eplb] without expert skew, and async scheduling off, are the engine's to act on: the
+    simulator says what it does with them instead of ignoring them silently."""
+    text = DEFAULT_DEPLOYMENT_TOML + "\n[eplb]\nredundant_experts = 8\n"
+    text = text.replace("[scheduler]", "[scheduler]\nasync_scheduling = false", 1)
+    path = tmp_path / "d.toml"
+    path.write_text(text)
+    assert main(["sim", "--deployment", str(path), "--limit", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "[eplb] changes nothing here: expert loads drift only with [cost] expert_skew > 0" in err
+    assert "async_scheduling = false: host work is priced serially" in err

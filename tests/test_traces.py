@@ -76,6 +76,17 @@ def test_read_trace_detects_format(tmp_path):
         assert read_trace(sniffed, fmt).format == fmt
 
 
+def test_the_first_line_outranks_the_extension_and_a_wrong_format_is_named(tmp_path):
+    """An Azure CSV saved as .jsonl is read as Azure; forced to mooncake, the error says what
+    the file looks like (it read as a bad JSON row, and skipping bad rows skipped them all)."""
+    misnamed = tmp_path / "azure.jsonl"
+    misnamed.write_bytes(AZURE.read_bytes())
+    assert read_trace(misnamed).format == "azure"
+    for skip in (False, True):
+        with pytest.raises(TraceFormatError, match="looks like an Azure CSV trace: give --format azure"):
+            read_trace(AZURE, "mooncake", skip_bad_rows=skip)
+
+
 def test_read_trace_rejects_unknown(tmp_path):
     odd = tmp_path / "odd.txt"
     odd.write_text("hello world\n")
@@ -223,7 +234,7 @@ def test_azure_accepts_reordered_columns_and_crlf(tmp_path):
 def test_all_rows_bad_is_an_error_even_when_skipping(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text(mooncake_line(output_length=0) + "\n")
-    with pytest.raises(TraceFormatError, match=r"no usable requests \(1 bad rows skipped\)"):
+    with pytest.raises(TraceFormatError, match=r"no usable requests \(1 bad row skipped\)"):
         read_mooncake(path, skip_bad_rows=True)
 
 

@@ -322,10 +322,14 @@ class Deployment:
         m, hw = self.model(pool.model), self.hardware
         weights = m.dense_bytes + m.routed_bytes / pool.dep
         name = m.name
+        spare = self.eplb.redundant_experts if self.eplb is not None and pool.dep > 1 else 0
+        if spare:  # [eplb]'s redundant slots hold copies of experts: each rank its share of them
+            weights += spare / pool.dep * m.expert_bytes * m.moe_layers
+            name = f"{m.name} with {spare} redundant expert slots"
         if self.speculative is not None:  # the draft's weights sit next to the target's
             dr = self.speculative.draft
             weights += dr.dense_bytes + dr.routed_bytes / pool.dep
-            name = f"{m.name} with draft {dr.name}"
+            name = f"{name} and draft {dr.name}" if spare else f"{m.name} with draft {dr.name}"
         free = hw.hbm_bytes * hw.gpu_memory_utilization - weights
         per_block = self.kv_bytes_per_token(pool) * self.scheduler.block_size
         blocks = int(free // per_block)
@@ -333,7 +337,8 @@ class Deployment:
             raise ConfigError(
                 f"{self.source}: pool {pool.name!r}: {name} needs {weights / 1e9:.1f} GB of "
                 f"weights per GPU at DEP{pool.dep}, leaving room for only {max(blocks, 0)} KV "
-                f"blocks on {hw.name}; raise dep or pick bigger hardware"
+                f"blocks on {hw.name}; raise dep{', use fewer redundant slots ([eplb])' if spare else ''} or pick "
+                "bigger hardware"
             )
         return blocks
 
@@ -351,10 +356,16 @@ class Deployment:
         spec = {}
         if self.speculative is not None and pool.role != "prefill":  # prefill pools never decode
             spec = {"num_spec_tokens": self.speculative.num_spec_tokens}
+        blocks, host = self.kv_blocks_per_rank(pool), int(self.hardware.host_kv_bytes // per_block)
+        if 0 < host < 2 * blocks:  # (the host tier must hold an admission's evictions and its loads)
+            raise ConfigError(
+                f"{self.source}: [hardware] host_kv_bytes ({self.hardware.host_kv_bytes:.3g}) holds {host} KV "
+                f"blocks, fewer than twice the {blocks} a GPU of pool {pool.name!r} holds: set it to 0 (no host "
+                f"tier) or at least {2 * blocks * per_block:.3g} bytes")
         return attrs.evolve(
             self.scheduler,
-            num_blocks=self.kv_blocks_per_rank(pool),
-            host_cache_blocks=int(self.hardware.host_kv_bytes // per_block),
+            num_blocks=blocks,
+            host_cache_blocks=host,
             max_model_len=min(self.scheduler.max_model_len, m.context_length),
             **spec,
         )

@@ -52,6 +52,11 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
     cost = _cost(_table(data, "cost", source), source)
     engine = _build(EngineSpec, _table(data, "engine", source), source, "[engine]")
     host = _build(HostSpec, _table(data, "host", source), source, "[host]")
+    if not sched.async_scheduling:  # one setting, said twice: [host] overlap is what async scheduling does
+        if _table(data, "host", source).get("overlap") is True:
+            raise ConfigError(f"{source}: [scheduler] async_scheduling = false and [host] overlap = true contradict "
+                              "each other (the host's work overlaps the GPU's only with async scheduling): drop one")
+        host = attrs.evolve(host, overlap=False)
     eplb = _build(EplbConfig, _table(data, "eplb", source), source, "[eplb]") if "eplb" in data else None
     kv_transfer = _build(KVTransferSpec, _table(data, "kv_transfer", source), source, "[kv_transfer]")
     pools = tuple(_pool(p, source, i, models) for i, p in enumerate(_list(data, "pools", source)))
@@ -80,7 +85,7 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
         seed=int(data.get("seed", 0)), source=source,
     )
     for pool in pools:
-        dep.kv_blocks_per_rank(pool)  # fail now if the weights do not fit
+        dep.scheduler_for(pool)  # fail now if the weights do not fit, or the host tier is too small
     return dep
 
 
