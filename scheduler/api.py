@@ -246,7 +246,11 @@ class Engine:
         return attrs.evolve(got[0], samples=tuple(got))
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
-        """Stop a request wherever it is; its blocks are freed at the next step boundary."""
+        """Stop a request wherever it is; its blocks are freed at the next step boundary. An
+        id of no live request is ignored (it may have just finished), as vLLM's."""
+        if isinstance(request_id, bool) or not isinstance(request_id, int):
+            raise RequestError(f"request_id must be an integer (RequestOutput.request_id), got {request_id!r}",
+                               field="request_id")
         stream = self._live.get(request_id)
         if stream is not None and reason is FinishReason.ABORT:
             stream.abandoned = True  # still in the Frontend, it is dropped there (RequestStream.abandoned)
@@ -358,6 +362,7 @@ async def _open_engine(config: EngineConfig | None) -> AsyncIterator[Engine]:
     config = config or EngineConfig()
     _check_device(config)
     _check_context(config)
+    tokenizer = config.load_tokenizer()  # a bad tokenizer path fails here, before any process starts
     balancer = Balancer(config.eplb) if config.eplb is not None else None
     loads = None if balancer is None else balancer.send_channel
     disagg = Disagg(config.kv_transport, config.kv_hold_timeout_s) if config.prefill_instances else None
@@ -387,7 +392,6 @@ async def _open_engine(config: EngineConfig | None) -> AsyncIterator[Engine]:
         ready = schedulers[0].client.ready
         if balancer is not None:
             await nursery.start(balancer.run, ready, [s.place_nowait for s in schedulers])
-        tokenizer = config.load_tokenizer()
         targets = disagg.prefill if disagg is not None else schedulers
         frontend = Frontend(tokenizer, config.hasher(), targets, max_model_len=config.scheduler.max_model_len,
                             vocab_size=ready.vocab_size, eos_token_id=ready.eos_token_id,

@@ -509,9 +509,11 @@ class Simulator(PDFlow):
             prefix=(queries, hits, host_hits), preemptions=sum(c.num_preemptions for c in cores), extra=extra,
         )
         if self._experts:
-            # the first DEP pool with expert loads (pools of one model drift alike)
-            pool = next(p.name for p in self.d.pools if self.d.cost.expert_skew > 0 and p.dep > 1)
-            rep["balancedness"] = {**self._experts[0][0].report(), "pool": pool}
+            # one DEP pool with expert loads (pools of one model drift alike): a decode pool's
+            # where there is one (its steps make TPOT), else the first
+            skewed = [p for p in self.d.pools if p.dep > 1]
+            i = next((j for j, p in enumerate(skewed) if p.role == "decode"), 0)
+            rep["balancedness"] = {**self._experts[i][0].report(), "pool": skewed[i].name}
         if self.spec is not None:
             rep["spec_decode"] = self.spec.report()
         measured = [i.cost.statistics() for i in self.instances if isinstance(i.cost, ProfiledCost)]

@@ -732,6 +732,10 @@ async def test_what_leaves_an_open_engine_block_leaves_it_as_itself():
             with pytest.raises(RequestError) as e:
                 engine.generate(prompt, params)
             assert e.value.field == field
+        for bad in ("abc", None, 1.5):
+            with pytest.raises(RequestError, match="request_id must be an integer"):
+                engine.abort(bad)
+        engine.abort(10**6)  # no such request (any more): nothing to do
     with pytest.raises(RequestError, match="temperature"):  # SamplingParams checks itself when made
         SamplingParams(temperature=-1)
     p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.0), allowed_token_ids=np.arange(5, 9))
