@@ -28,7 +28,9 @@ def _ranges(obj, rules: dict) -> None:
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v <= hi and (
             v >= lo if closed else v > lo)
         if not ok:
-            bound = f"{'>=' if closed else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
+            def num(x):  # integers whole (2147483647, not 2.14748e+09)
+                return f"{x:,}" if isinstance(x, int) else f"{x:g}"
+            bound = f"{'>=' if closed else '>'} {num(lo)}" + (f" and <= {num(hi)}" if math.isfinite(hi) else "")
             raise ConfigError(f"field {name!r} must be a finite number {bound}, got {v!r}")
 
 

@@ -134,8 +134,13 @@ def _table(data: dict, key: str, source: str, default=None) -> dict:
     return value
 
 
+# SchedulerConfig fields a deployment derives or sets elsewhere (refused by name in [scheduler])
+_NOT_IN_SCHEDULER = {"num_blocks", "host_cache_blocks", "num_spec_tokens"}
+
+
 def _build(cls, table: dict, source: str, where: str):
-    _no_unknown(table, {f.name for f in attrs.fields(cls)}, source, where)
+    allowed = {f.name for f in attrs.fields(cls)} - (_NOT_IN_SCHEDULER if cls is SchedulerConfig else set())
+    _no_unknown(table, allowed | (set(table) & _NOT_IN_SCHEDULER), source, where)
     _check_types(cls, table, source, where)
     missing = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.name not in table]
     if missing:
