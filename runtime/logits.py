@@ -53,6 +53,9 @@ class LogitsProcessors:
         self.seen: torch.Tensor | None = None  # (slots, vocab) bool: the prompt's ids (repetition penalty)
         self.bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # rid -> (ids, biases) on the device
         self.allowed: dict[int, torch.Tensor] = {}  # rid -> its allowed ids on the device
+        # The last step's gathered (row, id[, bias]) tensors, by the (row, request) pairs they
+        # came from: a steady decode batch reuses them instead of gathering 256 tensors a step.
+        self._gathered: dict[str, tuple] = {}
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -85,6 +88,7 @@ class LogitsProcessors:
                 self.prompts.pop(rid, None)
                 self.bias.pop(rid, None)
                 self.allowed.pop(rid, None)
+                self._gathered.clear()  # (keyed by request ids: none may outlive its request)
                 self.owner[self.owner == rid] = -1
 
     def apply(self, plan: StepPlan, logits: torch.Tensor, positions: np.ndarray,
@@ -107,10 +111,10 @@ class LogitsProcessors:
         counted = []  # (row, rules, slot, rid, output index of the token drawn) of counting requests
         narrow = []  # (row, min_p)
         held_rows, held_ids = [], []  # min_tokens not reached: the ids masked in each row
-        allow = [(j, self.allowed[rids[entries[j]]]) for j in rows if rids[entries[j]] in self.allowed]
+        allow = [(j, rids[entries[j]]) for j in rows if rids[entries[j]] in self.allowed]
         if allow:
             self._allow(x, allow)
-        biased = [(j, *self.bias[rids[entries[j]]]) for j in rows if rids[entries[j]] in self.bias]
+        biased = [(j, rids[entries[j]]) for j in rows if rids[entries[j]] in self.bias]
         if biased:
             self._bias(x, biased)
         for j in rows:
@@ -219,24 +223,32 @@ class LogitsProcessors:
         y = torch.where(used | self.seen[slots], torch.where(y > 0, y / rep, y * rep), y)
         x[rows] = y - freq * n - pres * used
 
-    def _allow(self, x: torch.Tensor, allow: list[tuple[int, torch.Tensor]]) -> None:
-        """Mask every id of each row but its allowed ones."""
-        dev = x.device
-        rows = to_device(np.array([j for j, _ in allow], np.int64), dev)
-        lens = [len(ids) for _, ids in allow]
-        at = to_device(np.repeat(np.arange(len(allow)), lens), dev)
-        ids = allow[0][1] if len(allow) == 1 else torch.cat([ids for _, ids in allow])
-        banned = torch.ones((len(allow), x.shape[-1]), dtype=torch.bool, device=dev)
-        banned.index_put_((at, ids), torch.zeros(len(ids), dtype=torch.bool, device=dev))
+    def _allow(self, x: torch.Tensor, allow: list[tuple[int, int]]) -> None:
+        """Mask every id of each (row, request) but the request's allowed ones."""
+        key = tuple(allow)
+        got = self._gathered.get("allow")
+        if got is None or got[0] != key:
+            dev = x.device
+            ids = [self.allowed[rid] for _, rid in allow]
+            at = to_device(np.repeat(np.arange(len(allow)), [len(t) for t in ids]), dev)
+            got = self._gathered["allow"] = (key, to_device(np.array([j for j, _ in allow], np.int64), dev), at,
+                                             ids[0] if len(ids) == 1 else torch.cat(ids))
+        _, rows, at, ids = got
+        banned = torch.ones((len(allow), x.shape[-1]), dtype=torch.bool, device=x.device)
+        banned.index_put_((at, ids), torch.zeros(len(ids), dtype=torch.bool, device=x.device))
         x[rows] = x[rows].masked_fill(banned, float("-inf"))
 
-    @staticmethod
-    def _bias(x: torch.Tensor, biased: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        lens = [len(ids) for _, ids, _ in biased]
-        rows = to_device(np.repeat(np.array([j for j, _, _ in biased], np.int64), lens), x.device)
-        ids = torch.cat([ids for _, ids, _ in biased])
-        add = torch.cat([b for _, _, b in biased]).to(x.dtype)
-        x.index_put_((rows, ids), add, accumulate=True)
+    def _bias(self, x: torch.Tensor, biased: list[tuple[int, int]]) -> None:
+        key = tuple(biased)
+        got = self._gathered.get("bias")
+        if got is None or got[0] != key:
+            pairs = [self.bias[rid] for _, rid in biased]
+            rows = to_device(np.repeat(np.array([j for j, _ in biased], np.int64), [len(t) for t, _ in pairs]),
+                             x.device)
+            got = self._gathered["bias"] = (key, rows, torch.cat([t for t, _ in pairs]),
+                                            torch.cat([b for _, b in pairs]))
+        _, rows, ids, add = got
+        x.index_put_((rows, ids), add.to(x.dtype), accumulate=True)
 
     @staticmethod
     def _min_p(x: torch.Tensor, narrow: list[tuple[int, float]], temperature: np.ndarray) -> None:
