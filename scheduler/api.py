@@ -99,6 +99,11 @@ class Engine:
                  cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.closed:
             raise RuntimeError("this engine is closed: its open_engine block has ended")
+        if isinstance(prompt, dict) and "cache_salt" in prompt:  # vLLM's prompt dicts may carry it
+            if cache_salt is not None:
+                raise RequestError("cache_salt given twice: in the prompt dict and as the argument", field="cache_salt")
+            prompt = dict(prompt)
+            cache_salt = prompt.pop("cache_salt")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")

@@ -58,11 +58,14 @@ class LLM:
         self._finalizer()
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """One Completion per prompt (text, token ids, or a list of either), all run
-        concurrently; ``params`` (or vLLM's name, ``sampling_params``): one SamplingParams for
-        all, or one per prompt. A bad one raises RequestError naming the field (and, in a
-        batch, the prompt's index); a KeyboardInterrupt aborts every request of the call."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: int | Sequence[int] | None = None) -> list[Completion]:
+        """One Completion per prompt (text, token ids, vLLM's prompt dicts, which may carry a
+        ``cache_salt``, or a list of these), all run concurrently; ``params`` (or vLLM's name,
+        ``sampling_params``): one SamplingParams for all, or one per prompt; ``priority``: one
+        for all or one per prompt (with SchedulerConfig(policy="priority")). A bad one raises
+        RequestError naming the field (and, in a batch, the prompt's index); a
+        KeyboardInterrupt aborts every request of the call."""
         if sampling_params is not None:
             if params is not None:
                 raise TypeError("give params or sampling_params (vLLM's name for it), not both")
@@ -79,7 +82,10 @@ class LLM:
         for i, p in enumerate(plist):  # before anything is queued
             if p is not None and not isinstance(p, SamplingParams):
                 raise RequestError(f"params[{i}] must be a SamplingParams, got {type(p).__name__}", field="params")
-        return self._runner.call(_generate_all, prompts, plist, single)
+        prio = list(priority) if isinstance(priority, (list, tuple)) else [priority or 0] * len(prompts)
+        if len(prio) != len(prompts):
+            raise RequestError(f"priority: got {len(prio)} for {len(prompts)} prompts", field="priority")
+        return self._runner.call(_generate_all, prompts, plist, single, prio)
 
 
 def _llm_config(model: str, config: dict) -> EngineConfig:
@@ -97,11 +103,11 @@ def _llm_config(model: str, config: dict) -> EngineConfig:
     return EngineConfig(model=model, **config)
 
 
-async def _generate_all(engine: Engine, prompts: list, plist: list, single: bool) -> list[Completion]:
+async def _generate_all(engine: Engine, prompts: list, plist: list, single: bool, prio: list) -> list[Completion]:
     gens = []  # (prompt index, sample generator)
-    for i, (prompt, params) in enumerate(zip(prompts, plist)):  # every prompt checked before any runs
+    for i, (prompt, params, pr) in enumerate(zip(prompts, plist, prio)):  # every prompt checked before any runs
         try:
-            gens += [(i, engine.generate(prompt, p)) for p in per_sample(params)]
+            gens += [(i, engine.generate(prompt, p, priority=pr)) for p in per_sample(params)]
         except RequestError as e:
             if single:
                 raise

@@ -373,9 +373,17 @@ async def test_prompts_in_every_shape_vllm_takes_and_ids_that_would_wrap():
             with pytest.raises(RequestError, match=r"token ids must be in \[0, 2\*\*31 - 1\]") as e:
                 engine.generate(bad, GREEDY)  # not wrapped into range and served as id 5
             assert e.value.field == "prompt"
-        for bad, match in (({"prompt": "x", "extra": 1}, "one key"), ([[1, 2], [3]], "1-D sequence")):
+        for bad, match in (({"prompt": "x", "extra": 1}, "may hold 'cache_salt'"), ([[1, 2], [3]], "1-D sequence")):
             with pytest.raises(RequestError, match=match):
                 engine.generate(bad, GREEDY)
+        # vLLM's dicts may carry a cache_salt: another salt, no prefix hit on the same prompt
+        long = list(range(3, 60))
+        first = await engine.complete({"prompt_token_ids": long, "cache_salt": "a"}, GREEDY)
+        again = await engine.complete({"prompt_token_ids": long, "cache_salt": "a"}, GREEDY)
+        other = await engine.complete({"prompt_token_ids": long, "cache_salt": "b"}, GREEDY)
+        assert (first.num_cached_tokens, again.num_cached_tokens, other.num_cached_tokens) == (0, 48, 0)
+        with pytest.raises(RequestError, match="cache_salt given twice"):
+            engine.generate({"prompt_token_ids": long, "cache_salt": "a"}, GREEDY, cache_salt="b")
 
 
 def test_other_forkserver_processes_still_stop_on_terminate():
@@ -479,6 +487,8 @@ def test_sync_llm_inside_a_trio_run_says_what_to_use_and_still_closes():
     assert descendant_pids() == procs
     with pytest.raises(TypeError, match="not both"):
         llm.generate("a", SamplingParams(), sampling_params=SamplingParams())
+    with LLM("tiny", dtype="float64") as other, pytest.raises(RequestError, match="needs priority scheduling"):
+        other.generate(["a", "b"], priority=[0, 3])  # (per prompt, through to the engine)
 
 
 def test_sync_llm_rejects_bad_input_plainly_and_leaves_nothing_behind():

@@ -120,10 +120,11 @@ _PROMPT_KEYS = ({"prompt"}, {"prompt_token_ids"})  # vLLM's TextPrompt and Token
 def as_token_array(prompt) -> object:
     """A text prompt stays text; token ids become a 1-D int32 array (checked: ids outside
     int32 are refused, not wrapped). A dict is vLLM's ``{"prompt": text}`` or
-    ``{"prompt_token_ids": ids}``."""
+    ``{"prompt_token_ids": ids}`` (``Engine.generate`` takes its ``cache_salt`` first)."""
     if isinstance(prompt, dict):
         if set(prompt) not in _PROMPT_KEYS:
-            raise RequestError(f"a dict prompt holds one key, 'prompt' (text) or 'prompt_token_ids', got keys "
+            raise RequestError(f"a dict prompt holds 'prompt' (text) or 'prompt_token_ids' (and may hold "
+                               f"'cache_salt'), got keys "
                                f"{sorted(map(str, prompt))}", field="prompt")
         text = prompt.get("prompt")
         if "prompt" in prompt and not isinstance(text, str):
