@@ -56,7 +56,7 @@ def admission_s(cap: int, descriptor: str, hashing: str) -> float:
 
 
 def step(dep: int, host: HostSpec, cap: int, descriptor: str, hashing: str) -> float:
-    if host.scheduler_s is None:  # vLLM's scheduler: per running request on the rank
+    if host is UNTUNED or host is UNTUNED_SYNCED:  # vLLM's scheduler: per running request on the rank
         host = attrs.evolve(host, scheduler_s=VLLM_PER_REQUEST_S * BATCH / dep)
     floor, added = host.step_terms(dep)
     extra = admission_s(cap, descriptor, hashing)
@@ -65,12 +65,15 @@ def step(dep: int, host: HostSpec, cap: int, descriptor: str, hashing: str) -> f
     return gpu_step(dep) + added + extra
 
 
-UNTUNED = attrs.evolve(UNTUNED_HOST, scheduler_s=None)
+# The untuned hosts' scheduler time is vLLM's, per running request on a rank (``step`` sets it
+# for the rank's share of the batch; a None placeholder broke when HostSpec began checking it).
+UNTUNED = UNTUNED_HOST
+UNTUNED_SYNCED = attrs.evolve(UNTUNED_HOST, sync="allreduce")
 FIXES = [
     ("untuned: vLLM scheduler, pickled dispatch, Gloo ring sync, no KV-load cap, sha256", UNTUNED, 0, "unmerged", "sha256"),
-    ("+ recursive-doubling all-reduce", attrs.evolve(UNTUNED, sync="allreduce"), 0, "unmerged", "sha256"),
-    ("+ KV-load cap (4 per step) and merged descriptors", attrs.evolve(UNTUNED, sync="allreduce"), 4, "merged", "sha256"),
-    ("+ fast admission (keyed vectorized hash)", attrs.evolve(UNTUNED, sync="allreduce"), 4, "merged", "keyed"),
+    ("+ recursive-doubling all-reduce", UNTUNED_SYNCED, 0, "unmerged", "sha256"),
+    ("+ KV-load cap (4 per step) and merged descriptors", UNTUNED_SYNCED, 4, "merged", "sha256"),
+    ("+ fast admission (keyed vectorized hash)", UNTUNED_SYNCED, 4, "merged", "keyed"),
     ("+ lockstep scheduler and dispatch, async scheduling", HostSpec(), 4, "merged", "keyed"),
 ]
 

@@ -255,14 +255,17 @@ def main() -> None:
     targets = [{"name": name, "met": bool(ok), "detail": detail} for name, ok, detail in check_targets(rows)]
     for t in targets:
         print(f"target: {t['name']}: {'met' if t['met'] else 'NOT met'} ({t['detail']})")
+    if args.quick:  # two settings: the targets say "every valid setting", which only the full run holds
+        print("--quick: these verdicts cover EP32/288 and EP64/320 only; the full run judges the targets")
     head = next(r for r in rows if (r["ep"], r["slots"], r["nodes"], r["skew"]) == (32, 288, 4, 0.35))
     emit("bench_eplb", rows, {
         "metric": "balancedness per batch, sigma 0.1 drift, proportional split, EP32/288, 4 nodes, skew 0.35",
         "unit": "mean/max", "value": head["s0.1_ours"],
         "baseline": {"name": "DeepSeek EPLB (hierarchical, as vLLM selects it), numpy, same run", "value": head["s0.1_ds"]},
         "ratio": head["s0.1_ours"] / head["s0.1_ds"],
-        "target": "all of the issue's targets (listed under targets); the value is one of them (>= 0.94)",
-        "meets_target": all(t["met"] for t in targets), "targets": targets,
+        "target": ("judged on the full run only (--quick: two settings)" if args.quick else
+                   "all of the issue's targets (listed under targets); the value is one of them (>= 0.94)"),
+        "meets_target": None if args.quick else all(t["met"] for t in targets), "targets": targets,
     }, args.json)
 
 

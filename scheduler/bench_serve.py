@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import math
 import time
 from pathlib import Path
@@ -285,6 +286,10 @@ def _strict_json(v):
 def run_bench(args) -> int:
     _goodput(args.goodput)  # checked before any request is sent
     _metrics(args)
+    if args.save_result:  # (a missing directory used to fail after the whole run)
+        out = Path(args.result_dir)
+        if not out.is_dir() or not os.access(out, os.W_OK):
+            raise ValueError(f"--result-dir {args.result_dir}: not a writable directory")
     res = trio.run(run, args)
     print_table(res, args)
     if args.save_result:
