@@ -117,8 +117,8 @@ class Engine:
             raise RequestError(f"priority {priority} needs priority scheduling, and this engine schedules first come, "
                                "first served: start it with scheduler policy 'priority' (SchedulerConfig(policy="
                                "'priority'), lockstep serve --scheduling-policy priority)", field="priority")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError(f"cache_salt must be a string or None, got {cache_salt!r}", field="cache_salt")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):  # ("" salts nothing)
+            raise RequestError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}", field="cache_salt")
         if params.processes_logits and self.config.draft_model:
             name = next(f for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
                                     "logit_bias", "allowed_token_ids")

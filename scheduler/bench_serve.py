@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
     s.add_argument("--metric-percentiles", default="50,90,99", help="percentiles to report")
     s.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     s.add_argument("--save-result", action="store_true", help="write the results as JSON")
-    s.add_argument("--result-dir", default=".", help="where --save-result writes")
+    s.add_argument("--result-dir", default=".", help="where --save-result writes (made if missing)")
     s.add_argument("--result-filename", help="file name for --save-result (default: from the run's settings)")
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
@@ -286,8 +286,12 @@ def _strict_json(v):
 def run_bench(args) -> int:
     _goodput(args.goodput)  # checked before any request is sent
     _metrics(args)
-    if args.save_result:  # (a missing directory used to fail after the whole run)
+    if args.save_result:  # made now, as vLLM's (a missing one used to fail after the whole run)
         out = Path(args.result_dir)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--result-dir {args.result_dir}: cannot make it: {e.strerror or e}") from None
         if not out.is_dir() or not os.access(out, os.W_OK):
             raise ValueError(f"--result-dir {args.result_dir}: not a writable directory")
     res = trio.run(run, args)

@@ -92,7 +92,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         hints = [m for x in extra if x.startswith("-") for m in difflib.get_close_matches(x.split("=")[0], flags, 1)]
         cmd.error(f"unrecognized arguments: {' '.join(extra)}"
                   + (f" (did you mean {', '.join(dict.fromkeys(hints))}?)" if hints else ""))
+    args.given = _given(argv)
     return args
+
+
+def _given(argv: list[str] | None) -> frozenset[str]:
+    """The flags given on the command line (their dests), whatever their values: a flag given
+    at its default value is still given (serve --deployment refuses what the file decides)."""
+    p, unset = _parser(), object()
+    for parser in [p, *_subparsers(p)]:
+        for action in parser._actions:
+            if not isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) and action.option_strings:
+                # (append actions start from None: argparse copies a list default before appending)
+                action.default = None if isinstance(action, argparse._AppendAction) else unset
+    parsed, _ = p.parse_known_args(argv)
+    return frozenset(k for k, v in vars(parsed).items() if v is not unset and v is not None)
 
 
 def main(argv: list[str] | None = None) -> int:

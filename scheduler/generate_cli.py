@@ -55,7 +55,7 @@ def add_engine_flags(p) -> None:
     p.add_argument("--model", default="tiny", help="preset name (tiny, v2-lite) or checkpoint directory")
     p.add_argument("--runtime", default="torch", help="runtime name (lockstep.runtimes entry point)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float64 (weights and activations)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64 (weights and activations)")
     p.add_argument("--dep", type=int, default=1, help="data-parallel ranks (one scheduler and runtime each)")
     p.add_argument("--redundant-experts", type=int, default=0,
                    help="expert load balancing: spare expert slots over the ranks (a multiple of --dep)")

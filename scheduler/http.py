@@ -2,7 +2,7 @@
 
 `/v1/completions` and `/v1/chat/completions` (SSE streaming with usage), `/v1/models`,
 `/health`, `/tokenize`, `/detokenize`, `/metrics`. Bodies are checked at the boundary
-(``openai_protocol``): bad fields, unknown models and prompts over the context get a 400 in
+(``openai_protocol``): bad fields and prompts over the context get a 400 (an unknown model a 404) in
 OpenAI's error shape and nothing is queued. A client that disconnects cancels its handler,
 which aborts its requests and frees their blocks.
 """
@@ -57,6 +57,10 @@ def error(message: str, param: str | None = None, status: int = 400, kind: str =
     return Response(_JSON.encode(body), status_code=status, media_type="application/json")
 
 
+def refused(e: BadRequest) -> Response:
+    return error(str(e), e.param, status=e.status, kind="not_found_error" if e.status == 404 else "invalid_request_error")
+
+
 def make_app(servers: Server | list[Server]) -> Starlette:
     """One app for one or several served models; requests route by their ``model`` field."""
     servers = [servers] if isinstance(servers, Server) else list(servers)
@@ -72,7 +76,7 @@ def make_app(servers: Server | list[Server]) -> Starlette:
         if model is None:
             raise BadRequest(f"model is required: this server serves {sorted(by_name)}", "model")
         if model not in by_name:
-            raise BadRequest(f"model {model!r} is not served here; available: {sorted(by_name)}", "model")
+            raise BadRequest(f"model {model!r} is not served here; available: {sorted(by_name)}", "model", status=404)
         return by_name[model]
 
     async def health(request: Request) -> Response:
@@ -121,7 +125,7 @@ def make_app(servers: Server | list[Server]) -> Starlette:
             else:
                 raise BadRequest("prompt must be a string (or give messages)", "prompt")
         except BadRequest as e:
-            return error(str(e), e.param)
+            return refused(e)
         ids = tok.encode(text, add_bos=tok.add_bos and body.get("add_special_tokens", not chat)).tolist()
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": server.engine.frontend.max_model_len})
 
@@ -136,7 +140,7 @@ def make_app(servers: Server | list[Server]) -> Starlette:
                 raise BadRequest(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
             return JSONResponse({"prompt": _tokenizer(server).decode(tokens)})
         except BadRequest as e:
-            return error(str(e), e.param)
+            return refused(e)
 
     async def completions(request: Request) -> Response:
         return await _complete(pick, request, chat=False)
@@ -193,7 +197,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
         if body.get("model") is None:  # the one model served, if the body named none (or null)
             body["model"] = server.model_name
     except BadRequest as e:
-        return error(str(e), e.param)
+        return refused(e)
     if server.draining:
         return error("the server is shutting down", status=503, kind="service_unavailable")
     engine = server.engine
@@ -219,7 +223,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
             job = attrs.evolve(job, prompts=tuple(ids))
         gens = _start(engine, job)
     except BadRequest as e:
-        return error(str(e), e.param)
+        return refused(e)
     except RequestError as e:
         param, message = _request_param(e, chat), str(e)
         if param == "max_tokens" and body.get("max_completion_tokens") is not None:  # the name it was given
@@ -249,12 +253,17 @@ def _request_param(e: BaseException, chat: bool) -> str | None:
 def _start(engine, job: Job) -> list:
     """One generator per (prompt, sample); every one is checked before any is consumed."""
     gens = []
-    for p in job.prompts:
+    for k, p in enumerate(job.prompts):
         for i in range(job.n):
             params = job.capped(p, engine.frontend.max_model_len)
             if job.n > 1 and params.seed is not None:
                 params = attrs.evolve(params, seed=params.seed + i)  # in range: parse_completion checked
-            gens.append(engine.generate(p, params, priority=job.priority, cache_salt=job.cache_salt))
+            try:
+                gens.append(engine.generate(p, params, priority=job.priority, cache_salt=job.cache_salt))
+            except RequestError as e:
+                if len(job.prompts) == 1:
+                    raise
+                raise RequestError(f"prompt[{k}]: {e}", reason=e.reason, field=e.field) from None  # which one
     return gens
 
 
@@ -407,7 +416,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
 
     def chunk(choices: list, usage=None) -> bytes:
         body = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": choices}
-        if usage is not None:
+        if usage is not None or job.include_usage:  # OpenAI's: every other chunk then says "usage": null
             body["usage"] = usage
         return b"data: " + _JSON.encode(body) + b"\n\n"
 

@@ -25,11 +25,11 @@ def logprobs_json(tokenizer, rows: list, chat: bool, offset: int = 0) -> dict:
     for t, _, _ in rows:
         offsets.append(pos)
         pos += len(text(t))
-    # As OpenAI's: the sampled token is always among top_logprobs (up to logprobs + 1 entries);
-    # an echoed prompt's first token has neither (None, as vLLM's).
-    tops = [None if lp is None else
-            {**{text(u): v for u, v in top}, **({} if text(t) in {text(u) for u, _ in top} else {text(t): lp})}
-            for t, lp, top in rows]
+    # As OpenAI's: the sampled token is always among top_logprobs (up to logprobs + 1 entries),
+    # with its own logprob where another top token decodes to the same text (a partial UTF-8
+    # byte reads as the same replacement character); an echoed prompt's first token has
+    # neither (None, as vLLM's).
+    tops = [None if lp is None else {**{text(u): v for u, v in top}, text(t): lp} for t, lp, top in rows]
     return {"tokens": [text(t) for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
             "top_logprobs": tops, "text_offset": offsets}
 

@@ -17,9 +17,11 @@ MAX_N = 16
 
 
 class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
+    """A request refused: 400, or ``status`` (404 for a model not served, as OpenAI's)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
 
 
 @attrs.frozen

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import signal
 import sys
 
@@ -123,9 +124,12 @@ def _no_engine_flags(args) -> None:
     error naming it, not silently ignored."""
     from lockstep.cli import _parser
 
-    defaults = vars(_parser().parse_args(["serve"]))
-    given = [f"--{k.replace('_', '-')}" for k in _DEPLOYMENT_SETS
-             if hasattr(args, k) and getattr(args, k) != defaults.get(k)]
+    if hasattr(args, "given"):  # from the command line: what was typed, at any value
+        given = [f"--{k.replace('_', '-')}" for k in _DEPLOYMENT_SETS if k in args.given]
+    else:  # (a Namespace made otherwise: what differs from the defaults)
+        defaults = vars(_parser().parse_args(["serve"]))
+        given = [f"--{k.replace('_', '-')}" for k in _DEPLOYMENT_SETS
+                 if hasattr(args, k) and getattr(args, k) != defaults.get(k)]
     if given:
         raise ValueError(f"{', '.join(given)}: not used with --deployment {args.deployment}, whose [[models]], "
                          "[[pools]], [scheduler] and [engine] tables say what to run; drop the flags or edit the file")
@@ -199,6 +203,7 @@ class Signals:
         self.force = trio.CancelScope()
         self.serving = False  # until then (engines loading) there is nothing to drain
         self.stopped_start: int | None = None  # the signal that stopped the start, if one did
+        self.stopped_serving: int | None = None  # the second signal, which cut a drain short
 
     async def watch(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -215,6 +220,7 @@ class Signals:
                     self.first.set()
                 elif not self.force.cancel_called:
                     log.warning("signal again: stopping now, without waiting for in-flight requests", signal=name)
+                    self.stopped_serving = sig
                     self.force.cancel()
                 else:
                     log.info("signal", signal=name, note="already stopping")
@@ -244,8 +250,9 @@ async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) ->
     """Serve until ``shutdown()`` returns, then drain and stop; by default until SIGTERM or
     SIGINT, a second of which stops at once (``Signals``). ``task_status.started`` gets the
     server (its engine, for tests) and the bound URLs. The exit status: 0 after serving (a
-    drain is the way a server ends), 128 + the signal's number when one stopped the start
-    (130 for Ctrl-C, as every command)."""
+    drain is the way a server ends), 128 + the signal's number when one stopped the start or
+    a second one cut the drain short (130 for Ctrl-C, as every command)."""
+    _check_flags(args)
     configs = engine_configs(args)  # bad flags: an error before anything starts
     if shutdown is not None:
         await _serve(args, configs, shutdown, trio.CancelScope(), lambda: None, task_status)
@@ -260,7 +267,8 @@ async def serve(args, *, shutdown=None, task_status=trio.TASK_STATUS_IGNORED) ->
         log.info("starting", models=[name for name, _ in configs])
         await _serve(args, configs, signals.first.wait, signals.force, serving, task_status)
         nursery.cancel_scope.cancel()
-    return 0 if signals.stopped_start is None else 128 + signals.stopped_start
+    stopped = signals.stopped_start or signals.stopped_serving  # (a drain that ran its course: 0)
+    return 0 if stopped is None else 128 + stopped
 
 
 async def _serve(args, configs, shutdown, force: trio.CancelScope, serving, task_status) -> None:
@@ -277,6 +285,21 @@ async def _serve(args, configs, shutdown, force: trio.CancelScope, serving, task
         log.warning("stopped without draining" if started else "stopped before serving")
         return
     log.info("stopped")
+
+
+def _check_flags(args) -> None:
+    """The server's own numbers, named now (a negative --drain-timeout used to crash the drain;
+    --max-tokens-default 0 to fail every request that left max_tokens out, naming max_tokens)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    for flag, v, least in (("--drain-timeout", args.drain_timeout, 0), ("--start-timeout", args.start_timeout, 1e-9),
+                           ("--log-stats-interval", args.log_stats_interval, 0)):
+        if not (math.isfinite(v) and v >= least):
+            raise ValueError(f"{flag} must be a finite number of seconds {'>= 0' if least == 0 else '> 0'}, got {v}")
+    if args.max_tokens_default < 1:
+        raise ValueError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
+    if args.backlog < 1:
+        raise ValueError(f"--backlog must be at least 1, got {args.backlog}")
 
 
 def _check_port(host: str, port: int) -> None:

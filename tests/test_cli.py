@@ -1,9 +1,13 @@
 """The `lockstep` command's own behaviour: help that shows defaults, unknown flags reported
 by their command with a suggestion, and bad input as one line (exit 2), not a traceback."""
 
+from pathlib import Path
+
 import pytest
 
 from lockstep.cli import _parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_an_unknown_flag_is_named_by_its_command_with_the_closest_flag(capsys):
@@ -193,3 +197,23 @@ def test_a_lost_dep_instance_is_one_line_however_many_ranks_report_it(monkeypatc
     assert main(["generate", "hi"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == "lockstep generate: error: DEP node 0: the nodes did not all rejoin within 5 s after x"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--port", "99999"], "--port must be in [0, 65535]"),  # was a traceback from bind()
+    (["--drain-timeout", "-5"], "--drain-timeout must be a finite number of seconds >= 0"),  # crashed the drain
+    (["--max-tokens-default", "0"], "--max-tokens-default must be at least 1"),  # failed every request
+    (["--start-timeout", "0"], "--start-timeout must be a finite number of seconds > 0"),
+])
+def test_serve_names_bad_numbers_before_starting(flags, message, capsys):
+    assert main(["serve", "--model", "tiny", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_with_a_deployment_refuses_flags_given_even_at_their_default(capsys):
+    """--model tiny and --num-blocks 4096 are the defaults: typed, they still say what to run,
+    which the file says (they were dropped silently)."""
+    deployment = str(ROOT / "examples/serve-tiny-cpu.toml")
+    assert main(["serve", "--deployment", deployment, "--model", "tiny", "--num-blocks", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "--model, --num-blocks: not used with --deployment" in err

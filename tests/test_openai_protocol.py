@@ -160,3 +160,17 @@ def test_an_engine_failure_tells_the_client_its_first_line_only():
     msg = _failed(exc)
     assert msg == "the engine failed this request: runtime process 'torch' failed (the server's log has the details)"
     assert "Traceback" not in msg and _failed(RuntimeError()).endswith("RuntimeError (the server's log has the details)")
+
+
+def test_the_sampled_token_keeps_its_own_logprob_among_top_logprobs():
+    """Two ids that decode to the same text (partial UTF-8 bytes both read as U+FFFD): the
+    sampled one's logprob is the one shown (a likelier one's used to overwrite it)."""
+    from lockstep.openai_output import logprobs_json
+
+    class Tok:
+        def decode(self, ids):
+            return "\ufffd" if ids[0] in (7, 9) else f"t{ids[0]}"
+
+    got = logprobs_json(Tok(), [(9, -6.2, [(7, -5.8), (3, -6.0)])], chat=False)
+    assert got["tokens"] == ["\ufffd"] and got["token_logprobs"] == [-6.2]
+    assert got["top_logprobs"] == [{"\ufffd": -6.2, "t3": -6.0}]
