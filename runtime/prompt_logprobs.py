@@ -59,10 +59,12 @@ class PromptScores:
         lp = torch.log_softmax(logits.float(), dim=-1)
         target = torch.as_tensor([m[2] for m in meta], dtype=torch.int64, device=lp.device)
         chosen = lp.gather(1, target[:, None])[:, 0]
+        ranks = (lp > chosen[:, None]).sum(dim=-1) + 1  # vLLM's rank, also outside the top k
         k = max(m[3] for m in meta)
         top = lp.topk(k, dim=-1) if k > 0 else None
         return dict(prompt_req_ids=np.array([m[0] for m in meta], np.int64),
                     prompt_index=np.array([m[1] for m in meta], np.int64),
                     prompt_token_logprobs=chosen.cpu().numpy().astype(np.float32),
                     prompt_top_ids=None if top is None else top.indices.to(torch.int32).cpu().numpy(),
-                    prompt_top_logprobs=None if top is None else top.values.float().cpu().numpy())
+                    prompt_top_logprobs=None if top is None else top.values.float().cpu().numpy(),
+                    prompt_token_ranks=ranks.to(torch.int32).cpu().numpy())

@@ -54,7 +54,8 @@ class RequestOutput:
     # With SamplingParams.logprobs: per token (token id, logprob, [(top id, logprob), ...])
     logprobs: list | None = None
     # With SamplingParams.prompt_logprobs, on the first output only: per prompt token, the
-    # same (the first token's logprob None: nothing comes before it)
+    # same and its rank, vLLM's (1 + the ids more likely than it): (token id, logprob, top,
+    # rank); the first token's logprob and rank None (nothing comes before it)
     prompt_logprobs: list | None = None
     # On the last output: the stop string (str) or stop token id (int) that ended the request,
     # as vLLM's stop_reason; None when it ended otherwise (end of sequence, length, abort)

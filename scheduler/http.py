@@ -333,7 +333,7 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         if out.prompt_logprobs is not None:
             prompt_rows[i] = out.prompt_logprobs
             if job.echo and job.params.logprobs is not None:  # echo with logprobs: the prompt's rows come first
-                lps[i][:0] = [r[:3] for r in out.prompt_logprobs]
+                lps[i][:0] = list(out.prompt_logprobs)
         if not job.echo_only:
             texts[i].append(out.text)
             lps[i] += out.logprobs or []

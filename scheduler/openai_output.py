@@ -17,6 +17,7 @@ def logprobs_json(tokenizer, rows: list, chat: bool, offset: int = 0) -> dict:
     """OpenAI's shapes: chat's ``content`` list, or completions' parallel lists, whose
     ``text_offset`` counts from ``offset`` (a stream's: the tokens' text before this chunk)."""
     text = _token_text(tokenizer)
+    rows = [r[:3] for r in rows]  # (token, logprob, top); a prompt row's rank is prompt_logprobs_json's
     if chat:
         return {"content": [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
                              "top_logprobs": [{"token": text(u), "logprob": v, "bytes": list(text(u).encode())}
@@ -37,17 +38,18 @@ def logprobs_json(tokenizer, rows: list, chat: bool, offset: int = 0) -> dict:
 def prompt_logprobs_json(tokenizer, rows: list | None) -> list | None:
     """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
     decoded_token}} for the token and the top ones (rank: 1 for the most likely; the token's
-    own where it is among them, else null)."""
+    own from the runtime, which counts the ids more likely than it, also outside the top)."""
     if rows is None:
         return None
     text = _token_text(tokenizer)
     out = []
-    for t, lp, top in (r[:3] for r in rows):
+    for t, lp, top, *rank in rows:
         if lp is None:
             out.append(None)
             continue
         ranks = {u: j + 1 for j, (u, _) in enumerate(top)}
-        entry = {str(t): {"logprob": lp, "rank": ranks.get(t), "decoded_token": text(t)}}
+        own = rank[0] if rank and rank[0] is not None else ranks.get(t)
+        entry = {str(t): {"logprob": lp, "rank": own, "decoded_token": text(t)}}
         for u, v in top:
             entry.setdefault(str(u), {"logprob": v, "rank": ranks[u], "decoded_token": text(u)})
         out.append(entry)

@@ -31,17 +31,20 @@ def scored(prompt: np.ndarray, k: int) -> list:
     logits, _ = model(dataclasses.replace(b, sample_index=torch.arange(len(seq))), model.make_kv_cache(64, 16))
     lp = torch.log_softmax(logits, -1)
     top = lp.topk(k, -1)
-    return [(seq[0], None, [])] + [(seq[i], float(lp[i - 1, seq[i]]),
-                                    list(zip(top.indices[i - 1].tolist(), top.values[i - 1].tolist())))
-                                   for i in range(1, len(seq))]
+    # rank: 1 + the ids more likely than the token, as vLLM's (also outside the top k)
+    return [(seq[0], None, [], None)] + [(seq[i], float(lp[i - 1, seq[i]]),
+                                          list(zip(top.indices[i - 1].tolist(), top.values[i - 1].tolist())),
+                                          int((lp[i - 1] > lp[i - 1, seq[i]]).sum()) + 1)
+                                         for i in range(1, len(seq))]
 
 
 def check(got: list, want: list) -> None:
     assert [r[0] for r in got] == [r[0] for r in want]
-    assert got[0][1] is None and got[0][2] == []
-    for (_, a, ta), (_, b, tb) in zip(got[1:], want[1:]):
+    assert got[0][1] is None and got[0][2] == [] and got[0][3] is None
+    for (_, a, ta, ra), (_, b, tb, rb) in zip(got[1:], want[1:]):
         assert a == pytest.approx(b, abs=1e-5) and [t for t, _ in ta] == [t for t, _ in tb]
         assert [v for _, v in ta] == pytest.approx([v for _, v in tb], abs=1e-5)
+        assert ra == rb
 
 
 async def complete_all(engine, ps, params):

@@ -406,7 +406,7 @@ class EngineConfig:
         return load_tokenizer(self.tokenizer or self.model)
 
 
-SCORED_ROW_BYTES = 8 + 8 + 4 + 8 * 20  # a prompt-logprob row: request, index, logprob, 20 top (id, logprob)
+SCORED_ROW_BYTES = 8 + 8 + 4 + 4 + 8 * 20  # a prompt-logprob row: request, index, logprob, rank, 20 top (id, logprob)
 
 
 def _port_ok(address: str) -> bool:

@@ -65,7 +65,7 @@ class RequestStream:
         self._prompt_logprobs.setdefault(index, row)
 
     def take_prompt_logprobs(self) -> list | None:
-        """Every prompt token's row by index, the first one's (token, None, []); once."""
+        """Every prompt token's row by index, the first one's (token, None, [], None); once."""
         got, self._prompt_logprobs = self._prompt_logprobs, None
         return None if got is None else [got[i] for i in sorted(got)]
 

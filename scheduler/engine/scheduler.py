@@ -276,7 +276,7 @@ class Scheduler:
                 if p.logprobs is not None:
                     self._want_logprobs.add(req.id)
                 if p.prompt_logprobs is not None:  # nothing scores the first prompt token
-                    stream.push_prompt_logprob(0, (int(req.prompt[0]), None, []))
+                    stream.push_prompt_logprob(0, (int(req.prompt[0]), None, [], None))
                 self.client.add_requests(new_requests(req))
             case Abort(req_id=rid, reason=reason):
                 self._unscheduled.discard(rid)
@@ -404,7 +404,8 @@ class Scheduler:
                 continue
             k = req.params.prompt_logprobs or 0
             top = [] if top_ids is None else list(zip(top_ids[j, :k].tolist(), top_lps[j, :k].tolist()))
-            s.push_prompt_logprob(index, (int(req.prompt[index]), float(result.prompt_token_logprobs[j]), top))
+            rank = None if result.prompt_token_ranks is None else int(result.prompt_token_ranks[j])
+            s.push_prompt_logprob(index, (int(req.prompt[index]), float(result.prompt_token_logprobs[j]), top, rank))
 
     def _apply(self, plan: StepPlan, result: StepResult, now: float) -> None:
         if len(result.prompt_req_ids):  # before the update, which may finish the requests

@@ -91,6 +91,7 @@ class StepResult:
     prompt_token_logprobs: np.ndarray | None = None  # float32 (rows,)
     prompt_top_ids: np.ndarray | None = None  # int32 (rows, k)
     prompt_top_logprobs: np.ndarray | None = None  # float32 (rows, k)
+    prompt_token_ranks: np.ndarray | None = None  # int32 (rows,): 1 + ids more likely than the token
     # A speculating runtime's draft, when its experts are sharded: tokens per (MoE layer,
     # expert) over the step's passes (the balancer's draft planner reads them).
     draft_expert_counts: np.ndarray | None = None
