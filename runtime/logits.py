@@ -33,6 +33,21 @@ def _counts(r: LogitsRules) -> bool:
     return bool(r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1)
 
 
+def penalize_torch(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                   seen: torch.Tensor, params: torch.Tensor) -> None:
+    """The penalties on rows ``rows`` of ``x``, in place, from slot ``slots[i]``'s output counts
+    and prompt marks, with ``params[i]`` = (repetition, frequency, presence): a token seen has a
+    positive logit divided by the repetition penalty and a negative one multiplied; an output
+    token loses frequency x its count and presence once. (On CUDA ``kernels.penalties`` does
+    the same in one pass.)"""
+    rep, freq, pres = params.to(x.dtype).T[:, :, None]
+    n = counts[slots]
+    used = n > 0
+    y = x[rows]
+    y = torch.where(used | seen[slots], torch.where(y > 0, y / rep, y * rep), y)
+    x[rows] = y - freq * n - pres * used
+
+
 class Pending:
     """The counted rows of one step's samples, until their ids reach the host."""
 
@@ -48,6 +63,7 @@ class LogitsProcessors:
         self.rules: dict[int, LogitsRules] = {}
         self.prompts: dict[int, bytes] = {}  # rid -> its prompt's int32 ids (a repetition penalty's)
         self.record: dict[int, np.ndarray] = {}  # rid -> its output ids by index (-1: not seen), counted ones
+        self.last: dict[int, int] = {}  # rid -> the highest index its record holds (-1: none)
         self.owner = np.full(max_num_seqs, -1, np.int64)  # the request each row counts for
         self.counts: torch.Tensor | None = None  # (slots, vocab) int32, made for the first counted request
         self.seen: torch.Tensor | None = None  # (slots, vocab) bool: the prompt's ids (repetition penalty)
@@ -77,6 +93,7 @@ class LogitsProcessors:
             self.prompts[rid] = prompt
         if _counts(rules):
             self.record[rid] = np.full(16, -1, np.int32)
+            self.last[rid] = -1
             if self.counts is None:
                 self.counts = torch.zeros((self.max_num_seqs, self.vocab), dtype=torch.int32, device=self.device)
                 self.seen = torch.zeros((self.max_num_seqs, self.vocab), dtype=torch.bool, device=self.device)
@@ -85,6 +102,7 @@ class LogitsProcessors:
         for rid in rids:
             if self.rules.pop(rid, None) is not None:
                 self.record.pop(rid, None)
+                self.last.pop(rid, None)
                 self.prompts.pop(rid, None)
                 self.bias.pop(rid, None)
                 self.allowed.pop(rid, None)
@@ -100,8 +118,11 @@ class LogitsProcessors:
         if len(plan.finished_req_ids) and (self.owner >= 0).any():
             self.owner[np.isin(self.owner, plan.finished_req_ids)] = -1
         rids, slots = plan.req_ids.tolist(), plan.slots.tolist()
-        for i in [i for i, r in enumerate(rids) if r in self.record]:
-            self._feed(plan, i, rids[i], slots[i])
+        fed = [i for i, r in enumerate(rids) if r in self.record]
+        if fed:  # (Python ints once: a batch of 256 paid numpy's per-item cost several times a row)
+            offs, starts = plan.token_offsets.tolist(), plan.start_pos.tolist()
+            for i in fed:
+                self._feed(plan, i, rids[i], slots[i], offs[i], offs[i + 1], starts[i])
         entries = np.flatnonzero(plan.samples).tolist()
         rows = [j for j, i in enumerate(entries) if rids[i] in self.rules]
         if not rows:
@@ -117,10 +138,11 @@ class LogitsProcessors:
         biased = [(j, rids[entries[j]]) for j in rows if rids[entries[j]] in self.bias]
         if biased:
             self._bias(x, biased)
+        pos = positions.tolist()
         for j in rows:
             i = entries[j]
             r = self.rules[rids[i]]
-            k = int(positions[j]) + 1 - r.prompt_len
+            k = pos[j] + 1 - r.prompt_len
             if k < r.min_tokens and r.suppress:
                 held_rows += [j] * len(r.suppress)
                 held_ids += r.suppress
@@ -169,28 +191,34 @@ class LogitsProcessors:
         if rec[k] >= 0:
             return False
         rec[k] = token
+        if k > self.last[rid]:
+            self.last[rid] = k
         return True
 
     def _drop_from(self, rid: int, slot: int, k: int) -> None:
         """Token k is drawn now: outputs from k on that the record holds were drawn for a
         step the core dropped (preempted while it ran) and are not the request's."""
+        if k > self.last[rid]:  # the usual case: nothing recorded from k on (no numpy call)
+            return
         rec = self.record[rid]
         stale = rec[k:]
-        if k < len(rec) and (stale >= 0).any():
+        if (stale >= 0).any():
             gone = to_device(stale[stale >= 0].astype(np.int64), self.device)
             self.counts[slot].index_put_((gone,), torch.full((len(gone),), -1, dtype=torch.int32, device=self.device),
                                          accumulate=True)
             stale[:] = -1
+        kept = np.flatnonzero(rec >= 0)
+        self.last[rid] = int(kept[-1]) if len(kept) else -1
 
-    def _feed(self, plan: StepPlan, i: int, rid: int, slot: int) -> None:
-        """Own ``slot``'s row for ``rid`` and count the output tokens this entry feeds that
-        the record lacks."""
+    def _feed(self, plan: StepPlan, i: int, rid: int, slot: int, lo: int, hi: int, start: int) -> None:
+        """Own ``slot``'s row for ``rid`` and count the output tokens entry i (its tokens
+        ``lo:hi`` of the plan, from position ``start``) feeds that the record lacks."""
         r = self.rules[rid]
         if self.owner[slot] != rid:
             self._rebuild(slot, rid, r)
-        lo, hi = int(plan.token_offsets[i]), int(plan.token_offsets[i + 1])
-        start = int(plan.start_pos[i])
         if start + hi - lo <= r.prompt_len:
+            return
+        if hi - lo == 1 and plan.token_ids[lo] == PLACEHOLDER:  # a decode: its token was counted when drawn
             return
         ids = plan.token_ids[lo:hi]
         new = [t for k, t in enumerate(ids.tolist()) if start + k >= r.prompt_len and t != PLACEHOLDER
@@ -214,14 +242,13 @@ class LogitsProcessors:
     def _penalize(self, x: torch.Tensor, counted: list[tuple]) -> None:
         dev = x.device
         at = to_device(np.array([[c[0] for c in counted], [c[2] for c in counted]], np.int64), dev)
-        rows, slots = at[0], at[1]
-        rep, freq, pres = to_device(np.array([[c[1].repetition_penalty, c[1].frequency_penalty, c[1].presence_penalty]
-                                              for c in counted]).T.copy(), dev, x.dtype)[:, :, None]
-        n = self.counts[slots]
-        used = n > 0
-        y = x[rows]
-        y = torch.where(used | self.seen[slots], torch.where(y > 0, y / rep, y * rep), y)
-        x[rows] = y - freq * n - pres * used
+        params = to_device(np.array([[c[1].repetition_penalty, c[1].frequency_penalty, c[1].presence_penalty]
+                                     for c in counted], np.float32), dev)
+        if x.is_cuda and x.dtype == torch.float32:  # one pass a row, not the torch ops' temporaries
+            from lockstep.kernels.penalties import penalize
+        else:
+            penalize = penalize_torch
+        penalize(x, at[0], at[1], self.counts, self.seen, params)
 
     def _allow(self, x: torch.Tensor, allow: list[tuple[int, int]]) -> None:
         """Mask every id of each (row, request) but the request's allowed ones."""

@@ -1041,3 +1041,24 @@ def test_sample_rows_rejects_bad_arguments():
     with pytest.raises(ValueError, match="noise_rows"):
         sample_rows(logits, temp, top_p, top_k, noise, rows.float())
     assert sample_rows(logits[:0], temp[:0], top_p[:0], top_k[:0], noise, rows[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("vocab", [100, 5000])
+def test_penalize_kernel_equals_the_torch_penalties(vocab):
+    """In place, one pass a row, the same numbers as the CPU's torch ops (bit for bit: the
+    same operations in the same order, with a correctly rounded division)."""
+    from lockstep.kernels.penalties import penalize
+    from lockstep.runtime.logits import penalize_torch
+
+    g = gen(7)
+    x = torch.randn(6, vocab, generator=g) * 4
+    counts = torch.randint(0, 3, (9, vocab), generator=g, dtype=torch.int32) * (torch.rand(9, vocab, generator=g) < 0.1)
+    seen = torch.rand(9, vocab, generator=g) < 0.05
+    rows, slots = torch.tensor([0, 2, 3, 5]), torch.tensor([8, 0, 4, 4])
+    params = torch.tensor([[1.3, 0.5, 0.2], [0.7, -1.0, 1.5], [1.0, 0.0, 0.0], [2.0, 2.0, -2.0]])
+    want = x.clone()
+    penalize_torch(want, rows, slots, counts, seen, params)
+    got = x.clone().to(DEV)  # (a copy: on the CPU .to() would hand back x itself)
+    penalize(got, rows.to(DEV), slots.to(DEV), counts.int().to(DEV), seen.to(DEV), params.to(DEV))
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want[rows], x[rows]) and torch.equal(want[[1, 4]], x[[1, 4]])  # only its rows
