@@ -75,6 +75,7 @@ class LogitsRules(msgspec.Struct, frozen=True):
     bias_ids: list[int] = []  # logit_bias: ids and what is added to their logits
     bias: list[float] = []
     allowed: list[int] = []  # allowed_token_ids (empty: any)
+    grammar: list[str] = []  # structured outputs: [kind, text, whitespace] (StructuredOutputsParams.spec)
 
 
 class NewRequests(msgspec.Struct, frozen=True):

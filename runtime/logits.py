@@ -1,6 +1,7 @@
-"""Logits processing before sampling, per request, as vLLM's: allowed_token_ids, logit_bias,
-min_tokens, the repetition, frequency and presence penalties, and min_p, in that order
-(``LogitsRules``, sent with ``NewRequests``). A request's allowed ids and biases go to the
+"""Logits processing before sampling, per request, as vLLM's: a structured output's grammar
+(``lockstep.runtime.grammar``), allowed_token_ids, logit_bias, min_tokens, the repetition,
+frequency and presence penalties, and min_p, in that order (``LogitsRules``, sent with
+``NewRequests``). A request's allowed ids and biases go to the
 device once, when it arrives; a step gathers those of its rows.
 
 Penalties count a request's output tokens, per slot, in a (slots, vocab) table on the
@@ -51,15 +52,20 @@ def penalize_torch(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, cou
 class Pending:
     """The counted rows of one step's samples, until their ids reach the host."""
 
-    __slots__ = ("rows", "slots", "rids", "index")
+    __slots__ = ("rows", "slots", "rids", "index", "guided")
 
-    def __init__(self, rows: list[int], slots: list[int], rids: list[int], index: list[int]):
+    def __init__(self, rows: list[int], slots: list[int], rids: list[int], index: list[int],
+                 guided: list[tuple[int, int, int]] = ()):
         self.rows, self.slots, self.rids, self.index = rows, slots, rids, index
+        self.guided = guided  # (row, request, output index) of structured outputs' rows
 
 
 class LogitsProcessors:
-    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, vocab_size: int, device: torch.device, grammar_info=None):
+        """``grammar_info``: makes xgrammar's TokenizerInfo of the model (structured outputs)."""
         self.max_num_seqs, self.vocab, self.device = max_num_seqs, vocab_size, device
+        self._grammar_info = grammar_info
+        self.grammars = None  # lockstep.runtime.grammar.Grammars, made for the first guided request
         self.rules: dict[int, LogitsRules] = {}
         self.prompts: dict[int, bytes] = {}  # rid -> its prompt's int32 ids (a repetition penalty's)
         self.record: dict[int, np.ndarray] = {}  # rid -> its output ids by index (-1: not seen), counted ones
@@ -83,6 +89,15 @@ class LogitsProcessors:
         if rules.suppress and max(rules.suppress) >= self.vocab:  # ids it can never draw anyway
             rules = msgspec.structs.replace(rules, suppress=[t for t in rules.suppress if 0 <= t < self.vocab])
         self.rules[rid] = rules
+        if rules.grammar:
+            if self.grammars is None:
+                if self._grammar_info is None:
+                    raise ValueError(f"request {rid}: structured outputs need the model's vocabulary, and this "
+                                     "runtime was given none")
+                from .grammar import Grammars
+
+                self.grammars = Grammars(self._grammar_info, self.vocab, self.max_num_seqs)
+            self.grammars.add(rid, list(rules.grammar))
         if rules.bias_ids:
             keep = [(t, b) for t, b in zip(rules.bias_ids, rules.bias) if 0 <= t < self.vocab]
             self.bias[rid] = (to_device(np.array([t for t, _ in keep], np.int64), self.device),
@@ -106,6 +121,8 @@ class LogitsProcessors:
                 self.prompts.pop(rid, None)
                 self.bias.pop(rid, None)
                 self.allowed.pop(rid, None)
+                if self.grammars is not None:
+                    self.grammars.forget(rid)
                 self._gathered.clear()  # (keyed by request ids: none may outlive its request)
                 self.owner[self.owner == rid] = -1
 
@@ -123,6 +140,12 @@ class LogitsProcessors:
             offs, starts = plan.token_offsets.tolist(), plan.start_pos.tolist()
             for i in fed:
                 self._feed(plan, i, rids[i], slots[i], offs[i], offs[i + 1], starts[i])
+        guides = self.grammars
+        if guides:  # the outputs a plan feeds (a recompute's, a P/D decode side's first token)
+            offs, starts = plan.token_offsets.tolist(), plan.start_pos.tolist()
+            for i, rid in enumerate(rids):
+                if rid in guides:
+                    self._feed_grammar(plan, rid, offs[i], offs[i + 1], starts[i])
         entries = np.flatnonzero(plan.samples).tolist()
         rows = [j for j, i in enumerate(entries) if rids[i] in self.rules]
         if not rows:
@@ -132,13 +155,17 @@ class LogitsProcessors:
         counted = []  # (row, rules, slot, rid, output index of the token drawn) of counting requests
         narrow = []  # (row, min_p)
         held_rows, held_ids = [], []  # min_tokens not reached: the ids masked in each row
+        pos = positions.tolist()
+        guided = [(j, rids[entries[j]], pos[j] + 1 - self.rules[rids[entries[j]]].prompt_len) for j in rows
+                  if guides and rids[entries[j]] in guides]
+        if guided:
+            guides.mask(x, guided)
         allow = [(j, rids[entries[j]]) for j in rows if rids[entries[j]] in self.allowed]
         if allow:
             self._allow(x, allow)
         biased = [(j, rids[entries[j]]) for j in rows if rids[entries[j]] in self.bias]
         if biased:
             self._bias(x, biased)
-        pos = positions.tolist()
         for j in rows:
             i = entries[j]
             r = self.rules[rids[i]]
@@ -160,13 +187,19 @@ class LogitsProcessors:
             self._penalize(x, counted)
         if narrow:
             self._min_p(x, narrow, temperature)
-        if not counted:
+        if not counted and not guided:
             return x, None
-        return x, Pending(*([c[n] for c in counted] for n in (0, 2, 3, 4)))
+        return x, Pending(*([c[n] for c in counted] for n in (0, 2, 3, 4)), guided)
+
+    def guides(self, plan: StepPlan) -> bool:
+        """Whether a request of ``plan`` has a structured output (its step waits for the last
+        step's tokens: never launched ahead)."""
+        g = self.grammars
+        return bool(g) and any(r in g for r in plan.req_ids.tolist())
 
     def sampled(self, pending: Pending | None, tokens) -> None:
         """Count the tokens just drawn (a device tensor, or host ids) in their rows."""
-        if pending is None:
+        if pending is None or not pending.rows:
             return
         at = to_device(np.array([pending.rows, pending.slots], np.int64), self.device)
         tok = (tokens if isinstance(tokens, torch.Tensor) else to_device(np.asarray(tokens), self.device))[at[0]]
@@ -178,6 +211,9 @@ class LogitsProcessors:
         """The drawn ids, now on the host: into the records (already counted)."""
         if pending is None:
             return
+        for j, rid, k in pending.guided:
+            if rid in self.grammars:
+                self.grammars.output(rid, k, int(tokens[j]))
         for j, rid, k in zip(pending.rows, pending.rids, pending.index):
             if rid in self.record:
                 self._remember(rid, k, int(tokens[j]))
@@ -227,6 +263,14 @@ class LogitsProcessors:
             t = to_device(np.array(new, np.int64), self.device)
             self.counts[slot].index_put_((t,), torch.ones(len(new), dtype=torch.int32, device=self.device),
                                          accumulate=True)
+
+    def _feed_grammar(self, plan: StepPlan, rid: int, lo: int, hi: int, start: int) -> None:
+        n = self.rules[rid].prompt_len
+        if start + hi - lo <= n or (hi - lo == 1 and plan.token_ids[lo] == PLACEHOLDER):
+            return
+        for k, t in enumerate(plan.token_ids[lo:hi].tolist()):
+            if start + k >= n and t != PLACEHOLDER:
+                self.grammars.output(rid, start + k - n, t)
 
     def _rebuild(self, slot: int, rid: int, r: LogitsRules) -> None:
         rec = self.record[rid]

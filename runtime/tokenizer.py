@@ -117,6 +117,11 @@ class HFTokenizer:
         value = model_cfg.get(f"{kind}_token_id")
         return value[0] if isinstance(value, list) and value else value
 
+    @property
+    def backend(self):
+        """The `tokenizers` library's Tokenizer (structured outputs read its vocabulary)."""
+        return self._tok
+
     def encode(self, text: str, add_bos: bool = False) -> np.ndarray:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_token_id is not None:

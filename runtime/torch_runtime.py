@@ -38,6 +38,7 @@ Benchmarks' changes to random weights (``expert_skew``, ``layer_output_scale``):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -63,6 +64,14 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16}
+
+
+def _grammar_info(model: str, cfg):
+    """xgrammar's view of the model's vocabulary (structured outputs), from its tokenizer."""
+    from .grammar import tokenizer_info
+    from .tokenizer import load_tokenizer
+
+    return tokenizer_info(load_tokenizer(model, cfg.vocab_size), cfg.vocab_size, [cfg.eos_token_id])
 
 
 def exchange_for(asked: str | None, device_type: str, hosts: list) -> str:
@@ -127,7 +136,8 @@ class TorchRuntime:
         self._finished_at = 0.0  # when the last launched step was finished (perf_counter)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
-        self.processors = LogitsProcessors(spec.max_num_seqs, cfg.vocab_size, self.device)
+        self.processors = LogitsProcessors(spec.max_num_seqs, cfg.vocab_size, self.device,
+                                           grammar_info=functools.partial(_grammar_info, spec.model, cfg))
         self.scores = PromptScores()
         # The fast path's sampling settings by slot, refreshed when a slot's request changes.
         self.slot_req = np.full(spec.max_num_seqs, -1, np.int64)
@@ -495,7 +505,7 @@ class TorchRuntime:
         runs, and the GPU does not idle while the host prepares a step."""
         if (not self.launch_ahead or self.runner is None or self.spec is not None or self.placements is not None
                 or self.world > 1 or self.endpoint is not None or not len(plan.token_ids)
-                or (self.scores and self.scores.rows(plan)[1] is not None)):
+                or (self.scores and self.scores.rows(plan)[1] is not None) or self.processors.guides(plan)):
             return None
         t0 = time.perf_counter()
         params = self._slot_params(plan)

@@ -16,6 +16,7 @@ _LAZY = {
     "RequestOutput": "lockstep.api", "Completion": "lockstep.api",
     "EngineConfig": "lockstep.engine.config", "SchedulerConfig": "lockstep.policy.config",
     "SamplingParams": "lockstep.policy.request", "RequestError": "lockstep.policy.request",
+    "StructuredOutputsParams": "lockstep.policy.request",
 }
 __all__ = sorted(_LAZY)
 

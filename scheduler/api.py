@@ -122,7 +122,7 @@ class Engine:
             raise RequestError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}", field="cache_salt")
         if params.processes_logits and self.config.draft_model:
             name = next(f for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                                    "logit_bias", "allowed_token_ids")
+                                    "logit_bias", "allowed_token_ids", "structured_outputs")
                         if getattr(params, f) not in (getattr(SamplingParams(), f), {}))
             raise RequestError(f"{name} is not supported with speculative decoding (this engine runs draft model "
                                f"{self.config.draft_model!r}): leave it at its default", field=name)
@@ -138,6 +138,13 @@ class Engine:
         if params.logprobs is not None and self.config.runtime == "timing":  # (it would answer none)
             raise RequestError("logprobs is not supported with the timing runtime (it computes no logits): leave it "
                                "None", field="logprobs")
+        if params.structured_outputs is not None:
+            if self.config.runtime == "timing":
+                raise RequestError("structured_outputs is not supported with the timing runtime (it computes no "
+                                   "logits): leave it None", field="structured_outputs")
+            from lockstep.runtime.grammar import check  # (xgrammar: imported on first use)
+
+            check(*params.structured_outputs.spec())
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer, and this engine has none (tokenizer=None): use "
                                "stop_token_ids", field="stop")

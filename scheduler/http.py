@@ -200,7 +200,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
         return refused(e)
     if server.draining:
         return error("the server is shutting down", status=503, kind="service_unavailable")
-    engine = server.engine
+    engine, job = server.engine, None
     try:
         template = engine.tokenizer.apply_chat_template if engine.tokenizer is not None else None
         if chat and template is None:
@@ -221,11 +221,19 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
             encode = partial(engine.tokenizer.encode, add_bos=not chat and engine.tokenizer.add_bos)
             ids = [await trio.to_thread.run_sync(encode, p) if isinstance(p, str) else p for p in job.prompts]
             job = attrs.evolve(job, prompts=tuple(ids))
+        so = job.params.structured_outputs
+        if so is not None and engine.config.runtime != "timing":  # compiled off the event loop (xgrammar's first
+            from lockstep.runtime.grammar import check  # import alone takes ~2 s), checked once more when made
+
+            await trio.to_thread.run_sync(check, *so.spec())
         gens = _start(engine, job)
     except BadRequest as e:
         return refused(e)
     except RequestError as e:
         param, message = _request_param(e, chat), str(e)
+        if param and param.startswith("structured_outputs") and job is not None and job.structured_from:
+            # (the field it came in, as the client wrote it)
+            param, message = job.structured_from[0], message.replace(param, job.structured_from[1], 1)
         if param == "max_tokens" and body.get("max_completion_tokens") is not None:  # the name it was given
             param = "max_completion_tokens"
         if param == "prompt_logprobs" and body.get("prompt_logprobs") is None:  # asked for as echo with logprobs

@@ -11,7 +11,7 @@ import attrs
 import msgspec
 import numpy as np
 
-from lockstep.policy.request import RequestError, SamplingParams
+from lockstep.policy.request import RequestError, SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 
@@ -50,6 +50,9 @@ class Job:
     echo_only: bool = False
     # vLLM's prompt_logprobs field was given: the response carries its prompt_logprobs
     prompt_logprobs: bool = False
+    # structured outputs: the field they came from, and the path errors name their value by
+    # (response_format.json_schema.schema, guided_json, structured_outputs.regex, ...)
+    structured_from: tuple[str, str] | None = None
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -79,7 +82,8 @@ def parse_body(raw: bytes) -> dict:
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k",
            "seed", "stop_token_ids", "ignore_eos", "logprobs", "priority", "cache_salt", "user",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs",
-           "logit_bias", "allowed_token_ids"}
+           "logit_bias", "allowed_token_ids", "response_format", "structured_outputs", "guided_json",
+           "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
 _NO_OP = {  # field -> is the value the no-op one
     "best_of": lambda v: v == 1, "suffix": lambda v: not v,
@@ -89,7 +93,7 @@ _NO_OP = {  # field -> is the value the no-op one
     "length_penalty": lambda v: v == 1, "return_tokens_as_token_ids": lambda v: v is False,
     "echo": lambda v: v is False,  # (chat's; completions implement it)
     "tools": lambda v: not v, "tool_choice": lambda v: v in ("none", "auto"), "parallel_tool_calls": lambda v: True,
-    "response_format": lambda v: not v or v == {"type": "text"}, "functions": lambda v: not v,
+    "functions": lambda v: not v,
     # OpenAI's bookkeeping fields (clients such as the openai package's send them): nothing stored,
     # one tier, text only, and metadata, which asks for nothing, taken as given.
     "store": lambda v: v is False, "service_tier": lambda v: v in ("auto", "default"),
@@ -144,6 +148,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     if max_tokens == 0 and not isinstance(max_tokens, bool) and not echo:
         raise BadRequest(f"{max_name} must be at least 1 (0 only with echo, which then returns the prompt alone)",
                          max_name)
+    structured, structured_from = _structured(body)
     try:
         params = SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else 1 if echo_only else _int(max_name, max_tokens),
@@ -159,6 +164,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
             else None,
             # echo with logprobs: the prompt's too, with as many top ones; or vLLM's own field
             prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None),
+            structured_outputs=structured,
         )
     except RequestError as e:  # (SamplingParams checks itself when made)
         param = e.field
@@ -180,7 +186,62 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
                cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo, echo_only=echo_only,
-               prompt_logprobs=body.get("prompt_logprobs") is not None)
+               prompt_logprobs=body.get("prompt_logprobs") is not None, structured_from=structured_from)
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def _structured(body: dict) -> tuple[StructuredOutputsParams | None, tuple[str, str] | None]:
+    """Structured outputs from OpenAI's response_format, vLLM's structured_outputs, or vLLM's
+    older guided_* fields (one of them), and (the field, the path errors name the value by)."""
+    given = [f for f in ("response_format", "structured_outputs", *_GUIDED) if body.get(f) is not None
+             and not (f == "response_format" and body[f] == {"type": "text"})]
+    if body.get("guided_decoding_backend") not in (None, "auto", "xgrammar"):
+        raise BadRequest(f"guided_decoding_backend must be 'auto' or 'xgrammar' (the one lockstep has), got "
+                         f"{body['guided_decoding_backend']!r}", "guided_decoding_backend")
+    if body.get("guided_whitespace_pattern") is not None:
+        raise BadRequest("guided_whitespace_pattern is not supported (xgrammar takes none): leave it out; "
+                         "structured_outputs.disable_any_whitespace allows no whitespace", "guided_whitespace_pattern")
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise BadRequest(f"give structured outputs once: {' and '.join(given)} were both given", given[1])
+    name = given[0]
+    v = body[name]
+    try:
+        if name == "response_format":
+            kind = v.get("type") if isinstance(v, dict) else None
+            if kind == "json_object" and set(v) == {"type"}:
+                return StructuredOutputsParams(json_object=True), (name, name)
+            if kind == "json_schema" and set(v) == {"type", "json_schema"}:
+                js = v["json_schema"]
+                if not isinstance(js, dict) or not isinstance(js.get("name"), str) or \
+                        set(js) - {"name", "schema", "strict", "description"}:
+                    raise BadRequest("response_format.json_schema must be an object with a name (a string) and "
+                                     "optionally schema, strict and description", name)
+                schema = js.get("schema", {})  # (OpenAI: no schema is any JSON object)
+                if not isinstance(schema, dict):
+                    raise BadRequest(f"response_format.json_schema.schema must be a JSON schema (an object), got "
+                                     f"{type(schema).__name__}", name)
+                return StructuredOutputsParams(json=schema or {"type": "object"}), \
+                    (name, "response_format.json_schema.schema")
+            raise BadRequest("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                             "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}, "
+                             f"got {str(v)[:120]}", name)
+        if name == "structured_outputs":
+            if not isinstance(v, dict):
+                raise BadRequest(f"structured_outputs must be an object, got {type(v).__name__}", name)
+            fields = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+            if set(v) - fields:
+                raise BadRequest(f"structured_outputs: unknown field(s) {sorted(set(v) - fields)}; allowed: "
+                                 f"{', '.join(sorted(fields))}", name)
+            so = StructuredOutputsParams(**v)
+            return so, (name, f"structured_outputs.{so.kind}")
+        return StructuredOutputsParams(**{_GUIDED[name]: v}), (name, name)
+    except RequestError as e:
+        raise BadRequest(str(e) if name == "structured_outputs" else str(e).replace(
+            e.field or "structured_outputs", name, 1), name) from None
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

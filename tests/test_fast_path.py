@@ -9,9 +9,10 @@ CUDA graphs themselves need a GPU: benchmarks/gpu/bench_decode.py checks them on
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 
 import attrs
-import os
 
 import numpy as np
 import pytest
@@ -325,7 +326,7 @@ def _async_run(rt, prompts, params, launch: bool) -> dict:
                           max_model_len=256)
     core = SchedulerCore(cfg, BlockHasher(b"k", BS))
     for i, p in enumerate(prompts):
-        req = Request(id=i, prompt=np.asarray(p, np.int32), params=params)
+        req = Request(id=i, prompt=np.asarray(p, np.int32), params=params[i] if isinstance(params, list) else params)
         core.add_request(req)
         rt.add_requests(new_requests(req))
     flight, got, step, launched = [], {}, 0, 0
@@ -361,6 +362,24 @@ def test_penalties_count_alike_with_steps_launched_ahead():
     plain = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts,
                        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True), True)
     assert ahead == whole and ahead != plain and all(len(t) == 10 for t in ahead.values())
+
+
+def test_guided_steps_wait_for_the_last_tokens_and_others_launch_ahead():
+    """A structured output's mask needs the last step's token on the host: steps with a
+    guided request run whole, the others launch ahead, and the tokens are those of steps
+    run one at a time; the guided output follows its grammar."""
+    from lockstep import StructuredOutputsParams
+
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    guided = SamplingParams(max_tokens=12, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z]{3}[0-9]"))
+    params = [plain, guided, plain]
+    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    ahead = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, params, True)
+    whole = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, params, False)
+    assert ahead == whole and len(ahead[0]) == len(ahead[2]) == 12
+    # (this core knows no end of sequence: the tokens drawn after it, unconstrained, come too)
+    assert ahead[1][4] == 1 and re.fullmatch("[a-z]{3}[0-9]", bytes(t - 3 for t in ahead[1][:4]).decode())
 
 
 def test_fast_path_runtime_scores_prompts_with_the_kernels_that_serve_the_step():

@@ -174,3 +174,50 @@ def test_the_sampled_token_keeps_its_own_logprob_among_top_logprobs():
     got = logprobs_json(Tok(), [(9, -6.2, [(7, -5.8), (3, -6.0)])], chat=False)
     assert got["tokens"] == ["\ufffd"] and got["token_logprobs"] == [-6.2]
     assert got["top_logprobs"] == [{"\ufffd": -6.2, "t3": -6.0}]
+
+
+def test_structured_outputs_come_from_response_format_vllm_fields_or_guided_ones():
+    from lockstep import StructuredOutputsParams as S
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "json_object"}}, S(json_object=True), ("response_format", "response_format")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}},
+         S(json=schema), ("response_format", "response_format.json_schema.schema")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, S(json={"type": "object"}),
+         ("response_format", "response_format.json_schema.schema")),
+        ({"structured_outputs": {"regex": "a+", "disable_any_whitespace": True}},
+         S(regex="a+", disable_any_whitespace=True), ("structured_outputs", "structured_outputs.regex")),
+        ({"guided_json": schema}, S(json=schema), ("guided_json", "guided_json")),
+        ({"guided_regex": "[0-9]+", "guided_decoding_backend": "xgrammar"}, S(regex="[0-9]+"),
+         ("guided_regex", "guided_regex")),
+        ({"guided_choice": ["a", "b"]}, S(choice=("a", "b")), ("guided_choice", "guided_choice")),
+        ({"guided_grammar": 'root ::= "a"'}, S(grammar='root ::= "a"'), ("guided_grammar", "guided_grammar")),
+        ({"response_format": {"type": "text"}}, None, None),
+    ]
+    for body, want, source in cases:
+        job = parse({"messages": [{"role": "user", "content": "a"}], **body}, chat=True)
+        assert job.params.structured_outputs == want and job.structured_from == source, body
+        assert job.params.processes_logits == (want is not None)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs"),
+    ({"structured_outputs": "a+"}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": 5}, "guided_regex"),
+    ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}}, "guided_json"),
+    ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_regex": "a", "min_tokens": 2}, "min_tokens"),
+])
+def test_bad_structured_outputs_name_the_field_they_came_in(body, field):
+    with pytest.raises(BadRequest) as e:
+        parse({"prompt": [5], **body})
+    assert e.value.param == field, (str(e.value), e.value.param)

@@ -5,6 +5,7 @@ client that disconnects, fuzzed bodies (never a 5xx), and SIGTERM draining a rea
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -471,6 +472,44 @@ def test_openai_client_completions_chat_and_errors(real_server):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_count",
                  "vllm:inter_token_latency_seconds_sum", "vllm:request_queue_time_seconds_count"):
         assert name in metrics
+
+
+def test_structured_outputs_through_the_openai_client(real_server):
+    """OpenAI's response_format and vLLM's guided_choice / structured_outputs: the answers
+    match; a schema xgrammar cannot read is a 400 naming the field it came in."""
+    _, url = real_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    chat = [{"role": "user", "content": "pick"}]
+    picked = client.chat.completions.create(model="tiny", messages=chat, max_tokens=20, temperature=1.0, seed=1,
+                                            extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert picked.choices[0].message.content in ("red", "green", "blue") and picked.choices[0].finish_reason == "stop"
+    code = client.completions.create(model="tiny", prompt="code:", max_tokens=20, temperature=1.0, seed=2,
+                                     extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", code.choices[0].text)
+    schema = {"type": "object", "properties": {"c": {"enum": ["r", "g"]}, "ok": {"type": "boolean"}},
+              "required": ["c", "ok"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    for seed in range(3):  # (random weights may fill the allowed whitespace up to max_tokens)
+        js = client.chat.completions.create(model="tiny", messages=chat, max_tokens=60, temperature=1.0, seed=seed,
+                                            response_format=fmt).choices[0]
+        if js.finish_reason == "stop":
+            v = json.loads(js.message.content)
+            assert set(v) == {"c", "ok"} and v["c"] in ("r", "g") and isinstance(v["ok"], bool)
+            break
+        assert js.message.content.lstrip().startswith("{")
+    else:
+        raise AssertionError("no JSON answer ended within 60 tokens in three tries")
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=chat, max_tokens=20, temperature=1.0, seed=4, stream=True,
+        extra_body={"guided_regex": "(ab|cd)+!"}))
+    assert re.fullmatch("(ab|cd)+!", streamed) or re.fullmatch("(ab|cd)+", streamed), streamed
+    bad = dict(fmt, json_schema={"name": "x", "schema": {"type": "objectx"}})
+    with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema: not a JSON schema") as e:
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=5, response_format=bad)
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError, match="guided_regex: not a regular expression") as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=5, extra_body={"guided_regex": "a["})
+    assert e.value.body["param"] == "guided_regex"
 
 
 def test_pd_deployment_serves_the_same_greedy_tokens(real_server):

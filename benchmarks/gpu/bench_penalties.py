@@ -1,4 +1,5 @@
-"""Logits processing on the GPU (penalties, min_p, min_tokens, logit_bias, allowed_token_ids):
+"""Logits processing on the GPU (penalties, min_p, min_tokens, logit_bias, allowed_token_ids,
+structured outputs):
 what it costs a decode step through the whole engine.
 
 The v2-lite shape (random weights, bf16) on one GPU through ``open_engine`` (runtime
@@ -10,7 +11,10 @@ mode measured in the same run:
 - greedy; greedy with repetition 1.1, frequency 0.2 and presence 0.2 on every request;
   greedy with a logit_bias of 32 random ids (-100 to 100) on every request;
 - sampled (temperature 1, top-p 0.95); the same with min_p 0.05; with min_tokens (= --tokens);
-  with 1,000 random allowed_token_ids on every request.
+  with 1,000 random allowed_token_ids on every request;
+- structured outputs (xgrammar's masks, filled on the host each step, the step not launched
+  ahead): greedy under the regex [a-z]{tokens + 50}, sampled under a JSON schema whose one
+  string is at least 2 x tokens characters long (neither can end within --tokens).
 That steps launched ahead count as steps run whole do is tests/test_fast_path.py's
 test_penalties_count_alike_with_steps_launched_ahead (the same plans, so the same kernels:
 two engines would batch differently, and bf16 near-ties then go either way).
@@ -39,6 +43,7 @@ from lockstep.api import open_engine  # noqa: E402
 from lockstep.engine.config import EngineConfig  # noqa: E402
 from lockstep.policy.config import SchedulerConfig  # noqa: E402
 from lockstep.policy.request import SamplingParams  # noqa: E402
+from lockstep.policy.request import StructuredOutputsParams as S  # noqa: E402
 
 PEN = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2)
 
@@ -58,6 +63,12 @@ def settings(tokens: int, vocab: int) -> dict[str, tuple[str, SamplingParams]]:
         # every token must not be the end of sequence: its logit masked on every step
         "sampled + min_tokens": ("sampled", SamplingParams(**dict(s, ignore_eos=False), min_tokens=tokens)),
         "sampled + allowed_token_ids (1,000)": ("sampled", SamplingParams(**s, allowed_token_ids=allowed)),
+        # structured outputs whose grammar cannot end within --tokens: every step masked
+        "greedy + regex (letters)": ("greedy", SamplingParams(temperature=0.0, **g, structured_outputs=S(
+            regex=f"[a-z]{{{tokens + 50}}}"))),
+        "sampled + JSON schema (a long string)": ("sampled", SamplingParams(**s, structured_outputs=S(json={
+            "type": "object", "properties": {"text": {"type": "string", "minLength": 2 * tokens}},
+            "required": ["text"]}))),
     }
 
 
@@ -114,6 +125,10 @@ async def main_async(args) -> None:
     outside = sum(t not in allowed for toks in tokens["sampled + allowed_token_ids (1,000)"] for t in toks)
     rows.append({"setting": "tokens drawn outside allowed_token_ids (must be 0)", "batch": args.batch,
                  "decode_tok_s": 0.0, "vs_plain": float(outside)})
+    # the byte tokenizer's ids 3..258 are the bytes: the regex allows 'a'..'z' alone
+    bad = sum(not 100 <= t <= 125 for toks in tokens["greedy + regex (letters)"] for t in toks)
+    rows.append({"setting": "tokens outside the regex (must be 0)", "batch": args.batch,
+                 "decode_tok_s": 0.0, "vs_plain": float(bad)})
     pen = next(r for r in rows if r["setting"] == "greedy + penalties")
     emit("bench_penalties", rows, {
         "metric": f"penalized greedy decode throughput / plain greedy, {args.model} {args.dtype}, batch {args.batch}",

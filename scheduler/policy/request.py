@@ -84,6 +84,72 @@ def _num(default):
     return attrs.field(default=default, converter=_scalar)
 
 
+def _as_structured(v):
+    """A dict of StructuredOutputsParams' fields as one (vLLM's dict form); anything else as given."""
+    return StructuredOutputsParams(**v) if isinstance(v, dict) and set(v) <= _STRUCTURED_FIELDS else v
+
+
+@attrs.frozen
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's structured outputs): exactly one of a JSON schema
+    (a dict, or its JSON text), a regular expression, a list of choices, an EBNF grammar
+    (GBNF-style, as xgrammar reads it) or any JSON object (``json_object``). The output then
+    matches it and ends with the end-of-sequence token where it is complete (or at
+    max_tokens, cut short). ``disable_any_whitespace``: JSON without whitespace between its
+    tokens (by default any JSON whitespace is allowed, up to a few characters at a time).
+    Checked here for its shape; the engine compiles it when the request is made."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = attrs.field(default=None, converter=_id_tuple)  # (a list as a tuple)
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        given = [f for f in _STRUCTURED_KINDS if getattr(self, f) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(f"structured_outputs must give exactly one of {', '.join(_STRUCTURED_KINDS)}, got "
+                               f"{len(given)}{': ' + ', '.join(given) if given else ''}", field="structured_outputs")
+        if self.json is not None and not (isinstance(self.json, dict) or isinstance(self.json, str) and self.json):
+            raise RequestError(f"structured_outputs.json must be a JSON schema (a dict, or its JSON text), got "
+                               f"{_short(self.json)}", field="structured_outputs.json")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise RequestError(f"structured_outputs.{name} must be a non-empty string, got {_short(v)}",
+                                   field=f"structured_outputs.{name}")
+        if self.choice is not None and not (isinstance(self.choice, tuple) and self.choice and all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise RequestError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                               f"{_short(self.choice)}", field="structured_outputs.choice")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise RequestError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}",
+                               field="structured_outputs.json_object")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise RequestError(f"structured_outputs.disable_any_whitespace must be a bool, got "
+                               f"{self.disable_any_whitespace!r}", field="structured_outputs.disable_any_whitespace")
+
+    @property
+    def kind(self) -> str:
+        return next(f for f in _STRUCTURED_KINDS if getattr(self, f) not in (None, False))
+
+    def spec(self) -> list[str]:
+        """[kind, text, whitespace]: what a runtime compiles (a schema as JSON text, choices as
+        a JSON list; whitespace "any" or "none")."""
+        import json
+
+        kind = self.kind
+        v = getattr(self, kind)
+        text = (json.dumps(v) if kind == "json" and isinstance(v, dict) else json.dumps(list(v)) if kind == "choice"
+                else "" if kind == "json_object" else v)
+        return [kind, text, "none" if self.disable_any_whitespace else "any"]
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_STRUCTURED_FIELDS = {f.name for f in attrs.fields(StructuredOutputsParams)}
+
+
 @attrs.frozen
 class SamplingParams:
     """How to sample one request, as vLLM's; checked when made (``validate``): a bad value
@@ -119,6 +185,8 @@ class SamplingParams:
     # Samples per prompt (LLM.generate, Engine.complete: Completion.outputs); sample i takes
     # seed + i where a seed is given, as the OpenAI server's n does. A stream is one sample.
     n: int = _num(1)
+    # The output matches a JSON schema, regex, choice or grammar (vLLM's structured outputs).
+    structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, converter=_as_structured)
 
     def __attrs_post_init__(self) -> None:
         self.validate()
@@ -127,7 +195,8 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether a runtime must change the logits before sampling for this request."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.min_p or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None)
+                    or self.min_p or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None
+                    or self.structured_outputs is not None)
 
     def validate(self) -> None:
         """Every field's type and range, so that nothing accepted here fails later in the
@@ -192,6 +261,14 @@ class SamplingParams:
             raise RequestError(f"allowed_token_ids must be None or a non-empty tuple (or list, range or 1-D array) of "
                                f"integers in "
                                f"[0, 2**31 - 1], got {_short(ids)}", field="allowed_token_ids")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise RequestError(f"structured_outputs must be None, a StructuredOutputsParams or a dict of its fields "
+                               f"({', '.join(sorted(_STRUCTURED_FIELDS))}), got {_short(so)}",
+                               field="structured_outputs")
+        if so is not None and self.min_tokens:  # the grammar may allow only end of sequence, which it holds
+            raise RequestError("min_tokens cannot be combined with structured_outputs (the output's grammar may allow "
+                               "only the end of sequence before min_tokens): leave it 0", field="min_tokens")
 
     def check_vocab(self, vocab_size: int, eos_token_id: int = -1) -> None:
         """The token ids of logit_bias, allowed_token_ids and stop_token_ids against the

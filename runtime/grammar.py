@@ -1,0 +1,215 @@
+"""Structured outputs (vLLM's): a request's JSON schema, regex, choice or grammar masks its
+logits each step, through xgrammar.
+
+The engine checks a request's grammar when the request is made (``check``: xgrammar parses
+it, no tokenizer needed), so a bad schema is a RequestError naming the field, not a runtime's
+failure. The runtime compiles it against the model's vocabulary (``Grammars``; the compiler
+caches equal grammars) and keeps one matcher per request. Each step a guided row's matcher
+takes the request's outputs it has not yet seen, then fills the row's bitmask of the tokens
+that keep the output inside the grammar; once the output is complete only the end of
+sequence is allowed. The matcher follows the outputs by index: a step the scheduler dropped
+(its request preempted while it ran) or outputs recomputed differently restart it from the
+outputs that stand.
+
+Steps with a guided request are never launched ahead: the mask needs the last step's token
+on the host (vLLM's structured outputs also wait for it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+
+import torch
+
+from lockstep.policy.request import RequestError
+
+log = logging.getLogger("lockstep.runtime")
+
+
+def _xgr():
+    try:
+        import xgrammar
+    except ImportError:
+        raise RequestError("structured_outputs need the xgrammar package, which is not installed: "
+                           "pip install xgrammar", field="structured_outputs") from None
+    return xgrammar
+
+
+def _message(e: Exception) -> str:
+    """xgrammar's error without its '[time] /project/cpp/file.cc:123: ' prefix."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()).strip()
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    # (JSON string literals are EBNF string literals: the same escapes)
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+@functools.lru_cache(maxsize=256)
+def check(kind: str, text: str, whitespace: str) -> None:
+    """Raise RequestError (naming ``structured_outputs.<kind>``) where xgrammar cannot read
+    this grammar. (Cached: clients send the same schema again and again.)"""
+    xgr = _xgr()
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(text, any_whitespace=whitespace == "any")
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        elif kind == "grammar":
+            xgr.Grammar.from_ebnf(text)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
+        elif kind != "json_object":
+            raise RequestError(f"structured_outputs: unknown kind {kind!r}", field="structured_outputs")
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001 - xgrammar's RuntimeError / InvalidJSONError: the user's input
+        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
+                "choice": "choice"}[kind]
+        raise RequestError(f"structured_outputs.{kind}: not a {what} xgrammar can use: {_message(e)}",
+                           field=f"structured_outputs.{kind}") from None
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
+    """xgrammar's view of the model's vocabulary: ``tokenizer`` is lockstep's (a ByteTokenizer
+    or an HFTokenizer); ids past the tokenizer's, up to the model's ``vocab_size``, are never
+    allowed; ``stop_ids`` end a complete output."""
+    xgr = _xgr()
+    from lockstep.runtime.tokenizer import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        # ids 3..258 are the bytes: byte-fallback tokens; the specials and unused ids decode to
+        # nothing, which xgrammar never allows (but for the stop ids)
+        vocab = ["", "", ""] + [f"<0x{b:02X}>" for b in range(256)]
+        vocab += [""] * (vocab_size - len(vocab))
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_FALLBACK, vocab_size=vocab_size, stop_token_ids=stop_ids)
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
+    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+
+
+class _Guide:
+    __slots__ = ("future", "_matcher", "tokens", "matched", "broken")
+
+    def __init__(self, future):
+        self.future = future  # the matcher, once its grammar is compiled
+        self._matcher = None
+        self.tokens: list[int] = []  # the request's outputs by index, as far as known
+        self.matched = 0  # how many of them the matcher has taken
+        self.broken = False  # the matcher refused an output: no more masks (logged)
+
+    @property
+    def matcher(self):
+        if self._matcher is None:
+            self._matcher = self.future.result()  # (waits for a compile still running)
+        return self._matcher
+
+
+class Grammars:
+    """One matcher per guided request, and the masks of a step's guided rows.
+
+    Grammars compile on a thread of their own as requests arrive (the vocabulary is read
+    there too, for the first one): a new JSON schema over a 100K-token vocabulary takes tens
+    to hundreds of milliseconds, which then overlaps the request's prefill and other
+    requests' steps instead of stopping them; the first step that samples for the request
+    waits for what is left."""
+
+    def __init__(self, make_info, vocab_size: int, max_rows: int):
+        self._make_info, self.vocab = make_info, vocab_size
+        self._compiler = None
+        self._pool = None
+        self.guides: dict[int, _Guide] = {}
+        self._bitmask = None
+        self.max_rows = max_rows
+
+    def __bool__(self) -> bool:
+        return bool(self.guides)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self.guides
+
+    def add(self, rid: int, spec: list[str]) -> None:
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
+            self._bitmask = _xgr().allocate_token_bitmask(self.max_rows, self.vocab)
+        self.guides[rid] = _Guide(self._pool.submit(self._compile, list(spec)))
+
+    def _compile(self, spec: list[str]):
+        xgr = _xgr()
+        if self._compiler is None:  # (the vocabulary is read once, for the first guided request)
+            self._compiler = xgr.GrammarCompiler(self._make_info(), max_threads=1, cache_enabled=True)
+        kind, text, whitespace = spec
+        c = self._compiler
+        compiled = (c.compile_json_schema(text, any_whitespace=whitespace == "any") if kind == "json"
+                    else c.compile_regex(text) if kind == "regex"
+                    else c.compile_grammar(text) if kind == "grammar"
+                    else c.compile_grammar(choice_ebnf(json.loads(text))) if kind == "choice"
+                    # any JSON object (OpenAI's json_object mode asks for an object; vLLM compiles this too)
+                    else c.compile_json_schema('{"type": "object"}', any_whitespace=whitespace == "any"))
+        return xgr.GrammarMatcher(compiled)
+
+    def forget(self, rid: int) -> None:
+        g = self.guides.pop(rid, None)
+        if g is not None:
+            g.future.cancel()
+
+    def output(self, rid: int, k: int, token: int) -> None:
+        """Output ``k`` of ``rid`` is ``token`` (drawn, or fed by a plan that recomputes it)."""
+        g = self.guides[rid]
+        if k < len(g.tokens):
+            if g.tokens[k] == token:
+                return
+            del g.tokens[k:]  # a different output there: what followed it is not the request's
+            if g.matched > k:
+                g.matcher.reset()
+                g.matched, g.broken = 0, False
+        if k == len(g.tokens):
+            g.tokens.append(token)
+        # (k past the known outputs: a step whose earlier outputs this runtime never saw; the
+        # mask asks for them and fails loudly)
+
+    def mask(self, x: torch.Tensor, rows: list[tuple[int, int, int]]) -> None:
+        """Mask rows of ``x``: (row, request, index of the output drawn there)."""
+        bm = self._bitmask
+        masked = []
+        for j, rid, k in rows:
+            g = self.guides[rid]
+            if len(g.tokens) < k:
+                raise RuntimeError(f"request {rid}: its grammar needs outputs 0..{k - 1} before output {k}, and "
+                                   f"this runtime knows {len(g.tokens)}")
+            if len(g.tokens) > k:  # drawn by a step the scheduler dropped
+                del g.tokens[k:]
+            if g.broken:
+                continue
+            if g._matcher is None:
+                try:
+                    g.matcher
+                except Exception as e:  # noqa: BLE001 - the engine compiled it once (check): not expected
+                    g.broken = True
+                    log.error("request %d: its grammar did not compile here (%s); its outputs are not "
+                              "constrained", rid, _message(e))
+                    continue
+            if g.matched > k:
+                g.matcher.reset()
+                g.matched, g.broken = 0, False
+            m = g.matcher
+            while g.matched < k and not m.is_terminated():  # (outputs after the end: a step planned ahead of it)
+                if not m.accept_token(g.tokens[g.matched]):
+                    g.broken = True
+                    log.warning("request %d: its grammar refused output %d (token %d); its outputs are not "
+                                "constrained from there", rid, g.matched, g.tokens[g.matched])
+                    break
+                g.matched += 1
+            if g.broken or m.is_terminated():  # (complete and ended: this row's token is not kept)
+                continue
+            m.fill_next_token_bitmask(bm, j)
+            masked.append(j)
+        if masked:  # (bitmask row j is x's row j; rows not listed are left as they are)
+            _xgr().apply_token_bitmask_inplace(x, bm[:masked[-1] + 1].to(x.device, non_blocking=True),
+                                               vocab_size=self.vocab, indices=masked)

@@ -1,0 +1,265 @@
+"""Structured outputs (vLLM's: JSON schema, regex, choice, EBNF grammar, any JSON object) end
+to end: real runtime processes, the tiny torch model on CPU and its byte tokenizer. Greedy
+tokens are checked against a reference that decodes one sequence alone and masks its logits
+with its own xgrammar matcher; also with batching, chunked prefill, prefix hits, plain
+requests beside guided ones, preemptions (a recompute re-feeds the output) and a P/D hand-off
+(the decode side's first token was drawn by the prefill side)."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+import trio
+import xgrammar as xgr
+
+from lockstep import StructuredOutputsParams as S
+from lockstep.api import open_engine
+from lockstep.engine.config import EngineConfig
+from lockstep.policy.config import SchedulerConfig
+from lockstep.policy.request import RequestError, SamplingParams
+from lockstep.policy.step import PLACEHOLDER
+from lockstep.runtime.grammar import Grammars, check, tokenizer_info
+from lockstep.runtime.models.batch import ForwardBatch
+from lockstep.runtime.tokenizer import ByteTokenizer
+from test_engine import collect, config, prompts, reference_greedy, tiny_model
+from test_model_hf import hf_tokenizer_dir  # noqa: F401 - a fixture
+from test_pd import pd_config, run_all, settle
+
+EOS = 1  # the tiny preset's
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["ok", "color", "n"], "additionalProperties": False}
+CASES = {
+    "regex": S(regex=r"[0-9]{3}-[a-z]{2,4}"),
+    "choice": S(choice=["yes", "no", "maybe \"so\" é"]),
+    "json": S(json=SCHEMA, disable_any_whitespace=True),
+    "grammar": S(grammar='root ::= "(" [a-c] [a-c]? [a-c]? ")"'),
+}
+
+
+def vocab() -> int:
+    return tiny_model().cfg.vocab_size
+
+
+def text(tokens: list[int]) -> str:
+    return ByteTokenizer(vocab()).decode(tokens)
+
+
+def matcher(so: S):
+    info = tokenizer_info(ByteTokenizer(vocab()), vocab(), [EOS])
+    g = Grammars(lambda: info, vocab(), 1)
+    g.add(0, so.spec())
+    return g.guides[0].matcher
+
+
+def allowed(m) -> np.ndarray:
+    bm = xgr.allocate_token_bitmask(1, vocab())
+    m.fill_next_token_bitmask(bm, 0)
+    bits = (bm[0].numpy().astype(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return bits.reshape(-1)[:vocab()].astype(bool)
+
+
+def reference(prompt: np.ndarray, p: SamplingParams) -> list[int]:
+    """Greedy decoding of one sequence alone, each step's logits masked by the grammar."""
+    model, m = tiny_model(), matcher(p.structured_outputs)
+    kv = model.make_kv_cache(64, 16)
+    seq = [int(t) for t in prompt]
+    table = list(range(-(-(len(seq) + p.max_tokens) // 16)))
+    logits, _ = model(ForwardBatch.build([seq], [0], [table], 16), kv)
+    out: list[int] = []
+    while True:
+        x = logits[0].numpy().copy()
+        x[~allowed(m)] = -np.inf
+        out.append(int(x.argmax()))
+        assert m.accept_token(out[-1])
+        if len(out) == p.max_tokens or out[-1] == EOS:
+            return out
+        logits, _ = model(ForwardBatch.build([[out[-1]]], [len(seq) + len(out) - 1], [table], 16), kv)
+
+
+def greedy(so: S, max_tokens: int = 64) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=so)
+
+
+def assert_matches(kind: str, tokens: list[int]) -> None:
+    """The output is the grammar's and ends with the end of sequence."""
+    assert tokens[-1] == EOS, (kind, tokens)
+    t = text(tokens[:-1])
+    if kind == "regex":
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)
+    elif kind == "choice":
+        assert t in CASES["choice"].choice
+    elif kind == "json":
+        v = json.loads(t)
+        assert set(v) == {"ok", "color", "n"} and isinstance(v["ok"], bool) and v["color"] in ("red", "green", "blue")
+        assert 0 <= v["n"] <= 99
+    else:
+        assert re.fullmatch(r"\([a-c]{1,3}\)", t)
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+async def test_guided_greedy_matches_the_reference_with_batching_chunks_and_prefix_hits(kind):
+    ps = prompts()
+    p = greedy(CASES[kind])
+    async with open_engine(config(tokenizer=None)) as engine:
+        got = await run_all(engine, ps, p)
+    want = [reference(x, p) for x in ps]
+    assert got == want
+    for tokens in got:
+        assert_matches(kind, tokens)
+
+
+async def test_plain_requests_beside_guided_ones_are_unchanged():
+    ps = prompts()
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    got = [None] * len(ps)
+    async with open_engine(config(tokenizer=None)) as engine:
+        async def one(i):
+            got[i], _ = await collect(engine, ps[i], greedy(CASES["regex"]) if i % 2 else plain)
+        async with trio.open_nursery() as n:
+            for i in range(len(ps)):
+                n.start_soon(one, i)
+    for i, x in enumerate(ps):
+        assert got[i] == (reference(x, greedy(CASES["regex"])) if i % 2 else reference_greedy(x, 10))
+
+
+async def test_sampled_outputs_match_their_grammar():
+    ps = prompts()
+    async with open_engine(config(tokenizer=None)) as engine:
+        for kind, so in CASES.items():
+            got = await run_all(engine, ps, SamplingParams(max_tokens=60, temperature=1.0, seed=7,
+                                                           structured_outputs=so))
+            for tokens in got:
+                assert_matches(kind, tokens)
+
+
+async def test_preempted_guided_requests_follow_their_grammar_after_the_recompute():
+    """Few blocks: requests are preempted and recomputed (their outputs re-fed, some from the
+    prefix cache, and a step in flight dropped): each matcher must resume where its output stands."""
+    sched = SchedulerConfig(num_blocks=14, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                            max_model_len=128)
+    cfg = EngineConfig(model="tiny", dtype="float64", scheduler=sched, tokenizer=None)
+    rng = np.random.default_rng(3)
+    ps = [rng.integers(3, 500, n).astype(np.int32) for n in (40, 45, 50, 35)]
+    p = greedy(S(grammar='root ::= [a-z] ([a-z] | " ")+ "."'), max_tokens=40)
+    async with open_engine(cfg) as engine:
+        got = await run_all(engine, ps, p)
+        assert engine.statistics().preemptions > 0
+    assert got == [reference(x, p) for x in ps]
+
+
+async def test_guided_requests_carry_across_a_pd_hand_off():
+    """The decode side's first token was drawn by the prefill side: its matcher takes it first."""
+    ps = prompts()
+    p = greedy(CASES["json"])
+    async with open_engine(pd_config("shm")) as engine:
+        got = await run_all(engine, ps, p)
+        await settle(engine)
+    assert got == [reference(x, p) for x in ps]
+
+
+def test_a_matcher_resumes_from_the_outputs_that_stand():
+    """Outputs by index: a dropped step's output is forgotten, a recomputed different one
+    restarts the matcher from the outputs before it."""
+    info = tokenizer_info(ByteTokenizer(512), 512, [EOS])
+    g = Grammars(lambda: info, 512, 4)
+    g.add(5, S(regex="ab|ac|bd").spec())
+
+    def allowed_after(k: int) -> set[int]:
+        x = torch.zeros(1, 512)
+        g.mask(x, [(0, 5, k)])
+        return set(torch.nonzero(x[0] == 0).flatten().tolist())
+
+    b = lambda c: ord(c) + 3  # noqa: E731 - the byte tokenizer's id of a character
+    assert allowed_after(0) == {b("a"), b("b")}
+    g.output(5, 0, b("a"))
+    assert allowed_after(1) == {b("b"), b("c")}
+    g.output(5, 1, b("b"))  # a step that is then dropped: output 1 is drawn again
+    assert allowed_after(1) == {b("b"), b("c")}
+    g.output(5, 0, b("b"))  # a recompute that fed another output 0
+    assert allowed_after(1) == {b("d")}
+    g.output(5, 1, b("d"))
+    assert allowed_after(2) == {EOS}
+    g.output(5, 2, EOS)
+    x = torch.randn(1, 512)
+    y = x.clone()
+    g.mask(y, [(0, 5, 3)])  # a step after the end (the scheduler had planned it): left as it is
+    assert torch.equal(x, y)
+    with pytest.raises(RuntimeError, match="needs outputs 0..5"):
+        g.mask(torch.zeros(1, 512), [(0, 5, 6)])
+    assert PLACEHOLDER < 0  # (plans mark a decode's input so; the runtime never feeds it to a matcher)
+
+
+@pytest.mark.parametrize("so, field, message", [
+    (S(json='{"type": "objectx"}'), "structured_outputs.json", "Unsupported type"),
+    (S(json="{not json"), "structured_outputs.json", "not a JSON schema"),
+    (S(regex="a["), "structured_outputs.regex", "Unclosed"),
+    (S(grammar="root ::= undefined_rule"), "structured_outputs.grammar", "not a EBNF grammar|undefined"),
+])
+def test_grammars_xgrammar_cannot_read_are_refused_by_field(so, field, message):
+    with pytest.raises(RequestError, match=message) as e:
+        check(*so.spec())
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(), "structured_outputs"), (dict(regex="a", choice=["b"]), "structured_outputs"),
+    (dict(json=3), "structured_outputs.json"), (dict(choice=[]), "structured_outputs.choice"),
+    (dict(choice="ab"), "structured_outputs.choice"), (dict(regex=""), "structured_outputs.regex"),
+    (dict(json_object=1), "structured_outputs.json_object"),
+    (dict(regex="a", disable_any_whitespace=None), "structured_outputs.disable_any_whitespace"),
+])
+def test_bad_structured_outputs_name_their_field(kw, field):
+    with pytest.raises(RequestError) as e:
+        S(**kw)
+    assert e.value.field == field
+
+
+def test_sampling_params_take_the_dict_form_and_refuse_min_tokens_with_it():
+    p = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert p.structured_outputs == S(choice=("a", "b")) and p.processes_logits
+    with pytest.raises(RequestError, match="structured_outputs must be None") as e:
+        SamplingParams(structured_outputs={"regexx": "a"})
+    assert e.value.field == "structured_outputs"
+    with pytest.raises(RequestError, match="min_tokens cannot be combined") as e:
+        SamplingParams(min_tokens=2, structured_outputs=S(regex="a+"))
+    assert e.value.field == "min_tokens"
+
+
+async def test_engines_that_cannot_run_them_refuse_by_name():
+    async with open_engine(config(tokenizer=None)) as engine:
+        with pytest.raises(RequestError, match="parenthesis is not closed") as e:
+            engine.generate(prompts()[0], greedy(S(regex="(a")))
+        assert e.value.field == "structured_outputs.regex"
+    async with open_engine(config(runtime="timing", tokenizer=None)) as engine:
+        with pytest.raises(RequestError, match="not supported with the timing runtime") as e:
+            engine.generate(prompts()[0], greedy(CASES["regex"]))
+        assert e.value.field == "structured_outputs"
+    async with open_engine(config(tokenizer=None, draft_model="tiny-draft")) as engine:
+        with pytest.raises(RequestError, match="structured_outputs is not supported with speculative") as e:
+            engine.generate(prompts()[0], greedy(CASES["regex"]))
+        assert e.value.field == "structured_outputs"
+
+
+def test_a_hugging_face_byte_level_vocabulary_spells_the_grammar(hf_tokenizer_dir):
+    """A checkpoint's tokenizer.json (byte-level BPE, merged tokens): the masks let through
+    the tokens that spell the grammar's strings, whichever merges the draws pick."""
+    from lockstep.runtime.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(hf_tokenizer_dir)
+    vocab_size = 320  # (the model's: past the tokenizer's 300, never allowed)
+    g = Grammars(lambda: tokenizer_info(tok, vocab_size, [tok.eos_token_id]), vocab_size, 2)
+    for seed in range(8):
+        g.add(seed, S(regex="(hello|héllo) (world|there|ok)+").spec())
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        while not out or out[-1] != tok.eos_token_id:
+            x = torch.randn(1, vocab_size, generator=gen) * 3
+            g.mask(x, [(0, seed, len(out))])
+            assert torch.isinf(x[0, 300:]).all()
+            out.append(int(x[0].argmax()))
+            g.output(seed, len(out) - 1, out[-1])
+            assert len(out) < 60
+        assert re.fullmatch("(hello|héllo) (world|there|ok)+", tok.decode(out[:-1])), tok.decode(out)
