@@ -1050,7 +1050,7 @@ def test_penalize_kernel_equals_the_torch_penalties(vocab):
     from lockstep.kernels.penalties import penalize
     from lockstep.runtime.logits import penalize_torch
 
-    g = gen(7)
+    g = torch.Generator().manual_seed(7)  # (the data is made on the CPU, the reference's device)
     x = torch.randn(6, vocab, generator=g) * 4
     counts = torch.randint(0, 3, (9, vocab), generator=g, dtype=torch.int32) * (torch.rand(9, vocab, generator=g) < 0.1)
     seen = torch.rand(9, vocab, generator=g) < 0.05
