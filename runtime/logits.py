@@ -328,5 +328,9 @@ class LogitsProcessors:
         dev = x.device
         rows = to_device(np.array([j for j, _ in narrow], np.int64), dev)
         floor = to_device(np.array([float(temperature[j]) * math.log(p) for j, p in narrow]), dev, x.dtype)[:, None]
+        if x.is_cuda and x.dtype == torch.float32:  # one program a row, not eight passes of torch ops
+            from lockstep.kernels.min_p import min_p_
+
+            return min_p_(x, rows, floor[:, 0])
         y = x[rows]
         x[rows] = y.masked_fill(y - y.max(dim=-1, keepdim=True).values < floor, float("-inf"))

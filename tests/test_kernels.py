@@ -7,8 +7,10 @@ which take minutes in the interpreter, need CUDA.
 
 from __future__ import annotations
 
+import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -1062,3 +1064,24 @@ def test_penalize_kernel_equals_the_torch_penalties(vocab):
     penalize(got, rows.to(DEV), slots.to(DEV), counts.int().to(DEV), seen.to(DEV), params.to(DEV))
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want[rows], x[rows]) and torch.equal(want[[1, 4]], x[[1, 4]])  # only its rows
+
+
+@pytest.mark.parametrize("vocab", [100, 5000])
+def test_min_p_kernel_equals_the_torch_ops(vocab):
+    """In place, one program a row, the same numbers as the CPU's torch ops (a float32
+    subtraction and comparison), only the rows given."""
+    from lockstep.kernels.min_p import min_p_
+    from lockstep.runtime.logits import LogitsProcessors
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, vocab, generator=g) * 3
+    x[2, 7] = float("-inf")  # (a token masked before: stays so)
+    narrow, temperature = [(0, 0.05), (2, 0.3), (3, 1.0)], np.array([1.0, 0.0, 0.7, 2.0, 1.0])
+    want = x.clone()
+    LogitsProcessors._min_p(want, narrow, temperature)  # (on the CPU: the torch ops)
+    rows = torch.tensor([j for j, _ in narrow])
+    floor = torch.tensor([float(temperature[j]) * math.log(p) for j, p in narrow], dtype=torch.float64).float()
+    got = x.clone().to(DEV)
+    min_p_(got, rows.to(DEV), floor.to(DEV))
+    assert torch.equal(got.cpu(), want)
+    assert torch.equal(want[[1, 4]], x[[1, 4]]) and (want[0] == float("-inf")).sum() > (x[0] == float("-inf")).sum()
