@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import trio
 
@@ -33,6 +34,26 @@ def add_parser(sub) -> None:
     g.add_argument("--allowed-token-ids", type=_ids, metavar="ID,ID,...",
                    help="draw only these token ids (every other is masked)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    so = g.add_mutually_exclusive_group()  # structured outputs: at most one
+    so.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON matching this schema (JSON text, or "
+                    "@FILE to read it from a file)")
+    so.add_argument("--regex", help="the output matches this regular expression")
+    so.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    so.add_argument("--grammar", metavar="EBNF", help="the output follows this EBNF grammar (or @FILE)")
+
+
+def _structured(args):
+    """StructuredOutputsParams from --json-schema, --regex, --choice or --grammar (None: none)."""
+    from lockstep.policy.request import StructuredOutputsParams
+
+    def text(v):
+        return Path(v[1:]).read_text() if v.startswith("@") else v
+
+    for flag, kind in (("json_schema", "json"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+        v = getattr(args, flag)
+        if v is not None:
+            return StructuredOutputsParams(**{kind: text(v) if kind in ("json", "grammar") else v})
+    return None
 
 
 def _bias(text: str) -> tuple[int, float]:
@@ -114,7 +135,8 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty, min_p=args.min_p, min_tokens=args.min_tokens,
-                            logit_bias=dict(args.logit_bias) or None, allowed_token_ids=args.allowed_token_ids)
+                            logit_bias=dict(args.logit_bias) or None, allowed_token_ids=args.allowed_token_ids,
+                            structured_outputs=_structured(args))
     params.validate()
     config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                           dep=args.dep, eplb=eplb_config(args), **pd_options(args))

@@ -48,6 +48,21 @@ def test_generate_takes_logit_bias_and_allowed_ids_and_names_bad_ones(capsys):
     assert "logit_bias holds token ids outside the model's vocabulary" in capsys.readouterr().err
 
 
+def test_generate_takes_structured_outputs_and_names_bad_ones(capsys, tmp_path):
+    assert main(["generate", "--max-tokens", "20", "--temperature", "1", "--seed", "3", "--choice", "yes",
+                 "--choice", "no", "hi"]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+    (tmp_path / "s.json").write_text('{"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}')
+    assert main(["generate", "--max-tokens", "40", "--json-schema", f"@{tmp_path / 's.json'}", "hi"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("{")
+    assert main(["generate", "--regex", "a[", "hi"]) == 2
+    assert "structured_outputs.regex: not a regular expression" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one of them at most
+        main(["generate", "--regex", "a", "--choice", "b", "hi"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_serve_takes_the_models_context_and_refuses_more(capsys):
     from lockstep.serve_cli import engine_config
 
