@@ -35,13 +35,17 @@ class Tokenizer(Protocol):
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str: ...
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str: ...
 
 
-def default_chat_template(messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
-                          ) -> str:
-    """Plain-text turns; used where a checkpoint brings no template of its own."""
-    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+def default_chat_template(messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> str:
+    """Plain-text turns; used where a checkpoint brings no template of its own. Tools come
+    first, as a system turn of their JSON; an answer's tool calls as JSON after its text."""
+    text = f"<|system|>\nTools:\n{json.dumps(tools, ensure_ascii=False)}\n" if tools else ""
+    text += "".join(f"<|{m['role']}|>\n{m['content']}"
+                    + (json.dumps(m["tool_calls"], ensure_ascii=False) if m.get("tool_calls") else "") + "\n"
+                    for m in messages)
     return text + ("<|assistant|>\n" if add_generation_prompt else "")
 
 
@@ -75,8 +79,8 @@ class ByteTokenizer:
         return "".join(out) + raw.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        return default_chat_template(messages, add_generation_prompt)
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        return default_chat_template(messages, add_generation_prompt, tools)
 
 
 class HFTokenizer:
@@ -132,10 +136,10 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         if self._template is None:
-            return default_chat_template(messages, add_generation_prompt)
-        return self._template.render(messages=list(messages),
+            return default_chat_template(messages, add_generation_prompt, tools)
+        return self._template.render(messages=list(messages), tools=tools,
                                      add_generation_prompt=add_generation_prompt,
                                      bos_token=self._token_strings["bos"],
                                      eos_token=self._token_strings["eos"])

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .openai_protocol import BadRequest, Job, parse_body, parse_completion
+from .openai_tools import ToolStream, tool_calls
 from .openai_output import logprobs_json, prompt_logprobs_json, usage
 from .policy.request import RequestError
 from .prom import ServerMetrics, merge_exposition
@@ -364,8 +365,13 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         lp = logprobs_json(server.engine.tokenizer, lps[i], job.chat) if job.params.logprobs is not None else None
         stop = None if job.echo_only else f.stop_reason  # vLLM's: the stop string or token id that ended it
         if job.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": reason, "stop_reason": stop})
+            message = {"role": "assistant", "content": text}
+            calls = tool_calls(text, job.tool_choice) if job.tool_choice and reason == "stop" else None
+            if calls is not None:  # (OpenAI's: a forced function's call ends with "stop")
+                message = {"role": "assistant", "content": None, "tool_calls": calls}
+                reason = "tool_calls" if job.tool_choice == "required" else "stop"
+            choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
+                            "stop_reason": stop})
         else:
             choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop})
             if job.prompt_logprobs:
@@ -429,8 +435,9 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
         return b"data: " + _JSON.encode(body) + b"\n\n"
 
     offsets = [0] * len(gens)  # per choice: its tokens' text so far (completions' text_offset)
+    calls = [ToolStream(job.tool_choice) for _ in gens] if job.tool_choice else None
 
-    def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None, stop=None) -> dict:
+    def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None, stop=None) -> dict | None:
         lp = None
         if rows is not None:
             lp = logprobs_json(server.engine.tokenizer, rows, job.chat, offsets[i])
@@ -438,6 +445,12 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if calls is not None and not first:  # the answer as tool-call deltas (ToolStream)
+                delta = calls[i].delta(text, reason is not None) or {}
+                if not delta and reason is None and lp is None:
+                    return None  # (a "required" answer, held until it is whole)
+                if reason == "stop" and "tool_calls" in delta and job.tool_choice == "required":
+                    reason = "tool_calls"
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
 
@@ -454,6 +467,8 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                     emit(chunk([choice(i, "", "length")]))
                 return
             c = choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs, stop=out.stop_reason)
+            if c is None:
+                return
             if job.prompt_logprobs and out.prompt_logprobs is not None:  # vLLM's field, with the first delta
                 c["prompt_logprobs"] = prompt_logprobs_json(server.engine.tokenizer, out.prompt_logprobs)
             emit(chunk([c]))

@@ -13,6 +13,8 @@ import numpy as np
 
 from lockstep.policy.request import RequestError, SamplingParams, StructuredOutputsParams
 
+from .openai_tools import ToolError, parse_tools, tool_structured_outputs
+
 MAX_N = 16
 
 
@@ -53,6 +55,9 @@ class Job:
     # structured outputs: the field they came from, and the path errors name their value by
     # (response_format.json_schema.schema, guided_json, structured_outputs.regex, ...)
     structured_from: tuple[str, str] | None = None
+    # chat's tool_choice where it constrains the answer: "required" or a function's name
+    # (lockstep.openai_tools); None: a plain answer
+    tool_choice: str | None = None
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -84,7 +89,9 @@ _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temp
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs",
            "logit_bias", "allowed_token_ids", "response_format", "structured_outputs", "guided_json",
            "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"}
-_FIELDS = {False: _COMMON | {"prompt", "echo"}, True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}}
+_FIELDS = {False: _COMMON | {"prompt", "echo"},
+           True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                            "parallel_tool_calls"}}
 _NO_OP = {  # field -> is the value the no-op one
     "best_of": lambda v: v == 1, "suffix": lambda v: not v,
     # vLLM's extras at their defaults (clients built for vLLM send them)
@@ -121,9 +128,15 @@ def _check_fields(body: dict, chat: bool) -> None:
 def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_template) -> Job:
     _check_fields(body, chat)
     model = _get(body, "model", str, required=True)
+    tools, tool_choice, parallel = None, None, True
     if chat:
         try:
-            prompts = (chat_template(_messages(body)),)
+            tools, tool_choice, parallel = parse_tools(body)
+        except ToolError as e:
+            raise BadRequest(str(e), e.param) from None
+        try:
+            msgs = _messages(body)
+            prompts = (chat_template(msgs, tools=tools) if tools else chat_template(msgs),)
         except BadRequest:
             raise
         except Exception as e:  # noqa: BLE001 - the template refused the conversation (roles must
@@ -149,6 +162,11 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         raise BadRequest(f"{max_name} must be at least 1 (0 only with echo, which then returns the prompt alone)",
                          max_name)
     structured, structured_from = _structured(body)
+    if tool_choice is not None:
+        if structured is not None:
+            raise BadRequest(f"tool_choice {tool_choice!r} constrains the answer to tool calls, and "
+                             f"{structured_from[0]} constrains it too: give one", structured_from[0])
+        structured = tool_structured_outputs(tools, tool_choice, parallel)
     try:
         params = SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else 1 if echo_only else _int(max_name, max_tokens),
@@ -186,7 +204,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
                cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo, echo_only=echo_only,
-               prompt_logprobs=body.get("prompt_logprobs") is not None, structured_from=structured_from)
+               prompt_logprobs=body.get("prompt_logprobs") is not None, structured_from=structured_from,
+               tool_choice=tool_choice)
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -314,11 +333,20 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        extra = set(m) - {"role", "content", "name", "tool_call_id"}
+        extra = set(m) - {"role", "content", "name", "tool_call_id", "tool_calls"}
         if extra:
-            raise BadRequest(f"messages[{i}]: {', '.join(sorted(extra))} not supported (role, content, name and "
-                             "tool_call_id are)", "messages")
+            raise BadRequest(f"messages[{i}]: {', '.join(sorted(extra))} not supported (role, content, name, "
+                             "tool_call_id and tool_calls are)", "messages")
         msg = {"role": m["role"], "content": content}
+        calls = m.get("tool_calls")
+        if calls is not None:  # an earlier answer's calls, for the template
+            if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) and isinstance(c["function"].get("arguments"), str)
+                    for c in calls):
+                raise BadRequest(f"messages[{i}].tool_calls must be an assistant's list of "
+                                 '{"id", "type": "function", "function": {"name", "arguments" (a string)}}', "messages")
+            msg["tool_calls"] = calls
         for key in ("name", "tool_call_id"):  # handed to the chat template, which may use them
             if key in m:
                 if not isinstance(m[key], str):

@@ -1,6 +1,8 @@
 """The OpenAI request parser at the HTTP boundary: every bad body is a BadRequest naming its
 field, before anything is queued; nothing asked for is dropped silently."""
 
+import json
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from lockstep.openai_protocol import BadRequest, parse_completion
 from lockstep.policy.request import SamplingParams
 
 
-def template(messages):
+def template(messages, tools=None):
     roles = [m["role"] for m in messages]
     if any(a == b for a, b in zip(roles, roles[1:])):
         raise ValueError("roles must alternate")  # what a model's template raises (TokenizerError is one)
@@ -220,4 +222,62 @@ def test_structured_outputs_come_from_response_format_vllm_fields_or_guided_ones
 def test_bad_structured_outputs_name_the_field_they_came_in(body, field):
     with pytest.raises(BadRequest) as e:
         parse({"prompt": [5], **body})
+    assert e.value.param == field, (str(e.value), e.value.param)
+
+
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "time"}}
+
+
+def test_tool_choice_required_or_named_constrains_the_answer_to_tool_calls():
+    from lockstep.openai_tools import tool_calls
+
+    seen = []
+
+    def tpl(messages, tools=None):
+        seen.append(tools)
+        return "x"
+
+    chat = {"messages": [{"role": "user", "content": "a"}], "tools": [WEATHER, TIME]}
+    named = parse_completion({"model": "m", **chat, "tool_choice": {"type": "function", "function": {"name": "weather"}}},
+                             chat=True, default_max_tokens=16, chat_template=tpl)
+    assert named.tool_choice == "weather" and named.params.structured_outputs.json == WEATHER["function"]["parameters"]
+    assert seen[-1] == [WEATHER, TIME]  # the template sees the tools
+    req = parse_completion({"model": "m", **chat, "tool_choice": "required", "parallel_tool_calls": False}, chat=True,
+                           default_max_tokens=16, chat_template=tpl)
+    schema = req.params.structured_outputs.json
+    assert req.tool_choice == "required" and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    none = parse_completion({"model": "m", **chat, "tool_choice": "none"}, chat=True, default_max_tokens=16,
+                            chat_template=tpl)
+    assert none.tool_choice is None and none.params.structured_outputs is None and seen[-1] == [WEATHER, TIME]
+    calls = tool_calls('[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "time", "parameters": {}}]',
+                       "required")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("weather", {"city": "Oslo"}), ("time", {})]
+    assert tool_calls('{"city": "Oslo"}', "weather")[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert tool_calls('{"city": "Os', "weather") is None  # cut at max_tokens: returned as text
+    # an earlier answer's calls and the tool's result reach the template
+    history = parse({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "time", "arguments": "{}"}}]},
+        {"role": "tool", "content": "noon", "tool_call_id": "c1"}]}, chat=True)
+    assert history.prompts == ("a  noon",)
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto" by default: needs a parser there is not
+    ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "time"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "code"}], "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "a", "tool_calls": []}]}, "messages"),
+])
+def test_bad_tools_name_their_field(body, field):
+    with pytest.raises(BadRequest) as e:
+        parse({"messages": [{"role": "user", "content": "a"}], **body}, chat=True)
     assert e.value.param == field, (str(e.value), e.value.param)

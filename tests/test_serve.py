@@ -512,6 +512,52 @@ def test_structured_outputs_through_the_openai_client(real_server):
     assert e.value.body["param"] == "guided_regex"
 
 
+def test_tool_calls_through_the_openai_client(real_server):
+    """tool_choice "required" or a named function: the answer comes back as tool calls, whole
+    or streamed; "auto" (no parser here) is a 400 naming tool_choice."""
+    _, url = real_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+    chat = [{"role": "user", "content": "weather?"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}}, {"type": "function", "function": {"name": "noop"}}]
+    named = {"type": "function", "function": {"name": "weather"}}
+
+    def first_whole(**kw):  # (random weights may fill the allowed whitespace up to max_tokens)
+        for seed in range(6):
+            c = client.chat.completions.create(model="tiny", messages=chat, tools=tools, max_tokens=80,
+                                               temperature=1.0, seed=seed, **kw).choices[0]
+            if c.finish_reason != "length":
+                return c
+        raise AssertionError("no answer ended within 80 tokens in six tries")
+
+    c = first_whole(tool_choice=named)
+    assert c.finish_reason == "stop" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.function.name == "weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Rome")
+    c = first_whole(tool_choice="required", parallel_tool_calls=False)
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    assert c.message.tool_calls[0].function.name in ("weather", "noop")
+    json.loads(c.message.tool_calls[0].function.arguments)
+    for seed in range(6):  # streamed: the named function's arguments arrive as deltas
+        args, names, reason = "", [], None
+        for chunk in client.chat.completions.create(model="tiny", messages=chat, tools=tools, tool_choice=named,
+                                                    max_tokens=80, temperature=1.0, seed=seed, stream=True):
+            d = chunk.choices[0].delta
+            for tc in d.tool_calls or ():
+                names += [tc.function.name] if tc.function.name else []
+                args += tc.function.arguments or ""
+            reason = chunk.choices[0].finish_reason or reason
+        if reason == "stop":
+            assert names == ["weather"] and json.loads(args)["city"] in ("Oslo", "Rome")
+            break
+    else:
+        raise AssertionError("no streamed answer ended within 80 tokens in six tries")
+    with pytest.raises(openai.BadRequestError, match="needs a parser") as e:
+        client.chat.completions.create(model="tiny", messages=chat, tools=tools, max_tokens=5)
+    assert e.value.body["param"] == "tool_choice"
+
+
 def test_pd_deployment_serves_the_same_greedy_tokens(real_server):
     """`lockstep serve --deployment examples/serve-pd-cpu.toml`: a prefill pool and a decode
     pool pulling KV over NIXL, answering as the colocated server does."""
