@@ -34,8 +34,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str: ...
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str: ...
 
 
 def default_chat_template(messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
@@ -78,8 +78,9 @@ class ByteTokenizer:
                 raw.clear()
         return "".join(out) + raw.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """(``kwargs``: a template's own variables, which the plain template has none of.)"""
         return default_chat_template(messages, add_generation_prompt, tools)
 
 
@@ -135,11 +136,13 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """``kwargs``: the template's own variables (vLLM's chat_template_kwargs: DeepSeek-V3.1's
+        ``thinking``, say)."""
         if self._template is None:
             return default_chat_template(messages, add_generation_prompt, tools)
-        return self._template.render(messages=list(messages), tools=tools,
+        return self._template.render(**kwargs, messages=list(messages), tools=tools,
                                      add_generation_prompt=add_generation_prompt,
                                      bos_token=self._token_strings["bos"],
                                      eos_token=self._token_strings["eos"])

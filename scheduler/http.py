@@ -108,19 +108,27 @@ def make_app(servers: Server | list[Server]) -> Starlette:
         false) or chat messages (the template's own; add_generation_prompt, true)."""
         try:
             body = parse_body(await request.body())
-            unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"})
+            unknown = sorted(set(body) - {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                                          "continue_final_message", "chat_template_kwargs", "tools"})
             if unknown:
                 raise BadRequest(f"unknown field {unknown[0]!r} for tokenize (it takes model, prompt or messages, "
-                                 "add_special_tokens, add_generation_prompt)", unknown[0])
-            for flag in ("add_special_tokens", "add_generation_prompt"):
+                                 "add_special_tokens, and for messages add_generation_prompt, continue_final_message, "
+                                 "chat_template_kwargs and tools)", unknown[0])
+            for flag in ("add_special_tokens",):
                 if flag in body and not isinstance(body[flag], bool):
                     raise BadRequest(f"{flag} must be true or false, got {body[flag]!r}", flag)
             server = pick(body, required=False)
             tok = _tokenizer(server)
             chat = "messages" in body
             if chat:
-                from .openai_protocol import _messages
-                text = tok.apply_chat_template(_messages(body), add_generation_prompt=body.get("add_generation_prompt", True))
+                from .openai_protocol import chat_prompt
+                from .openai_tools import ToolError, check_tools
+
+                try:
+                    tools = check_tools(body.get("tools"))
+                except ToolError as e:
+                    raise BadRequest(str(e), e.param) from None
+                text = chat_prompt(body, tok.apply_chat_template, tools)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:

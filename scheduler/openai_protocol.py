@@ -91,7 +91,8 @@ _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temp
            "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"},
            True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                            "parallel_tool_calls"}}
+                            "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+                            "chat_template_kwargs"}}
 _NO_OP = {  # field -> is the value the no-op one
     "best_of": lambda v: v == 1, "suffix": lambda v: not v,
     # vLLM's extras at their defaults (clients built for vLLM send them)
@@ -135,8 +136,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         except ToolError as e:
             raise BadRequest(str(e), e.param) from None
         try:
-            msgs = _messages(body)
-            prompts = (chat_template(msgs, tools=tools) if tools else chat_template(msgs),)
+            prompts = (chat_prompt(body, chat_template, tools),)
         except BadRequest:
             raise
         except Exception as e:  # noqa: BLE001 - the template refused the conversation (roles must
@@ -312,6 +312,44 @@ def _ids(p: list) -> np.ndarray:
     if arr.min() < 0 or arr.max() >= 2**31:
         raise BadRequest("prompt token ids must be non-negative 32-bit integers", "prompt")
     return arr.astype(np.int32)
+
+
+_RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+
+
+def chat_prompt(body: dict, chat_template, tools: list[dict] | None = None) -> str:
+    """The conversation's text through the model's template: vLLM's add_generation_prompt
+    (default true), continue_final_message (the last message, an assistant's, left open for
+    the answer to continue) and chat_template_kwargs (the template's own variables)."""
+    msgs = _messages(body)
+    gen = body.get("add_generation_prompt", True)
+    cont = body.get("continue_final_message", False)
+    kw = body.get("chat_template_kwargs") or {}
+    for name, v in (("add_generation_prompt", gen), ("continue_final_message", cont)):
+        if not isinstance(v, bool):
+            raise BadRequest(f"{name} must be true or false, got {v!r}", name)
+    if not isinstance(kw, dict) or not all(isinstance(k, str) for k in kw) or _RESERVED & set(kw):
+        raise BadRequest(f"chat_template_kwargs must be an object of the template's own variables (not "
+                         f"{', '.join(sorted(_RESERVED))}), got {str(kw)[:120]}", "chat_template_kwargs")
+    if cont:
+        if gen and "add_generation_prompt" in body:
+            raise BadRequest("continue_final_message and add_generation_prompt cannot both be true",
+                             "continue_final_message")
+        if msgs[-1]["role"] != "assistant" or not msgs[-1]["content"]:
+            raise BadRequest("continue_final_message needs the last message to be an assistant's, with content",
+                             "continue_final_message")
+        gen = False
+    opts = dict(kw)
+    if tools:
+        opts["tools"] = tools
+    text = chat_template(msgs, add_generation_prompt=gen, **opts) if (opts or not gen) else chat_template(msgs)
+    if cont:  # cut after the last message's text, as Hugging Face's continue_final_message does
+        at = text.rfind(msgs[-1]["content"])
+        if at < 0:
+            raise BadRequest("continue_final_message: the chat template did not write the last message's content "
+                             "as given", "continue_final_message")
+        text = text[:at + len(msgs[-1]["content"])]
+    return text
 
 
 def _messages(body: dict) -> list[dict]:

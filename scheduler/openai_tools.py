@@ -37,14 +37,38 @@ class ToolError(ValueError):
 def parse_tools(body: dict) -> tuple[list[dict] | None, str | None, bool]:
     """(the tools for the template, the choice: None (plain answers), "required" or a
     function's name, whether parallel calls are allowed)."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls")
+    choice, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError(f"parallel_tool_calls must be a bool, got {parallel!r}", "parallel_tool_calls")
-    if tools is None or tools == []:
+    tools = check_tools(body.get("tools"))
+    if tools is None:
         if choice not in (None, "none", "auto"):
             raise ToolError("tool_choice needs tools: give the functions in tools", "tool_choice")
         return None, None, parallel is not False
+    names = [t["function"]["name"] for t in tools]
+    if choice is None or choice == "auto":
+        raise ToolError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
+                        'format, which this server does not have: ask for "required", a named function '
+                        '({"type": "function", "function": {"name": ...}}) or "none"', "tool_choice")
+    if choice == "none":
+        return tools, None, parallel is not False
+    if choice == "required":
+        return tools, "required", parallel is not False
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)):
+        raise ToolError('tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}, '
+                        f"got {str(choice)[:120]}", "tool_choice")
+    if fn["name"] not in names:
+        raise ToolError(f"tool_choice names function {fn['name']!r}, which is not among tools ({', '.join(names)})",
+                        "tool_choice")
+    return tools, fn["name"], parallel is not False
+
+
+def check_tools(tools) -> list[dict] | None:
+    """``tools`` checked (None where none are given)."""
+    if tools is None or tools == []:
+        return None
     if not isinstance(tools, list) or len(tools) > 128:
         raise ToolError("tools must be a list of at most 128 functions", "tools")
     names = []
@@ -66,23 +90,7 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None, bool]:
         if not isinstance(fn.get("description", ""), str):
             raise ToolError(f"tools[{i}].function.description must be a string", "tools")
         names.append(name)
-    if choice is None or choice == "auto":
-        raise ToolError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
-                        'format, which this server does not have: ask for "required", a named function '
-                        '({"type": "function", "function": {"name": ...}}) or "none"', "tool_choice")
-    if choice == "none":
-        return tools, None, parallel is not False
-    if choice == "required":
-        return tools, "required", parallel is not False
-    fn = choice.get("function") if isinstance(choice, dict) else None
-    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(fn, dict)
-            and isinstance(fn.get("name"), str)):
-        raise ToolError('tool_choice must be "none", "required" or {"type": "function", "function": {"name": ...}}, '
-                        f"got {str(choice)[:120]}", "tool_choice")
-    if fn["name"] not in names:
-        raise ToolError(f"tool_choice names function {fn['name']!r}, which is not among tools ({', '.join(names)})",
-                        "tool_choice")
-    return tools, fn["name"], parallel is not False
+    return tools
 
 
 def _parameters(tool: dict) -> dict:

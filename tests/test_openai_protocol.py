@@ -12,7 +12,7 @@ from lockstep.openai_protocol import BadRequest, parse_completion
 from lockstep.policy.request import SamplingParams
 
 
-def template(messages, tools=None):
+def template(messages, add_generation_prompt=True, tools=None):
     roles = [m["role"] for m in messages]
     if any(a == b for a, b in zip(roles, roles[1:])):
         raise ValueError("roles must alternate")  # what a model's template raises (TokenizerError is one)
@@ -235,7 +235,7 @@ def test_tool_choice_required_or_named_constrains_the_answer_to_tool_calls():
 
     seen = []
 
-    def tpl(messages, tools=None):
+    def tpl(messages, add_generation_prompt=True, tools=None):
         seen.append(tools)
         return "x"
 
@@ -281,3 +281,32 @@ def test_bad_tools_name_their_field(body, field):
     with pytest.raises(BadRequest) as e:
         parse({"messages": [{"role": "user", "content": "a"}], **body}, chat=True)
     assert e.value.param == field, (str(e.value), e.value.param)
+
+
+def test_chat_template_kwargs_generation_prompt_and_continuing_the_last_message():
+    calls = []
+
+    def tpl(messages, add_generation_prompt=True, tools=None, **kw):
+        calls.append((add_generation_prompt, kw))
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + (
+            "<assistant>" if add_generation_prompt else "")
+
+    def chat(**body):
+        msgs = body.pop("messages", [{"role": "user", "content": "q"}])
+        return parse_completion({"model": "m", "messages": msgs, **body}, chat=True, default_max_tokens=8,
+                                chat_template=tpl).prompts[0]
+
+    assert chat(chat_template_kwargs={"thinking": True}) == "<user>q</user><assistant>"
+    assert calls[-1] == (True, {"thinking": True})
+    assert chat(add_generation_prompt=False) == "<user>q</user>" and calls[-1] == (False, {})
+    prefix = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "The answer is"}]
+    assert chat(messages=prefix, continue_final_message=True) == "<user>q</user><assistant>The answer is"
+    for body, field in ((dict(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+                        (dict(chat_template_kwargs=[1]), "chat_template_kwargs"),
+                        (dict(continue_final_message=True), "continue_final_message"),  # the last is the user's
+                        (dict(messages=prefix, continue_final_message=True, add_generation_prompt=True),
+                         "continue_final_message"),
+                        (dict(add_generation_prompt="yes"), "add_generation_prompt")):
+        with pytest.raises(BadRequest) as e:
+            chat(**body)
+        assert e.value.param == field, body
