@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .openai_protocol import BadRequest, Job, parse_body, parse_completion
+from .openai_reasoning import ThinkSplitter, split_reasoning
 from .openai_tools import ToolStream, tool_calls
 from .openai_output import logprobs_json, prompt_logprobs_json, usage
 from .policy.request import RequestError
@@ -36,9 +37,10 @@ _JSON = msgspec.json.Encoder()
 class Server:
     """What the handlers share: the engine, the served model name, metrics, draining."""
 
-    def __init__(self, engine, model_name: str, *, default_max_tokens: int = 256):
+    def __init__(self, engine, model_name: str, *, default_max_tokens: int = 256, reasoning_parser: str | None = None):
         self.engine, self.model_name = engine, model_name
         self.default_max_tokens = default_max_tokens
+        self.reasoning_parser = reasoning_parser  # chat answers' thinking apart (lockstep.openai_reasoning)
         self.metrics = ServerMetrics(model_name, engine.frontend.max_model_len)
         self.draining = False
         self.cut = False  # the drain deadline passed: requests still running were aborted
@@ -231,6 +233,10 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
             ids = [await trio.to_thread.run_sync(encode, p) if isinstance(p, str) else p for p in job.prompts]
             job = attrs.evolve(job, prompts=tuple(ids))
         so = job.params.structured_outputs
+        if so is not None and job.chat and server.reasoning_parser:
+            field = job.structured_from[0] if job.structured_from else "tool_choice"
+            raise BadRequest(f"{field}: structured outputs and tool calls are not supported with --reasoning-parser "
+                             f"{server.reasoning_parser} (the grammar would constrain the thinking too)", field)
         if so is not None and engine.config.runtime != "timing":  # compiled off the event loop (xgrammar's first
             from lockstep.runtime.grammar import check  # import alone takes ~2 s), checked once more when made
 
@@ -374,6 +380,9 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         stop = None if job.echo_only else f.stop_reason  # vLLM's: the stop string or token id that ended it
         if job.chat:
             message = {"role": "assistant", "content": text}
+            if server.reasoning_parser:
+                reasoning, content = split_reasoning(text)
+                message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
             calls = tool_calls(text, job.tool_choice) if job.tool_choice and reason == "stop" else None
             if calls is not None:  # (OpenAI's: a forced function's call ends with "stop")
                 message = {"role": "assistant", "content": None, "tool_calls": calls}
@@ -444,6 +453,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
 
     offsets = [0] * len(gens)  # per choice: its tokens' text so far (completions' text_offset)
     calls = [ToolStream(job.tool_choice) for _ in gens] if job.tool_choice else None
+    thinks = [ThinkSplitter() for _ in gens] if job.chat and server.reasoning_parser else None
 
     def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None, stop=None) -> dict | None:
         lp = None
@@ -453,6 +463,11 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if thinks is not None and not first:  # thinking apart from the answer
+                reasoning, content = thinks[i].feed(text, final=reason is not None)
+                delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+                if not delta and reason is None and lp is None:
+                    return None  # (held: it may begin </think>)
             if calls is not None and not first:  # the answer as tool-call deltas (ToolStream)
                 delta = calls[i].delta(text, reason is not None) or {}
                 if not delta and reason is None and lp is None:

@@ -60,6 +60,8 @@ def add_parser(sub) -> None:
                    help="fcfs: first come, first served; priority: a request's priority field first (lower first, "
                         "then arrival), as vLLM's")
     s.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request omits it")
+    s.add_argument("--reasoning-parser", choices=["deepseek_r1"],
+                   help="chat answers' thinking (up to </think>) as reasoning_content, apart from content (vLLM's)")
     s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to the runtime (e.g. sleep=false for the timing runtime)")
     s.add_argument("--backlog", type=int, default=4096, help="listen backlog (pending connections)")
@@ -330,7 +332,8 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
         servers = []
         for name, config in configs:  # a deployment that lists several models: an engine each
             engine = await stack.enter_async_context(open_engine(config))
-            servers.append(Server(engine, name, default_max_tokens=args.max_tokens_default))
+            servers.append(Server(engine, name, default_max_tokens=args.max_tokens_default,
+                                  reasoning_parser=args.reasoning_parser))
         server = servers[0]
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]

@@ -310,3 +310,25 @@ def test_chat_template_kwargs_generation_prompt_and_continuing_the_last_message(
         with pytest.raises(BadRequest) as e:
             chat(**body)
         assert e.value.param == field, body
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", "b c", "\n", "</th"]),
+                max_size=12), st.lists(st.integers(0, 60), max_size=6))
+def test_thinking_splits_the_same_however_the_text_is_streamed(pieces, cuts):
+    from lockstep.openai_reasoning import ThinkSplitter, split_reasoning
+
+    text = "".join(pieces)
+    reasoning, content = split_reasoning(text)
+    s, got_r, got_c = ThinkSplitter(), [], []
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    for a, b in zip(bounds, bounds[1:] + [len(text)]):
+        r, c = s.feed(text[a:b], final=b == len(text) and a == bounds[-1])
+        got_r.append(r)
+        got_c.append(c)
+    r, c = s.feed("", final=True)
+    assert ("".join(got_r) + r or None, None if s.thinking else "".join(got_c) + c) == (reasoning, content)
+    # vLLM's deepseek_r1 rule: a leading <think> dropped, up to the first </think> is thinking
+    body = text[len("<think>"):] if text.startswith("<think>") else text
+    think, sep, answer = body.partition("</think>")
+    assert (reasoning, content) == (think or None, answer if sep else None)

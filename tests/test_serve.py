@@ -316,6 +316,32 @@ BODIES = st.fixed_dictionaries({
 })
 
 
+async def test_a_reasoning_parser_returns_the_thinking_apart():
+    """--reasoning-parser deepseek_r1: the random model never closes its thinking, so the whole
+    answer is reasoning_content and content is null, whole or streamed; structured outputs are
+    refused by name (their grammar would constrain the thinking)."""
+    async with InProcess("--model", "tiny", "--reasoning-parser", "deepseek_r1") as srv:
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"messages": [{"role": "user", "content": "think"}], "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True}
+            whole = (await c.post(f"{srv.url}/v1/chat/completions", json=body)).json()
+            msg = whole["choices"][0]["message"]
+            assert msg["content"] is None and len(msg["reasoning_content"]) > 0
+            pieces = {"reasoning_content": "", "content": ""}
+            async with c.stream("POST", f"{srv.url}/v1/chat/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        delta = json.loads(line[6:])["choices"][0]["delta"]
+                        for k in pieces:
+                            pieces[k] += delta.get(k) or ""
+            assert pieces == {"reasoning_content": msg["reasoning_content"], "content": ""}
+            refused = await c.post(f"{srv.url}/v1/chat/completions", json={
+                **body, "response_format": {"type": "json_object"}})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+            plain = (await c.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})).json()
+            assert "text" in plain["choices"][0]  # completions are left as they are
+
+
 async def test_fuzzed_completion_bodies_never_get_a_5xx():
     async with InProcess(*TIMING) as srv:
         async with httpx.AsyncClient(timeout=30) as c:

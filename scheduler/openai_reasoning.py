@@ -1,0 +1,59 @@
+"""Reasoning models' thinking apart from their answer (vLLM's ``--reasoning-parser``): the
+chat response's ``reasoning_content`` and ``content``.
+
+``deepseek_r1``, as vLLM's parser of that name: the answer starts thinking (DeepSeek-R1's
+template opens ``<think>`` in the prompt; a ``<think>`` the model writes at the start is
+dropped), everything before ``</think>`` is reasoning and everything after it the answer;
+an answer that never closes its thinking is all reasoning (content null). Streamed, a piece
+of text that may be the start of a marker is held until the next one says whether it is.
+"""
+
+from __future__ import annotations
+
+PARSERS = ("deepseek_r1",)
+_OPEN, _CLOSE = "<think>", "</think>"
+
+
+def _held_back(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` may begin ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ThinkSplitter:
+    """One choice's text, split as it streams: ``feed`` returns (reasoning, content) pieces."""
+
+    def __init__(self):
+        self.started = False  # past a leading <think> (or sure there is none)
+        self.thinking = True
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        buf, self._held = self._held + text, ""
+        if not self.thinking:
+            return "", buf
+        if not self.started:
+            if not final and len(buf) < len(_OPEN) and _OPEN.startswith(buf):
+                self._held = buf  # (may still be a leading <think>)
+                return "", ""
+            self.started = True
+            if buf.startswith(_OPEN):
+                buf = buf[len(_OPEN):]
+        at = buf.find(_CLOSE)
+        if at >= 0:
+            self.thinking = False
+            return buf[:at], buf[at + len(_CLOSE):]
+        keep = 0 if final else _held_back(buf, _CLOSE)
+        if keep:
+            buf, self._held = buf[:-keep], buf[-keep:]
+        return buf, ""
+
+
+def split_reasoning(text: str) -> tuple[str | None, str | None]:
+    """A whole answer's (reasoning_content, content): None for a part it has none of (content
+    is None where the thinking never closed)."""
+    s = ThinkSplitter()
+    reasoning, content = s.feed(text, final=True)
+    return reasoning or None, (None if s.thinking else content)
