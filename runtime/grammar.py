@@ -11,8 +11,9 @@ sequence is allowed. The matcher follows the outputs by index: a step the schedu
 (its request preempted while it ran) or outputs recomputed differently restart it from the
 outputs that stand.
 
-Steps with a guided request are never launched ahead: the mask needs the last step's token
-on the host (vLLM's structured outputs also wait for it).
+A step with a guided request is launched ahead like any other: its forward pass goes to the
+device first, then the runtime waits for the last step's tokens, and fills the masks while
+the forward runs (as vLLM overlaps its bitmasks with the forward).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from lockstep.policy.request import RequestError
 
 log = logging.getLogger("lockstep.runtime")
+FILL_THREADS = 4  # xgrammar's threads filling a step's masks
 
 
 def _xgr():
@@ -138,6 +140,7 @@ class Grammars:
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
             self._bitmask = _xgr().allocate_token_bitmask(self.max_rows, self.vocab)
+            self._batch = _xgr().BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.guides[rid] = _Guide(self._pool.submit(self._compile, list(spec)))
 
     def _compile(self, spec: list[str]):
@@ -177,7 +180,7 @@ class Grammars:
     def mask(self, x: torch.Tensor, rows: list[tuple[int, int, int]]) -> None:
         """Mask rows of ``x``: (row, request, index of the output drawn there)."""
         bm = self._bitmask
-        masked = []
+        masked, todo = [], []
         for j, rid, k in rows:
             g = self.guides[rid]
             if len(g.tokens) < k:
@@ -208,8 +211,9 @@ class Grammars:
                 g.matched += 1
             if g.broken or m.is_terminated():  # (complete and ended: this row's token is not kept)
                 continue
-            m.fill_next_token_bitmask(bm, j)
+            todo.append(m)
             masked.append(j)
-        if masked:  # (bitmask row j is x's row j; rows not listed are left as they are)
+        if masked:
+            self._batch.batch_fill_next_token_bitmask(todo, bm, indices=masked)  # (on xgrammar's threads)  # (bitmask row j is x's row j; rows not listed are left as they are)
             _xgr().apply_token_bitmask_inplace(x, bm[:masked[-1] + 1].to(x.device, non_blocking=True),
                                                vocab_size=self.vocab, indices=masked)

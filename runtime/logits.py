@@ -207,6 +207,14 @@ class LogitsProcessors:
         self.counts.index_put_((slots, tok.to(torch.int64)), torch.ones_like(tok, dtype=torch.int32),
                                accumulate=True)
 
+    def confirm_guided(self, pending: Pending | None, tokens: np.ndarray) -> None:
+        """The drawn ids of a step's guided rows, ahead of its ``confirm`` (the next step's
+        masks need them; ``confirm`` then finds them known)."""
+        if pending is not None:
+            for j, rid, k in pending.guided:
+                if rid in self.grammars:
+                    self.grammars.output(rid, k, int(tokens[j]))
+
     def confirm(self, pending: Pending | None, tokens: np.ndarray) -> None:
         """The drawn ids, now on the host: into the records (already counted)."""
         if pending is None:

@@ -37,6 +37,7 @@ Benchmarks' changes to random weights (``expert_skew``, ``layer_output_scale``):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -133,6 +134,7 @@ class TorchRuntime:
         self._returns = HostReturn()  # the sampled ids and expert counts, on their way back
         self.launch_ahead = bool(spec.options.get("launch_ahead", True))
         self._outstanding = 0  # steps launched and not yet finished
+        self._flight: collections.deque[Launched] = collections.deque()  # those steps, in launch order
         self._finished_at = 0.0  # when the last launched step was finished (perf_counter)
         self.params: dict[int, tuple[float, float, int, int, int]] = {}
         self.gen = torch.Generator(device=self.device).manual_seed(spec.seed)
@@ -505,7 +507,7 @@ class TorchRuntime:
         runs, and the GPU does not idle while the host prepares a step."""
         if (not self.launch_ahead or self.runner is None or self.spec is not None or self.placements is not None
                 or self.world > 1 or self.endpoint is not None or not len(plan.token_ids)
-                or (self.scores and self.scores.rows(plan)[1] is not None) or self.processors.guides(plan)):
+                or (self.scores and self.scores.rows(plan)[1] is not None)):
             return None
         t0 = time.perf_counter()
         params = self._slot_params(plan)
@@ -514,12 +516,14 @@ class TorchRuntime:
         self._update_tables(plan)
         launched = self._launch_fast(plan, t0, params)
         self._outstanding += 1
+        self._flight.append(launched)
         return launched
 
     def finish(self, launched: Launched) -> StepResult:
         """The result of a ``launch``ed step (waits for the device). Steps are finished in
         the order they were launched."""
         self._outstanding -= 1
+        self._flight.popleft()
         result = self._finish(launched, None)
         # Launched steps overlap: each one's GPU time runs from when the one before it was
         # finished (or from its own launch), so that their sum is the wall time they took.
@@ -539,6 +543,14 @@ class TorchRuntime:
             logits, counts = self.runner.forward(hb, pad_to=pad)
         temp, top_p, top_k, seed, want = params if params is not None else self._slot_params(plan)
         positions = hb.positions[hb.sample_index]
+        if self._flight and self.processors.guides(plan):
+            # a structured output's mask needs the steps in flight's tokens: wait for them here,
+            # with this step's forward already on the device, and fill the masks while it runs
+            for p in self._flight:
+                if p.pending is not None and p.pending.guided:
+                    if p.event is not None:
+                        p.event.synchronize()
+                    self.processors.confirm_guided(p.pending, p.host[:p.num_tokens].numpy())
         x, pending = self.processors.apply(plan, logits, positions, temp)
         tokens = sample_on_device(x, temp, top_p, top_k, seed, positions, self.gen)
         self.processors.sampled(pending, tokens)

@@ -364,10 +364,11 @@ def test_penalties_count_alike_with_steps_launched_ahead():
     assert ahead == whole and ahead != plain and all(len(t) == 10 for t in ahead.values())
 
 
-def test_guided_steps_wait_for_the_last_tokens_and_others_launch_ahead():
-    """A structured output's mask needs the last step's token on the host: steps with a
-    guided request run whole, the others launch ahead, and the tokens are those of steps
-    run one at a time; the guided output follows its grammar."""
+def test_guided_steps_launch_ahead_and_wait_for_the_last_tokens_before_their_masks():
+    """A structured output's mask needs the last step's token on the host: a step with a
+    guided request is launched behind the one in flight (its forward first), then waits for
+    that step's tokens; the tokens are those of steps run one at a time, and the guided
+    output follows its grammar."""
     from lockstep import StructuredOutputsParams
 
     plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
