@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from lockstep.policy.request import RequestError
 
 log = logging.getLogger("lockstep.runtime")
-FILL_THREADS = 4  # xgrammar's threads filling a step's masks
+FILL_THREADS = min(4, os.cpu_count() or 1)  # xgrammar's threads filling a step's masks
 
 
 def _xgr():

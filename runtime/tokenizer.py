@@ -206,8 +206,9 @@ class IncrementalDetokenizer:
     with the next token. ``finish`` flushes whatever is held back.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids = [int(i) for i in prompt_ids[-6:]]  # context only; never emitted
         self._prefix = 0
         self._read = len(self._ids)
@@ -220,8 +221,8 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        prefix_text = self._tok.decode(self._ids[self._prefix:self._read])
-        text = self._tok.decode(self._ids[self._prefix:])
+        prefix_text = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=self._skip)
+        text = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=self._skip)
         if len(text) <= len(prefix_text) or (text.endswith(_REPLACEMENT) and not final):
             return ""
         self._prefix, self._read = self._read, len(self._ids)

@@ -166,7 +166,7 @@ class Engine:
 
     async def _stream(self, p: Prompt) -> AsyncIterator[RequestOutput]:
         stream, params = p.stream, p.params
-        detok = self._detokenizer()
+        detok = self._detokenizer(params.skip_special_tokens)
         stops, n, first = set(params.stop_token_ids), 0, True
         cut = StopStrings(params.stop) if params.stop else None
         self._live[p.req_id] = stream  # here, not in generate: a generator never started holds nothing
@@ -186,14 +186,19 @@ class Engine:
                         stop_reason = None if int(tokens[-1]) == self.frontend.eos and not params.ignore_eos \
                             else int(tokens[-1])
                 text = ""
+                # The token that ended the request (end of sequence, a stop id) is not written,
+                # as vLLM's (it shows only with skip_special_tokens false, or as a stop id's text)
+                ended = reason is not None and len(tokens) and (
+                    int(tokens[-1]) in stops or (int(tokens[-1]) == self.frontend.eos and not params.ignore_eos))
+                written = tokens[:-1] if ended else tokens
                 if cut is not None:  # token by token: a stop string ends the tokens where it ends
-                    text, upto = feed_stop_strings(cut, detok, tokens, final=reason is not None,
+                    text, upto = feed_stop_strings(cut, detok, written, final=reason is not None,
                                                    skip=params.min_tokens - n)
                     if upto is not None:
                         tokens, lps = tokens[:upto], None if lps is None else lps[:upto]
                         reason, stop_reason = self._stopped(stream), cut.matched
                 elif detok is not None:
-                    text = detok.push(tokens.tolist()) + (detok.finish() if reason is not None else "")
+                    text = detok.push(written.tolist()) + (detok.finish() if reason is not None else "")
                 n += len(tokens)
                 out = self._output(stream, text, tokens, reason, n, _pair(tokens, lps))
                 if stop_reason is not None:
@@ -229,11 +234,11 @@ class Engine:
             queue_s=None if s.scheduled_at is None else s.scheduled_at - s.arrival, logprobs=logprobs,
         )
 
-    def _detokenizer(self):
+    def _detokenizer(self, skip_special_tokens: bool = True):
         if self.tokenizer is None:
             return None
         from lockstep.runtime.tokenizer import IncrementalDetokenizer
-        return IncrementalDetokenizer(self.tokenizer)
+        return IncrementalDetokenizer(self.tokenizer, skip_special_tokens=skip_special_tokens)
 
     async def complete(self, prompt, params: SamplingParams | None = None, **kw) -> Completion:
         """The whole answer; with ``params.n`` > 1 its n samples (``Completion.outputs``), run

@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from .openai_protocol import BadRequest, Job, parse_body, parse_completion
 from .openai_reasoning import ThinkSplitter, split_reasoning
+from .openai_tool_parser import AutoToolStream, parse_tool_calls
 from .openai_tools import ToolStream, tool_calls
 from .openai_output import logprobs_json, prompt_logprobs_json, usage
 from .policy.request import RequestError
@@ -37,10 +38,12 @@ _JSON = msgspec.json.Encoder()
 class Server:
     """What the handlers share: the engine, the served model name, metrics, draining."""
 
-    def __init__(self, engine, model_name: str, *, default_max_tokens: int = 256, reasoning_parser: str | None = None):
+    def __init__(self, engine, model_name: str, *, default_max_tokens: int = 256, reasoning_parser: str | None = None,
+                 tool_parser: str | None = None):
         self.engine, self.model_name = engine, model_name
         self.default_max_tokens = default_max_tokens
         self.reasoning_parser = reasoning_parser  # chat answers' thinking apart (lockstep.openai_reasoning)
+        self.tool_parser = tool_parser  # tool_choice "auto" (lockstep.openai_tool_parser)
         self.metrics = ServerMetrics(model_name, engine.frontend.max_model_len)
         self.draining = False
         self.cut = False  # the drain deadline passed: requests still running were aborted
@@ -217,7 +220,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
         if chat and template is None:
             raise BadRequest("this model has no tokenizer, so no chat template", "messages")
         job = parse_completion(body, chat=chat, default_max_tokens=server.default_max_tokens,
-                               chat_template=template)
+                               chat_template=template, auto_tools=server.tool_parser is not None)
         # Text prompts are tokenized here (off the event loop), so that one too long, empty or
         # otherwise refused is a 400 before any response starts, not an error inside a stream.
         if job.echo:
@@ -381,12 +384,18 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         if job.chat:
             message = {"role": "assistant", "content": text}
             if server.reasoning_parser:
-                reasoning, content = split_reasoning(text)
-                message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
-            calls = tool_calls(text, job.tool_choice) if job.tool_choice and reason == "stop" else None
-            if calls is not None:  # (OpenAI's: a forced function's call ends with "stop")
-                message = {"role": "assistant", "content": None, "tool_calls": calls}
-                reason = "tool_calls" if job.tool_choice == "required" else "stop"
+                reasoning, text = split_reasoning(text)
+                message = {"role": "assistant", "content": text, "reasoning_content": reasoning}
+            if job.tool_choice == "auto":  # the model's own format (openai_tool_parser)
+                content, calls = parse_tool_calls(text or "")
+                if calls:
+                    message.update(content=content, tool_calls=calls)
+                    reason = "tool_calls" if reason == "stop" else reason
+            elif job.tool_choice and reason == "stop":
+                calls = tool_calls(text, job.tool_choice)
+                if calls is not None:  # (OpenAI's: a forced function's call ends with "stop")
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    reason = "tool_calls" if job.tool_choice == "required" else "stop"
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
                             "stop_reason": stop})
         else:
@@ -452,7 +461,8 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
         return b"data: " + _JSON.encode(body) + b"\n\n"
 
     offsets = [0] * len(gens)  # per choice: its tokens' text so far (completions' text_offset)
-    calls = [ToolStream(job.tool_choice) for _ in gens] if job.tool_choice else None
+    calls = ([AutoToolStream() if job.tool_choice == "auto" else ToolStream(job.tool_choice) for _ in gens]
+             if job.tool_choice else None)
     thinks = [ThinkSplitter() for _ in gens] if job.chat and server.reasoning_parser else None
 
     def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None, stop=None) -> dict | None:
@@ -463,16 +473,19 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if job.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            if thinks is not None and not first:  # thinking apart from the answer
-                reasoning, content = thinks[i].feed(text, final=reason is not None)
-                delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-                if not delta and reason is None and lp is None:
-                    return None  # (held: it may begin </think>)
-            if calls is not None and not first:  # the answer as tool-call deltas (ToolStream)
-                delta = calls[i].delta(text, reason is not None) or {}
-                if not delta and reason is None and lp is None:
-                    return None  # (a "required" answer, held until it is whole)
-                if reason == "stop" and "tool_calls" in delta and job.tool_choice == "required":
+            if (thinks is not None or calls is not None) and not first:
+                final = reason is not None
+                # thinking apart from the answer, then the answer's tool calls apart from its text
+                reasoning, content = thinks[i].feed(text, final=final) if thinks is not None else ("", text)
+                delta = {"reasoning_content": reasoning} if reasoning else {}
+                if calls is not None:
+                    delta.update(calls[i].delta(content, final) or {})
+                elif content:
+                    delta["content"] = content
+                if not delta and not final and lp is None:
+                    return None  # (held: a marker may begin there, or a "required" answer is not whole)
+                called = "tool_calls" in delta or getattr(calls[i], "n", 0) if calls is not None else False
+                if reason == "stop" and called and job.tool_choice in ("required", "auto"):
                     reason = "tool_calls"
             return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason, "stop_reason": stop}

@@ -87,8 +87,9 @@ def parse_body(raw: bytes) -> dict:
 _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temperature", "top_p", "top_k",
            "seed", "stop_token_ids", "ignore_eos", "logprobs", "priority", "cache_salt", "user",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs",
-           "logit_bias", "allowed_token_ids", "response_format", "structured_outputs", "guided_json",
-           "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern"}
+           "logit_bias", "allowed_token_ids", "skip_special_tokens", "response_format", "structured_outputs",
+           "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+           "guided_whitespace_pattern"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"},
            True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                             "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
@@ -96,7 +97,7 @@ _FIELDS = {False: _COMMON | {"prompt", "echo"},
 _NO_OP = {  # field -> is the value the no-op one
     "best_of": lambda v: v == 1, "suffix": lambda v: not v,
     # vLLM's extras at their defaults (clients built for vLLM send them)
-    "include_stop_str_in_output": lambda v: v is False, "skip_special_tokens": lambda v: v is True,
+    "include_stop_str_in_output": lambda v: v is False,
     "spaces_between_special_tokens": lambda v: v is True, "use_beam_search": lambda v: v is False,
     "length_penalty": lambda v: v == 1, "return_tokens_as_token_ids": lambda v: v is False,
     "echo": lambda v: v is False,  # (chat's; completions implement it)
@@ -126,13 +127,15 @@ def _check_fields(body: dict, chat: bool) -> None:
             raise BadRequest(f"{name} is not supported; it may only be given at its no-op value, got {v!r}", name)
 
 
-def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_template) -> Job:
+def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_template, auto_tools: bool = False
+                     ) -> Job:
+    """``auto_tools``: the server reads the model's own tool calls (tool_choice "auto")."""
     _check_fields(body, chat)
     model = _get(body, "model", str, required=True)
     tools, tool_choice, parallel = None, None, True
     if chat:
         try:
-            tools, tool_choice, parallel = parse_tools(body)
+            tools, tool_choice, parallel = parse_tools(body, auto=auto_tools)
         except ToolError as e:
             raise BadRequest(str(e), e.param) from None
         try:
@@ -162,7 +165,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
         raise BadRequest(f"{max_name} must be at least 1 (0 only with echo, which then returns the prompt alone)",
                          max_name)
     structured, structured_from = _structured(body)
-    if tool_choice is not None:
+    if tool_choice is not None and tool_choice != "auto":
         if structured is not None:
             raise BadRequest(f"tool_choice {tool_choice!r} constrains the answer to tool calls, and "
                              f"{structured_from[0]} constrains it too: give one", structured_from[0])
@@ -174,6 +177,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
             top_k=_get(body, "top_k", int, -1), seed=_get(body, "seed", int, None),
             stop_token_ids=tuple(_int_list(body, "stop_token_ids")), stop=tuple(stop),
             ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
+            skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
             presence_penalty=_num(body, "presence_penalty", 0.0),
             frequency_penalty=_num(body, "frequency_penalty", 0.0),
             repetition_penalty=_num(body, "repetition_penalty", 1.0), min_p=_num(body, "min_p", 0.0),
@@ -184,6 +188,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
             prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None),
             structured_outputs=structured,
         )
+        if tool_choice == "auto":  # the calls' markers are special tokens: the parser reads them
+            params = attrs.evolve(params, skip_special_tokens=False)
     except RequestError as e:  # (SamplingParams checks itself when made)
         param = e.field
         raise BadRequest(str(e).replace("max_tokens", max_name, 1) if param == "max_tokens" else str(e),

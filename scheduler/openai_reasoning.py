@@ -14,7 +14,7 @@ PARSERS = ("deepseek_r1",)
 _OPEN, _CLOSE = "<think>", "</think>"
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many characters at the end of ``text`` may begin ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -45,7 +45,7 @@ class ThinkSplitter:
         if at >= 0:
             self.thinking = False
             return buf[:at], buf[at + len(_CLOSE):]
-        keep = 0 if final else _held_back(buf, _CLOSE)
+        keep = 0 if final else held_back(buf, _CLOSE)
         if keep:
             buf, self._held = buf[:-keep], buf[-keep:]
         return buf, ""

@@ -34,9 +34,10 @@ class ToolError(ValueError):
         self.param = param
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, str | None, bool]:
-    """(the tools for the template, the choice: None (plain answers), "required" or a
-    function's name, whether parallel calls are allowed)."""
+def parse_tools(body: dict, auto: bool = False) -> tuple[list[dict] | None, str | None, bool]:
+    """(the tools for the template, the choice: None (plain answers), "required", "auto" (with
+    ``auto``: the server parses the model's own calls) or a function's name, whether
+    parallel calls are allowed)."""
     choice, parallel = body.get("tool_choice"), body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise ToolError(f"parallel_tool_calls must be a bool, got {parallel!r}", "parallel_tool_calls")
@@ -46,9 +47,12 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | None, bool]:
             raise ToolError("tool_choice needs tools: give the functions in tools", "tool_choice")
         return None, None, parallel is not False
     names = [t["function"]["name"] for t in tools]
+    if (choice is None or choice == "auto") and auto:
+        return tools, "auto", parallel is not False
     if choice is None or choice == "auto":
         raise ToolError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
-                        'format, which this server does not have: ask for "required", a named function '
+                        'format (lockstep serve --enable-auto-tool-choice --tool-call-parser NAME), which this '
+                        'server was not started with: ask for "required", a named function '
                         '({"type": "function", "function": {"name": ...}}) or "none"', "tool_choice")
     if choice == "none":
         return tools, None, parallel is not False

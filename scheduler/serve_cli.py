@@ -60,6 +60,10 @@ def add_parser(sub) -> None:
                    help="fcfs: first come, first served; priority: a request's priority field first (lower first, "
                         "then arrival), as vLLM's")
     s.add_argument("--max-tokens-default", type=int, default=256, help="max_tokens when a request omits it")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto" (the default with tools): the model\'s own calls read by --tool-call-parser')
+    s.add_argument("--tool-call-parser", choices=["deepseek_v3"],
+                   help="the model's tool-call format (deepseek_v3: DeepSeek-V3's, R1's and V3.1's)")
     s.add_argument("--reasoning-parser", choices=["deepseek_r1"],
                    help="chat answers' thinking (up to </think>) as reasoning_content, apart from content (vLLM's)")
     s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
@@ -302,6 +306,9 @@ def _check_flags(args) -> None:
         raise ValueError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
     if args.backlog < 1:
         raise ValueError(f"--backlog must be at least 1, got {args.backlog}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # (vLLM's rule)
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format: "
+                         "deepseek_v3)")
 
 
 def _check_port(host: str, port: int) -> None:
@@ -333,7 +340,8 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
         for name, config in configs:  # a deployment that lists several models: an engine each
             engine = await stack.enter_async_context(open_engine(config))
             servers.append(Server(engine, name, default_max_tokens=args.max_tokens_default,
-                                  reasoning_parser=args.reasoning_parser))
+                                  reasoning_parser=args.reasoning_parser,
+                                  tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None))
         server = servers[0]
         hc = Config()
         hc.bind = [f"{args.host}:{args.port}"]

@@ -219,6 +219,7 @@ def test_a_lost_dep_instance_is_one_line_however_many_ranks_report_it(monkeypatc
     (["--drain-timeout", "-5"], "--drain-timeout must be a finite number of seconds >= 0"),  # crashed the drain
     (["--max-tokens-default", "0"], "--max-tokens-default must be at least 1"),  # failed every request
     (["--start-timeout", "0"], "--start-timeout must be a finite number of seconds > 0"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
 ])
 def test_serve_names_bad_numbers_before_starting(flags, message, capsys):
     assert main(["serve", "--model", "tiny", *flags]) == 2

@@ -332,3 +332,39 @@ def test_thinking_splits_the_same_however_the_text_is_streamed(pieces, cuts):
     body = text[len("<think>"):] if text.startswith("<think>") else text
     think, sep, answer = body.partition("</think>")
     assert (reasoning, content) == (think or None, answer if sep else None)
+
+
+V3_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Oslo\"}\n```"
+           "<｜tool▁call▁end｜>")
+V31_CALL = "<｜tool▁call▁begin｜>time<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+
+
+def test_deepseek_tool_calls_are_read_from_the_answer():
+    from lockstep.openai_tool_parser import parse_tool_calls
+
+    content, calls = parse_tool_calls("Let me look.<｜tool▁calls▁begin｜>" + V3_CALL + V31_CALL + "<｜tool▁calls▁end｜>")
+    assert content == "Let me look."
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("weather", '{"city": "Oslo"}'), ("time", "{}")]
+    assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in calls)
+    assert parse_tool_calls("<｜tool▁calls▁begin｜>" + V31_CALL)[0] is None  # no text before: content null
+    assert parse_tool_calls("plain answer") == ("plain answer", [])
+    assert parse_tool_calls("<｜tool▁calls▁begin｜>garbage") == ("<｜tool▁calls▁begin｜>garbage", [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 200), max_size=8))
+def test_deepseek_tool_calls_stream_the_same_however_the_text_is_split(cuts):
+    from lockstep.openai_tool_parser import AutoToolStream, parse_tool_calls
+
+    text = "Sure: <｜tool▁call" + "<｜tool▁calls▁begin｜>" + V3_CALL + "\n" + V31_CALL + "<｜tool▁calls▁end｜>"
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    s, content, calls = AutoToolStream(), "", []
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])] or [""]
+    for k, piece in enumerate(pieces):
+        d = s.delta(piece, finished=k == len(pieces) - 1) or {}
+        content += d.get("content", "")
+        calls += d.get("tool_calls", [])
+    want_content, want = parse_tool_calls(text)
+    assert content == want_content and [c["index"] for c in calls] == [0, 1]
+    assert [c["function"] for c in calls] == [c["function"] for c in want]

@@ -342,6 +342,36 @@ async def test_a_reasoning_parser_returns_the_thinking_apart():
             assert "text" in plain["choices"][0]  # completions are left as they are
 
 
+async def test_auto_tool_choice_reads_the_models_own_calls():
+    """--enable-auto-tool-choice --tool-call-parser deepseek_v3: tool_choice "auto" (the default
+    with tools) answers in text or with the calls the answer writes in DeepSeek's format (here
+    forced by a regex: the byte tokenizer spells the markers), whole or streamed."""
+    call = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>time<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+            "<｜tool▁calls▁end｜>")
+    async with InProcess("--model", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3") as srv:
+        async with httpx.AsyncClient(timeout=60) as c:
+            body = {"messages": [{"role": "user", "content": "time?"}], "max_tokens": 300, "temperature": 0,
+                    "tools": [{"type": "function", "function": {"name": "time"}}]}
+            plain = (await c.post(f"{srv.url}/v1/chat/completions", json={**body, "max_tokens": 5})).json()
+            msg = plain["choices"][0]["message"]
+            assert not msg.get("tool_calls") and isinstance(msg["content"], str)
+            forced = {**body, "guided_regex": "Now\\." + re.escape(call).replace("\\<", "<")}
+            got = (await c.post(f"{srv.url}/v1/chat/completions", json=forced)).json()["choices"][0]
+            assert got["finish_reason"] == "tool_calls", got
+            assert got["message"]["content"] == "Now." and [t["function"] for t in got["message"]["tool_calls"]] == [
+                {"name": "time", "arguments": "{}"}]
+            deltas, reason = [], None
+            async with c.stream("POST", f"{srv.url}/v1/chat/completions", json={**forced, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        ch = json.loads(line[6:])["choices"][0]
+                        deltas.append(ch["delta"])
+                        reason = ch["finish_reason"] or reason
+            assert "".join(d.get("content") or "" for d in deltas) == "Now." and reason == "tool_calls"
+            streamed = [t["function"] for d in deltas for t in d.get("tool_calls", [])]
+            assert streamed == [{"name": "time", "arguments": "{}"}]
+
+
 async def test_fuzzed_completion_bodies_never_get_a_5xx():
     async with InProcess(*TIMING) as srv:
         async with httpx.AsyncClient(timeout=30) as c:

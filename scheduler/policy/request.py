@@ -185,6 +185,9 @@ class SamplingParams:
     # Samples per prompt (LLM.generate, Engine.complete: Completion.outputs); sample i takes
     # seed + i where a seed is given, as the OpenAI server's n does. A stream is one sample.
     n: int = _num(1)
+    # The output text leaves out special tokens (vLLM's; False: they are written, as a tool-call
+    # parser reads them).
+    skip_special_tokens: bool = _num(True)
     # The output matches a JSON schema, regex, choice or grammar (vLLM's structured outputs).
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, converter=_as_structured)
 
@@ -226,6 +229,9 @@ class SamplingParams:
                                field="logprobs")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise RequestError(f"stop must be a non-empty string or a tuple of them, got {self.stop!r}", field="stop")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise RequestError(f"skip_special_tokens must be a bool, got {self.skip_special_tokens!r}",
+                               field="skip_special_tokens")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", field="ignore_eos")
         for name in ("presence_penalty", "frequency_penalty"):
