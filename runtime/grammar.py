@@ -77,22 +77,25 @@ def check(kind: str, text: str, whitespace: str) -> None:
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
-    """xgrammar's view of the model's vocabulary: ``tokenizer`` is lockstep's (a ByteTokenizer
-    or an HFTokenizer); ids past the tokenizer's, up to the model's ``vocab_size``, are never
-    allowed; ``stop_ids`` end a complete output."""
+    """xgrammar's view of the tokenizer's vocabulary: ``tokenizer`` is lockstep's (a
+    ByteTokenizer or an HFTokenizer); ``stop_ids`` end a complete output. It covers the
+    tokenizer's ids only, at most the model's ``vocab_size``: the model's ids past them (a
+    preset's 102,400 against the byte tokenizer's 259) are masked apart (``Grammars.mask``),
+    since xgrammar counts ids that decode to nothing as special and checks each accepted
+    token against them one by one (20 µs a token with 100K of them)."""
     xgr = _xgr()
     from lockstep.runtime.tokenizer import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
-        # ids 3..258 are the bytes: byte-fallback tokens; the specials and unused ids decode to
-        # nothing, which xgrammar never allows (but for the stop ids)
+        # ids 3..258 are the bytes: byte-fallback tokens; the specials decode to nothing, which
+        # xgrammar never allows (but for the stop ids)
         vocab = ["", "", ""] + [f"<0x{b:02X}>" for b in range(256)]
-        vocab += [""] * (vocab_size - len(vocab))
-        return xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_FALLBACK, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        return xgr.TokenizerInfo(vocab, xgr.VocabType.BYTE_FALLBACK, vocab_size=min(len(vocab), vocab_size),
+                                 stop_token_ids=stop_ids)
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
-    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_ids)
+    return xgr.TokenizerInfo.from_huggingface(hf, vocab_size=min(len(hf), vocab_size), stop_token_ids=stop_ids)
 
 
 class _Guide:
@@ -126,7 +129,8 @@ class Grammars:
         self._compiler = None
         self._pool = None
         self.guides: dict[int, _Guide] = {}
-        self._bitmask = None
+        self._bitmask = None  # made with the vocabulary (its width: the tokenizer's ids)
+        self.tok_vocab = vocab_size
         self.max_rows = max_rows
 
     def __bool__(self) -> bool:
@@ -140,14 +144,16 @@ class Grammars:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
-            self._bitmask = _xgr().allocate_token_bitmask(self.max_rows, self.vocab)
             self._batch = _xgr().BatchGrammarMatcher(max_threads=FILL_THREADS)
         self.guides[rid] = _Guide(self._pool.submit(self._compile, list(spec)))
 
     def _compile(self, spec: list[str]):
         xgr = _xgr()
         if self._compiler is None:  # (the vocabulary is read once, for the first guided request)
-            self._compiler = xgr.GrammarCompiler(self._make_info(), max_threads=1, cache_enabled=True)
+            info = self._make_info()
+            self._bitmask = xgr.allocate_token_bitmask(self.max_rows, info.vocab_size)
+            self.tok_vocab = info.vocab_size  # (the model's ids past it: masked apart)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         kind, text, whitespace = spec
         c = self._compiler
         compiled = (c.compile_json_schema(text, any_whitespace=whitespace == "any") if kind == "json"
@@ -180,7 +186,6 @@ class Grammars:
 
     def mask(self, x: torch.Tensor, rows: list[tuple[int, int, int]]) -> None:
         """Mask rows of ``x``: (row, request, index of the output drawn there)."""
-        bm = self._bitmask
         masked, todo = [], []
         for j, rid, k in rows:
             g = self.guides[rid]
@@ -214,7 +219,10 @@ class Grammars:
                 continue
             todo.append(m)
             masked.append(j)
-        if masked:
-            self._batch.batch_fill_next_token_bitmask(todo, bm, indices=masked)  # (on xgrammar's threads)  # (bitmask row j is x's row j; rows not listed are left as they are)
+        if masked:  # (bitmask row j is x's row j; rows not listed are left as they are)
+            bm, n = self._bitmask, self.tok_vocab
+            self._batch.batch_fill_next_token_bitmask(todo, bm, indices=masked)  # (on xgrammar's threads)
             _xgr().apply_token_bitmask_inplace(x, bm[:masked[-1] + 1].to(x.device, non_blocking=True),
-                                               vocab_size=self.vocab, indices=masked)
+                                               vocab_size=n, indices=masked)
+            if n < x.shape[1]:  # the model's ids past the tokenizer's: never drawn
+                x[torch.as_tensor(masked, device=x.device), n:] = float("-inf")

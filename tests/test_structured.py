@@ -55,10 +55,12 @@ def matcher(so: S):
 
 
 def allowed(m) -> np.ndarray:
-    bm = xgr.allocate_token_bitmask(1, vocab())
+    """The model's ids the matcher allows next (the tokenizer's 259; none past them)."""
+    n = 3 + 256
+    bm = xgr.allocate_token_bitmask(1, n)
     m.fill_next_token_bitmask(bm, 0)
     bits = (bm[0].numpy().astype(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-    return bits.reshape(-1)[:vocab()].astype(bool)
+    return np.concatenate([bits.reshape(-1)[:n], np.zeros(vocab() - n, np.uint32)]).astype(bool)
 
 
 def reference(prompt: np.ndarray, p: SamplingParams) -> list[int]:
