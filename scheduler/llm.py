@@ -88,6 +88,42 @@ class LLM:
         return self._runner.call(_generate_all, prompts, plist, single, prio)
 
 
+    def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, priority: int | Sequence[int] | None = None) -> list[Completion]:
+        """One Completion per conversation (a list of OpenAI-style messages, or a list of such
+        lists), through the model's chat template, as vLLM's ``LLM.chat``: ``tools`` (OpenAI's
+        function definitions, for the template), ``chat_template_kwargs`` (the template's own
+        variables), ``add_generation_prompt``, ``continue_final_message`` (the last message, an
+        assistant's, left open). The rest as ``generate``."""
+        one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
+        convs = [messages] if one else list(messages) if isinstance(messages, (list, tuple)) else [messages]
+        body = {"continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
+        if add_generation_prompt is not True:  # (continue_final_message turns the default off)
+            body["add_generation_prompt"] = add_generation_prompt
+        ids = self._runner.call(_chat_prompts, convs, body, tools, one)
+        return self.generate(ids[0] if one else ids, params, sampling_params=sampling_params, priority=priority)
+
+
+async def _chat_prompts(engine: Engine, convs: list, body: dict, tools, one: bool) -> list[np.ndarray]:
+    """Each conversation's token ids through the engine's chat template (which writes its own bos)."""
+    from lockstep.openai_protocol import BadRequest, chat_prompt
+    from lockstep.openai_tools import ToolError, check_tools
+
+    if engine.tokenizer is None:
+        raise RequestError("chat needs a tokenizer, and this engine has none (tokenizer=None)", field="messages")
+    out = []
+    for i, conv in enumerate(convs):
+        try:
+            text = chat_prompt({**body, "messages": conv}, engine.tokenizer.apply_chat_template, check_tools(tools))
+        except (BadRequest, ToolError) as e:
+            field = getattr(e, "param", None)
+            raise RequestError(str(e) if one else f"messages[{i}]: {e}", field=field) from None
+        out.append(engine.tokenizer.encode(text))
+    return out
+
+
 def _llm_config(model: str, config: dict) -> EngineConfig:
     known = {f.name for f in attrs.fields(EngineConfig)}
     fields = {f.name for f in attrs.fields(SchedulerConfig)} - known  # num_spec_tokens: the engine's

@@ -455,6 +455,32 @@ def test_sync_llm_generates_text_for_each_prompt():
         assert len(llm.generate(np.array([[5, 6], [7, 8]]), SamplingParams(max_tokens=2))) == 2
 
 
+def test_sync_llm_chat_goes_through_the_chat_template():
+    """vLLM's LLM.chat: a conversation (or several) through the template, with tools,
+    chat_template_kwargs and continue_final_message; bad ones name their field."""
+    from lockstep.runtime.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    conv = [{"role": "user", "content": "hi"}]
+    with LLM("tiny", dtype="float64") as llm:
+        (one,) = llm.chat(conv, greedy)
+        (same,) = llm.generate([tok.encode(tok.apply_chat_template(conv))], greedy)
+        assert one.token_ids.tolist() == same.token_ids.tolist() and one.num_prompt_tokens == same.num_prompt_tokens
+        two = llm.chat([conv, conv + [{"role": "assistant", "content": "Hel"}]], greedy, continue_final_message=False,
+                       add_generation_prompt=True, tools=[{"type": "function", "function": {"name": "f"}}])
+        assert len(two) == 2 and two[0].num_prompt_tokens > one.num_prompt_tokens  # the tools are in the prompt
+        (cont,) = llm.chat(conv + [{"role": "assistant", "content": "Hel"}], greedy, continue_final_message=True)
+        want = tok.apply_chat_template(conv + [{"role": "assistant", "content": "Hel"}], add_generation_prompt=False)
+        assert cont.num_prompt_tokens == len(tok.encode(want[:want.rindex("Hel") + 3]))
+        with pytest.raises(RequestError, match="role must be") as e:
+            llm.chat([{"role": "robot", "content": "x"}], greedy)
+        assert e.value.field == "messages"
+        with pytest.raises(RequestError, match="continue_final_message needs") as e:
+            llm.chat(conv, greedy, continue_final_message=True)
+        assert e.value.field == "continue_final_message"
+
+
 def test_sync_llm_keeps_one_engine_across_calls_and_releases_it_on_close():
     procs, fds = descendant_pids(), fd_count()
     llm = LLM("tiny", dtype="float64")
