@@ -12,6 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("script, expect", [
     ("offline_inference.py", ["'Hello, my name is' -> ", "sampled: ", "from token ids: "]),
     ("stream_with_trio.py", ["[req2] 64 tokens", "running=0, waiting=0, kv_blocks_used=0"]),
+    ("structured_outputs.py", ["json: '{\"name\": ", "  parsed: {'name': ", "choice: '", "grammar: '", "chat: '"]),
 ])
 def test_example_runs(script, expect):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script)], capture_output=True, text=True,
