@@ -24,9 +24,12 @@ import logging
 import os
 import re
 
+import numpy as np
 import torch
 
 from lockstep.policy.request import RequestError
+
+from .models.batch import to_device
 
 log = logging.getLogger("lockstep.runtime")
 FILL_THREADS = min(4, os.cpu_count() or 1)  # xgrammar's threads filling a step's masks
@@ -222,7 +225,10 @@ class Grammars:
         if masked:  # (bitmask row j is x's row j; rows not listed are left as they are)
             bm, n = self._bitmask, self.tok_vocab
             self._batch.batch_fill_next_token_bitmask(todo, bm, indices=masked)  # (on xgrammar's threads)
-            _xgr().apply_token_bitmask_inplace(x, bm[:masked[-1] + 1].to(x.device, non_blocking=True),
-                                               vocab_size=n, indices=masked)
+            # (through pinned memory: a copy from pageable memory would make the host wait for the
+            # device, and a step launched ahead would gain nothing)
+            rows = to_device(np.array(masked, np.int32), x.device)
+            _xgr().apply_token_bitmask_inplace(x, to_device(bm[:masked[-1] + 1].numpy(), x.device),
+                                               vocab_size=n, indices=rows)
             if n < x.shape[1]:  # the model's ids past the tokenizer's: never drawn
-                x[torch.as_tensor(masked, device=x.device), n:] = float("-inf")
+                x[rows.long(), n:] = float("-inf")
