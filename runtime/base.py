@@ -76,6 +76,7 @@ class LogitsRules(msgspec.Struct, frozen=True):
     bias: list[float] = []
     allowed: list[int] = []  # allowed_token_ids (empty: any)
     grammar: list[str] = []  # structured outputs: [kind, text, whitespace] (StructuredOutputsParams.spec)
+    grammar_after: list[int] = []  # ... applied after these ids in the output (StructuredOutputsParams.after_tokens)
 
 
 class NewRequests(msgspec.Struct, frozen=True):

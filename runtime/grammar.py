@@ -7,9 +7,10 @@ failure. The runtime compiles it against the model's vocabulary (``Grammars``; t
 caches equal grammars) and keeps one matcher per request. Each step a guided row's matcher
 takes the request's outputs it has not yet seen, then fills the row's bitmask of the tokens
 that keep the output inside the grammar; once the output is complete only the end of
-sequence is allowed. The matcher follows the outputs by index: a step the scheduler dropped
-(its request preempted while it ran) or outputs recomputed differently restart it from the
-outputs that stand.
+sequence is allowed. With ``after`` (a reasoning model's end of thinking) the grammar applies
+from the output after those ids; the thinking is not constrained. The matcher follows the
+outputs by index: a step the scheduler dropped (its request preempted while it ran) or
+outputs recomputed differently restart it from the outputs that stand.
 
 A step with a guided request is launched ahead like any other: its forward pass goes to the
 device first, then the runtime waits for the last step's tokens, and fills the masks while
@@ -102,13 +103,15 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
 
 
 class _Guide:
-    __slots__ = ("future", "_matcher", "tokens", "matched", "broken")
+    __slots__ = ("future", "_matcher", "tokens", "after", "start", "matched", "broken")
 
-    def __init__(self, future):
+    def __init__(self, future, after: list[int]):
         self.future = future  # the matcher, once its grammar is compiled
         self._matcher = None
         self.tokens: list[int] = []  # the request's outputs by index, as far as known
-        self.matched = 0  # how many of them the matcher has taken
+        self.after = after  # the grammar applies after these ids (a reasoning model's end of thinking)
+        self.start = None if after else 0  # the output where the grammar starts, once known
+        self.matched = 0  # how many outputs from there the matcher has taken
         self.broken = False  # the matcher refused an output: no more masks (logged)
 
     @property
@@ -116,6 +119,25 @@ class _Guide:
         if self._matcher is None:
             self._matcher = self.future.result()  # (waits for a compile still running)
         return self._matcher
+
+    def keep(self, k: int) -> None:
+        """Outputs from ``k`` on are gone (or differ): the matcher restarts where it took them."""
+        del self.tokens[k:]
+        if self.after and self.start is not None and self.start > k:  # (the marker may end elsewhere)
+            self.start = None
+        if self.matched and (self.start is None or self.start + self.matched > k):
+            self.matcher.reset()
+            self.matched, self.broken = 0, False
+
+    def find_start(self, k: int) -> bool:
+        """Whether the grammar applies to output ``k`` (its marker is among the outputs before)."""
+        if self.start is None:
+            n = len(self.after)
+            at = next((i for i in range(k - n + 1) if self.tokens[i:i + n] == self.after), None)
+            if at is None:
+                return False
+            self.start = at + n
+        return self.start <= k
 
 
 class Grammars:
@@ -142,13 +164,13 @@ class Grammars:
     def __contains__(self, rid: int) -> bool:
         return rid in self.guides
 
-    def add(self, rid: int, spec: list[str]) -> None:
+    def add(self, rid: int, spec: list[str], after: list[int] = ()) -> None:
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
             self._batch = _xgr().BatchGrammarMatcher(max_threads=FILL_THREADS)
-        self.guides[rid] = _Guide(self._pool.submit(self._compile, list(spec)))
+        self.guides[rid] = _Guide(self._pool.submit(self._compile, list(spec)), list(after))
 
     def _compile(self, spec: list[str]):
         xgr = _xgr()
@@ -178,10 +200,7 @@ class Grammars:
         if k < len(g.tokens):
             if g.tokens[k] == token:
                 return
-            del g.tokens[k:]  # a different output there: what followed it is not the request's
-            if g.matched > k:
-                g.matcher.reset()
-                g.matched, g.broken = 0, False
+            g.keep(k)  # a different output there: what followed it is not the request's
         if k == len(g.tokens):
             g.tokens.append(token)
         # (k past the known outputs: a step whose earlier outputs this runtime never saw; the
@@ -196,8 +215,8 @@ class Grammars:
                 raise RuntimeError(f"request {rid}: its grammar needs outputs 0..{k - 1} before output {k}, and "
                                    f"this runtime knows {len(g.tokens)}")
             if len(g.tokens) > k:  # drawn by a step the scheduler dropped
-                del g.tokens[k:]
-            if g.broken:
+                g.keep(k)
+            if g.broken or not g.find_start(k):  # (still thinking: not constrained yet)
                 continue
             if g._matcher is None:
                 try:
@@ -207,15 +226,13 @@ class Grammars:
                     log.error("request %d: its grammar did not compile here (%s); its outputs are not "
                               "constrained", rid, _message(e))
                     continue
-            if g.matched > k:
-                g.matcher.reset()
-                g.matched, g.broken = 0, False
             m = g.matcher
-            while g.matched < k and not m.is_terminated():  # (outputs after the end: a step planned ahead of it)
-                if not m.accept_token(g.tokens[g.matched]):
+            while g.start + g.matched < k and not m.is_terminated():  # (outputs after the end: planned ahead)
+                t = g.tokens[g.start + g.matched]
+                if not m.accept_token(t):
                     g.broken = True
                     log.warning("request %d: its grammar refused output %d (token %d); its outputs are not "
-                                "constrained from there", rid, g.matched, g.tokens[g.matched])
+                                "constrained from there", rid, g.start + g.matched, t)
                     break
                 g.matched += 1
             if g.broken or m.is_terminated():  # (complete and ended: this row's token is not kept)

@@ -97,7 +97,7 @@ class LogitsProcessors:
                 from .grammar import Grammars
 
                 self.grammars = Grammars(self._grammar_info, self.vocab, self.max_num_seqs)
-            self.grammars.add(rid, list(rules.grammar))
+            self.grammars.add(rid, list(rules.grammar), list(rules.grammar_after))
         if rules.bias_ids:
             keep = [(t, b) for t, b in zip(rules.bias_ids, rules.bias) if 0 <= t < self.vocab]
             self.bias[rid] = (to_device(np.array([t for t, _ in keep], np.int64), self.device),

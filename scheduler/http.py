@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .openai_protocol import BadRequest, Job, parse_body, parse_completion
-from .openai_reasoning import ThinkSplitter, split_reasoning
+from .openai_reasoning import THINK_END, ThinkSplitter, split_reasoning
 from .openai_tool_parser import AutoToolStream, parse_tool_calls
 from .openai_tools import ToolStream, tool_calls
 from .openai_output import logprobs_json, prompt_logprobs_json, usage
@@ -236,10 +236,10 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
             ids = [await trio.to_thread.run_sync(encode, p) if isinstance(p, str) else p for p in job.prompts]
             job = attrs.evolve(job, prompts=tuple(ids))
         so = job.params.structured_outputs
-        if so is not None and job.chat and server.reasoning_parser:
-            field = job.structured_from[0] if job.structured_from else "tool_choice"
-            raise BadRequest(f"{field}: structured outputs and tool calls are not supported with --reasoning-parser "
-                             f"{server.reasoning_parser} (the grammar would constrain the thinking too)", field)
+        if so is not None and job.chat and server.reasoning_parser and engine.tokenizer is not None:
+            # the grammar applies to the answer, after the thinking (as vLLM's reasoning parsers)
+            so = attrs.evolve(so, after_tokens=tuple(engine.tokenizer.encode(THINK_END).tolist()))
+            job = attrs.evolve(job, params=attrs.evolve(job.params, structured_outputs=so))
         if so is not None and engine.config.runtime != "timing":  # compiled off the event loop (xgrammar's first
             from lockstep.runtime.grammar import check  # import alone takes ~2 s), checked once more when made
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 PARSERS = ("deepseek_r1",)
 _OPEN, _CLOSE = "<think>", "</think>"
+THINK_END = _CLOSE  # (structured outputs apply after it)
 
 
 def held_back(text: str, marker: str) -> int:

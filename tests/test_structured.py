@@ -265,3 +265,44 @@ def test_a_hugging_face_byte_level_vocabulary_spells_the_grammar(hf_tokenizer_di
             g.output(seed, len(out) - 1, out[-1])
             assert len(out) < 60
         assert re.fullmatch("(hello|héllo) (world|there|ok)+", tok.decode(out[:-1])), tok.decode(out)
+
+
+def test_the_grammar_applies_after_the_marker_a_reasoning_model_thinks_before():
+    """after_tokens: the outputs up to the marker are not constrained; the grammar applies from
+    the output after it, and restarts where a recompute moves the marker."""
+    info = tokenizer_info(ByteTokenizer(512), 512, [EOS])
+    g = Grammars(lambda: info, 512, 4)
+    b = lambda c: ord(c) + 3  # noqa: E731 - the byte tokenizer's id of a character
+    g.add(7, S(regex="[0-9]+").spec(), [b("<"), b("/")])
+
+    def free(k: int) -> bool:
+        x = torch.zeros(1, 512)
+        g.mask(x, [(0, 7, k)])
+        return bool((x[0] == 0).all())
+
+    assert free(0)
+    for k, c in enumerate("hm</"):
+        g.output(7, k, b(c))
+    assert not free(4)  # from output 4 on: digits
+    g.output(7, 4, b("5"))
+    x = torch.zeros(1, 512)
+    g.mask(x, [(0, 7, 5)])
+    assert set(torch.nonzero(x[0] == 0).flatten().tolist()) == {b(d) for d in "0123456789"} | {EOS}
+    g.output(7, 2, b("x"))  # a recompute without the marker there: thinking again
+    assert free(3)
+    with pytest.raises(RequestError) as e:
+        S(regex="a", after_tokens=[-1])
+    assert e.value.field == "structured_outputs.after_tokens"
+
+
+def test_an_engine_constrains_only_what_follows_after_tokens():
+    """Greedy: the first token (drawn free) is the marker; what follows matches the regex."""
+    from lockstep import LLM
+
+    with LLM("tiny", dtype="float64") as llm:
+        free = llm.generate([prompts()[2]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
+        first = int(free.token_ids[0])
+        so = S(regex="[a-c]{5}", after_tokens=[first])
+        out = llm.generate([prompts()[2]], SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=so))[0]
+    toks = out.token_ids.tolist()
+    assert toks[0] == first and toks[-1] == EOS and re.fullmatch("[a-c]{5}", text(toks[1:-1]))

@@ -48,7 +48,8 @@ def new_requests(req: Request, outputs_in_prompt: int = 0) -> NewRequests:
             min_tokens=p.min_tokens + outputs_in_prompt if p.min_tokens else 0, suppress=stop,
             bias_ids=list(p.logit_bias or ()), bias=[float(b) for b in (p.logit_bias or {}).values()],
             allowed=list(p.allowed_token_ids or ()),
-            grammar=p.structured_outputs.spec() if p.structured_outputs is not None else [])
+            grammar=p.structured_outputs.spec() if p.structured_outputs is not None else [],
+            grammar_after=list(p.structured_outputs.after_tokens) if p.structured_outputs is not None else [])
     # Prompt logprobs are the prefill's: not a decode side's, whose prompt's KV arrives computed
     k = -1 if p.prompt_logprobs is None or outputs_in_prompt else p.prompt_logprobs
     n = req.prompt_len - outputs_in_prompt  # the prompt proper, sent once for either reader

@@ -105,6 +105,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # The grammar applies after these token ids appear in the output (a reasoning model's end
+    # of thinking, "</think>": the server's --reasoning-parser sets it); empty: from the start.
+    after_tokens: tuple[int, ...] = attrs.field(default=(), converter=_id_tuple)
 
     def __attrs_post_init__(self) -> None:
         given = [f for f in _STRUCTURED_KINDS if getattr(self, f) not in (None, False)]
@@ -126,6 +129,11 @@ class StructuredOutputsParams:
         if self.json_object is not None and not isinstance(self.json_object, bool):
             raise RequestError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}",
                                field="structured_outputs.json_object")
+        if not (isinstance(self.after_tokens, tuple) and all(_is_int(t) and 0 <= t <= INT32_MAX
+                                                                for t in self.after_tokens)):
+            raise RequestError(f"structured_outputs.after_tokens must be a tuple of token ids (integers in "
+                               f"[0, 2**31 - 1]), got {_short(self.after_tokens)}",
+                               field="structured_outputs.after_tokens")
         if not isinstance(self.disable_any_whitespace, bool):
             raise RequestError(f"structured_outputs.disable_any_whitespace must be a bool, got "
                                f"{self.disable_any_whitespace!r}", field="structured_outputs.disable_any_whitespace")
