@@ -248,4 +248,4 @@ class Grammars:
             _xgr().apply_token_bitmask_inplace(x, to_device(bm[:masked[-1] + 1].numpy(), x.device),
                                                vocab_size=n, indices=rows)
             if n < x.shape[1]:  # the model's ids past the tokenizer's: never drawn
-                x[rows.long(), n:] = float("-inf")
+                x[:, n:].index_fill_(0, rows.long(), float("-inf"))
