@@ -33,7 +33,8 @@ from lockstep.policy.request import RequestError
 from .models.batch import to_device
 
 log = logging.getLogger("lockstep.runtime")
-FILL_THREADS = min(4, os.cpu_count() or 1)  # xgrammar's threads filling a step's masks
+FILL_THREADS = min(4, os.cpu_count() or 1)
+CACHE_BYTES = 512 * 2**20  # xgrammar's threads filling a step's masks
 
 
 def _xgr():
@@ -103,7 +104,7 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
 
 
 class _Guide:
-    __slots__ = ("future", "_matcher", "tokens", "after", "start", "matched", "broken")
+    __slots__ = ("future", "_matcher", "tokens", "after", "start", "scanned", "matched", "broken")
 
     def __init__(self, future, after: list[int]):
         self.future = future  # the matcher, once its grammar is compiled
@@ -111,6 +112,7 @@ class _Guide:
         self.tokens: list[int] = []  # the request's outputs by index, as far as known
         self.after = after  # the grammar applies after these ids (a reasoning model's end of thinking)
         self.start = None if after else 0  # the output where the grammar starts, once known
+        self.scanned = 0  # outputs searched for the marker so far (a long thinking is searched once)
         self.matched = 0  # how many outputs from there the matcher has taken
         self.broken = False  # the matcher refused an output: no more masks (logged)
 
@@ -125,6 +127,7 @@ class _Guide:
         del self.tokens[k:]
         if self.after and self.start is not None and self.start > k:  # (the marker may end elsewhere)
             self.start = None
+        self.scanned = min(self.scanned, k)
         if self.matched and (self.start is None or self.start + self.matched > k):
             self.matcher.reset()
             self.matched, self.broken = 0, False
@@ -132,8 +135,11 @@ class _Guide:
     def find_start(self, k: int) -> bool:
         """Whether the grammar applies to output ``k`` (its marker is among the outputs before)."""
         if self.start is None:
-            n = len(self.after)
-            at = next((i for i in range(k - n + 1) if self.tokens[i:i + n] == self.after), None)
+            n, first = len(self.after), self.after[0]
+            lo = max(0, self.scanned - n + 1)
+            at = next((i for i in range(lo, k - n + 1)
+                       if self.tokens[i] == first and self.tokens[i:i + n] == self.after), None)
+            self.scanned = max(self.scanned, k)
             if at is None:
                 return False
             self.start = at + n
@@ -178,7 +184,10 @@ class Grammars:
             info = self._make_info()
             self._bitmask = xgr.allocate_token_bitmask(self.max_rows, info.vocab_size)
             self.tok_vocab = info.vocab_size  # (the model's ids past it: masked apart)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+            # (compiled grammars cached up to 512 MB, as vLLM caps them: clients that vary their
+            # schemas per request would grow the cache for good)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+                                                 cache_limit_bytes=CACHE_BYTES)
         kind, text, whitespace = spec
         c = self._compiler
         compiled = (c.compile_json_schema(text, any_whitespace=whitespace == "any") if kind == "json"

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .openai_protocol import BadRequest, Job, parse_body, parse_completion
-from .openai_reasoning import THINK_END, ThinkSplitter, split_reasoning
+from .openai_reasoning import THINK_END, ThinkSplitter, split_reasoning, thinking_closed
 from .openai_tool_parser import AutoToolStream, parse_tool_calls
 from .openai_tools import ToolStream, tool_calls
 from .openai_output import logprobs_json, prompt_logprobs_json, usage
@@ -236,10 +236,12 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
             ids = [await trio.to_thread.run_sync(encode, p) if isinstance(p, str) else p for p in job.prompts]
             job = attrs.evolve(job, prompts=tuple(ids))
         so = job.params.structured_outputs
-        if so is not None and job.chat and server.reasoning_parser and engine.tokenizer is not None:
-            # the grammar applies to the answer, after the thinking (as vLLM's reasoning parsers)
-            so = attrs.evolve(so, after_tokens=tuple(engine.tokenizer.encode(THINK_END).tolist()))
-            job = attrs.evolve(job, params=attrs.evolve(job.params, structured_outputs=so))
+        if job.chat and server.reasoning_parser and engine.tokenizer is not None:
+            if thinking_closed(engine.tokenizer, job.prompts[0]):  # (a template with thinking off closes it)
+                job = attrs.evolve(job, thinking_closed=True)
+            elif so is not None:  # the grammar applies to the answer, after the thinking (as vLLM's)
+                so = attrs.evolve(so, after_tokens=tuple(engine.tokenizer.encode(THINK_END).tolist()))
+                job = attrs.evolve(job, params=attrs.evolve(job.params, structured_outputs=so))
         if so is not None and engine.config.runtime != "timing":  # compiled off the event loop (xgrammar's first
             from lockstep.runtime.grammar import check  # import alone takes ~2 s), checked once more when made
 
@@ -384,17 +386,17 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
         if job.chat:
             message = {"role": "assistant", "content": text}
             if server.reasoning_parser:
-                reasoning, text = split_reasoning(text)
+                reasoning, text = (None, text) if job.thinking_closed else split_reasoning(text)
                 message = {"role": "assistant", "content": text, "reasoning_content": reasoning}
             if job.tool_choice == "auto":  # the model's own format (openai_tool_parser)
                 content, calls = parse_tool_calls(text or "")
                 if calls:
                     message.update(content=content, tool_calls=calls)
                     reason = "tool_calls" if reason == "stop" else reason
-            elif job.tool_choice and reason == "stop":
+            elif job.tool_choice and reason == "stop" and text is not None:  # (None: it never stopped thinking)
                 calls = tool_calls(text, job.tool_choice)
                 if calls is not None:  # (OpenAI's: a forced function's call ends with "stop")
-                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    message.update(content=None, tool_calls=calls)
                     reason = "tool_calls" if job.tool_choice == "required" else "stop"
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
                             "stop_reason": stop})
@@ -463,7 +465,8 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
     offsets = [0] * len(gens)  # per choice: its tokens' text so far (completions' text_offset)
     calls = ([AutoToolStream() if job.tool_choice == "auto" else ToolStream(job.tool_choice) for _ in gens]
              if job.tool_choice else None)
-    thinks = [ThinkSplitter() for _ in gens] if job.chat and server.reasoning_parser else None
+    thinks = [ThinkSplitter(closed=job.thinking_closed) for _ in gens] if job.chat and server.reasoning_parser \
+        else None
 
     def choice(i: int, text: str, reason: str | None, first: bool = False, rows=None, stop=None) -> dict | None:
         lp = None
@@ -503,8 +506,10 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
                     emit(chunk([choice(i, "", "length")]))
                 return
             c = choice(i, out.text, _finish_reason(out.finish_reason), rows=out.logprobs, stop=out.stop_reason)
-            if c is None:
-                return
+            if c is None:  # (held back; prompt_logprobs, which come with the first output, go out anyway)
+                if not (job.prompt_logprobs and out.prompt_logprobs is not None):
+                    return
+                c = {"index": i, "delta": {}, "logprobs": None, "finish_reason": None, "stop_reason": None}
             if job.prompt_logprobs and out.prompt_logprobs is not None:  # vLLM's field, with the first delta
                 c["prompt_logprobs"] = prompt_logprobs_json(server.engine.tokenizer, out.prompt_logprobs)
             emit(chunk([c]))

@@ -58,6 +58,8 @@ class Job:
     # chat's tool_choice where it constrains the answer: "required" or a function's name
     # (lockstep.openai_tools); None: a plain answer
     tool_choice: str | None = None
+    # the prompt closed the thinking already (--reasoning-parser: the answer is all content)
+    thinking_closed: bool = False
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -170,6 +172,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
             raise BadRequest(f"tool_choice {tool_choice!r} constrains the answer to tool calls, and "
                              f"{structured_from[0]} constrains it too: give one", structured_from[0])
         structured = tool_structured_outputs(tools, tool_choice, parallel)
+        at = next((i for i, t in enumerate(tools) if t["function"]["name"] == tool_choice), None)
+        structured_from = ("tools", "tools" if at is None else f"tools[{at}].function.parameters")
     try:
         params = SamplingParams(
             max_tokens=default_max_tokens if max_tokens is None else 1 if echo_only else _int(max_name, max_tokens),

@@ -24,11 +24,12 @@ def held_back(text: str, marker: str) -> int:
 
 
 class ThinkSplitter:
-    """One choice's text, split as it streams: ``feed`` returns (reasoning, content) pieces."""
+    """One choice's text, split as it streams: ``feed`` returns (reasoning, content) pieces;
+    ``closed``: the prompt closed the thinking already (all is content)."""
 
-    def __init__(self):
-        self.started = False  # past a leading <think> (or sure there is none)
-        self.thinking = True
+    def __init__(self, closed: bool = False):
+        self.started = closed  # past a leading <think> (or sure there is none)
+        self.thinking = not closed
         self._held = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -50,6 +51,20 @@ class ThinkSplitter:
         if keep:
             buf, self._held = buf[:-keep], buf[-keep:]
         return buf, ""
+
+
+def thinking_closed(tokenizer, prompt_ids) -> bool:
+    """Whether the prompt itself closes the thinking (DeepSeek-V3.1's template with thinking
+    off ends with ``</think>``; Qwen3's with enable_thinking false writes an empty one): its
+    last ``</think>`` comes after its last ``<think>``, as vLLM's parsers read the prompt."""
+    ids = [int(t) for t in prompt_ids]
+
+    def last(marker: str) -> int:
+        m = [int(t) for t in tokenizer.encode(marker)]
+        return max((i for i in range(len(ids) - len(m) + 1) if ids[i:i + len(m)] == m), default=-1)
+
+    end = last(_CLOSE)
+    return end >= 0 and end > last(_OPEN)
 
 
 def split_reasoning(text: str) -> tuple[str | None, str | None]:

@@ -149,7 +149,7 @@ class ToolStream:
     def delta(self, text: str, finished: bool) -> dict | None:
         """The chat delta for this piece of text (None: nothing to send yet)."""
         if self.choice != "required":
-            if not text and (self.started or not finished):
+            if not text:  # (a call starts with its first text: none, no call)
                 return None
             if self.started:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}

@@ -368,3 +368,14 @@ def test_deepseek_tool_calls_stream_the_same_however_the_text_is_split(cuts):
     want_content, want = parse_tool_calls(text)
     assert content == want_content and [c["index"] for c in calls] == [0, 1]
     assert [c["function"] for c in calls] == [c["function"] for c in want]
+
+
+def test_a_prompt_that_closes_the_thinking_is_seen():
+    from lockstep.openai_reasoning import ThinkSplitter, thinking_closed
+    from lockstep.runtime.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    for text, closed in (("q<think>a</think>", True), ("q</think>", True), ("q</think> more<think>", False),
+                         ("q<think>", False), ("plain", False)):
+        assert thinking_closed(tok, tok.encode(text)) == closed, text
+    assert ThinkSplitter(closed=True).feed("a</think>b", final=True) == ("", "a</think>b")

@@ -339,6 +339,19 @@ async def test_a_reasoning_parser_returns_the_thinking_apart():
             thought = await c.post(f"{srv.url}/v1/chat/completions", json={
                 **body, "response_format": {"type": "json_object"}})
             assert thought.status_code == 200 and thought.json()["choices"][0]["message"]["content"] is None
+            # a forced tool call that stops while still thinking: no call, the thinking kept
+            tools = [{"type": "function", "function": {"name": "f"}}]
+            stopped = (await c.post(f"{srv.url}/v1/chat/completions", json={
+                **body, "tools": tools, "tool_choice": "required", "ignore_eos": False,
+                "stop_token_ids": list(range(3, 259))})).json()["choices"][0]
+            assert stopped["finish_reason"] == "stop" and stopped["message"]["content"] is None
+            assert not stopped["message"].get("tool_calls")
+            # a template that closes the thinking in the prompt: the answer is all content
+            closed = (await c.post(f"{srv.url}/v1/chat/completions", json={
+                **body, "messages": [{"role": "user", "content": "x"},
+                                     {"role": "assistant", "content": "<think>no</think>"}],
+                "continue_final_message": True})).json()["choices"][0]["message"]
+            assert closed["reasoning_content"] is None and len(closed["content"]) > 0
             plain = (await c.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})).json()
             assert "text" in plain["choices"][0]  # completions are left as they are
 
@@ -613,6 +626,18 @@ def test_tool_calls_through_the_openai_client(real_server):
     with pytest.raises(openai.BadRequestError, match="needs a parser") as e:
         client.chat.completions.create(model="tiny", messages=chat, tools=tools, max_tokens=5)
     assert e.value.body["param"] == "tool_choice"
+    # streamed "required" answers are held until whole: the prompt's logprobs still go out
+    lines = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": chat, "tools": tools, "tool_choice": "required", "max_tokens": 30, "stream": True,
+        "prompt_logprobs": 1}).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert sum("prompt_logprobs" in c["choices"][0] for c in chunks if c["choices"]) == 1
+    # a tool whose parameters xgrammar cannot read: the error names the tool
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.parameters: not a JSON schema") as e:
+        client.chat.completions.create(model="tiny", messages=chat, tools=bad, max_tokens=5,
+                                       tool_choice={"type": "function", "function": {"name": "f"}})
+    assert e.value.body["param"] == "tools"
 
 
 def test_pd_deployment_serves_the_same_greedy_tokens(real_server):
