@@ -114,7 +114,7 @@ class _Guide:
         self.start = None if after else 0  # the output where the grammar starts, once known
         self.scanned = 0  # outputs searched for the marker so far (a long thinking is searched once)
         self.matched = 0  # how many outputs from there the matcher has taken
-        self.broken = False  # the matcher refused an output: no more masks (logged)
+        self.broken = False  # no grammar to follow (it did not compile, or refused an output): the output ends
 
     @property
     def matcher(self):
@@ -183,6 +183,11 @@ class Grammars:
         if self._compiler is None:  # (the vocabulary is read once, for the first guided request)
             info = self._make_info()
             self._bitmask = xgr.allocate_token_bitmask(self.max_rows, info.vocab_size)
+            stop = np.zeros(self._bitmask.shape[1], np.uint32)  # the bitmask row of the stop ids alone
+            for t in info.stop_token_ids:
+                if t < info.vocab_size:
+                    stop[t // 32] |= np.uint32(1 << (t % 32))
+            self._stop_row = torch.from_numpy(stop.view(np.int32))
             self.tok_vocab = info.vocab_size  # (the model's ids past it: masked apart)
             # (compiled grammars cached up to 512 MB, as vLLM caps them: clients that vary their
             # schemas per request would grow the cache for good)
@@ -217,7 +222,8 @@ class Grammars:
 
     def mask(self, x: torch.Tensor, rows: list[tuple[int, int, int]]) -> None:
         """Mask rows of ``x``: (row, request, index of the output drawn there)."""
-        masked, todo = [], []
+        masked, todo, ending = [], [], []
+        rid_of = {j: rid for j, rid, _ in rows}
         for j, rid, k in rows:
             g = self.guides[rid]
             if len(g.tokens) < k:
@@ -225,32 +231,48 @@ class Grammars:
                                    f"this runtime knows {len(g.tokens)}")
             if len(g.tokens) > k:  # drawn by a step the scheduler dropped
                 g.keep(k)
-            if g.broken or not g.find_start(k):  # (still thinking: not constrained yet)
+            if not g.find_start(k):  # (still thinking: not constrained yet)
                 continue
-            if g._matcher is None:
+            if g._matcher is None and not g.broken:
                 try:
                     g.matcher
                 except Exception as e:  # noqa: BLE001 - the engine compiled it once (check): not expected
                     g.broken = True
-                    log.error("request %d: its grammar did not compile here (%s); its outputs are not "
-                              "constrained", rid, _message(e))
-                    continue
+                    log.error("request %d: its grammar did not compile here (%s); its output ends here", rid,
+                              _message(e))
+            if g.broken:  # (no grammar to follow: the end of sequence, not tokens outside it)
+                ending.append(j)
+                continue
             m = g.matcher
             while g.start + g.matched < k and not m.is_terminated():  # (outputs after the end: planned ahead)
                 t = g.tokens[g.start + g.matched]
                 if not m.accept_token(t):
                     g.broken = True
-                    log.warning("request %d: its grammar refused output %d (token %d); its outputs are not "
-                                "constrained from there", rid, g.start + g.matched, t)
+                    log.warning("request %d: its grammar refused output %d (token %d); its output ends there",
+                                rid, g.start + g.matched, t)
                     break
                 g.matched += 1
-            if g.broken or m.is_terminated():  # (complete and ended: this row's token is not kept)
+            if g.broken:
+                ending.append(j)
+                continue
+            if m.is_terminated():  # (complete and ended: this row's token is not kept)
                 continue
             todo.append(m)
             masked.append(j)
+        bm, n = self._bitmask, self.tok_vocab
         if masked:  # (bitmask row j is x's row j; rows not listed are left as they are)
-            bm, n = self._bitmask, self.tok_vocab
             self._batch.batch_fill_next_token_bitmask(todo, bm, indices=masked)  # (on xgrammar's threads)
+            dead = [j for j, alive in zip(masked, (bm[masked] != 0).any(1).tolist()) if not alive]
+            for j in dead:  # a grammar that allows nothing here (a regex like [^\s\S]): the output ends
+                log.warning("request %d: its grammar allows no token here; its output ends there", rid_of[j])
+            ending += dead
+        if ending and bm is None:  # (the vocabulary itself could not be read: logged with the compile)
+            ending = []
+        if ending:
+            for j in ending:
+                bm[j] = self._stop_row
+            masked = sorted(set(masked) | set(ending))
+        if masked:
             # (through pinned memory: a copy from pageable memory would make the host wait for the
             # device, and a step launched ahead would gain nothing)
             rows = to_device(np.array(masked, np.int32), x.device)

@@ -306,3 +306,23 @@ def test_an_engine_constrains_only_what_follows_after_tokens():
         out = llm.generate([prompts()[2]], SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=so))[0]
     toks = out.token_ids.tolist()
     assert toks[0] == first and toks[-1] == EOS and re.fullmatch("[a-c]{5}", text(toks[1:-1]))
+
+
+def test_a_grammar_that_allows_nothing_or_refused_an_output_ends_it():
+    """No tokens outside the grammar: where it allows nothing (a regex like [^\\s\\S]) or its
+    matcher refused an output (fed by a plan), the row may draw only the end of sequence."""
+    info = tokenizer_info(ByteTokenizer(512), 512, [EOS])
+    g = Grammars(lambda: info, 512, 4)
+    g.add(1, S(regex=r"[^\s\S]").spec())
+    g.add(2, S(regex="ab").spec())
+    g.output(2, 0, ord("z") + 3)  # (a recompute fed an output the grammar refuses)
+    x = torch.zeros(2, 512)
+    g.mask(x, [(0, 1, 0), (1, 2, 1)])
+    for row in (0, 1):
+        assert torch.nonzero(x[row] == 0).flatten().tolist() == [EOS]
+
+
+async def test_an_engine_ends_an_output_whose_grammar_allows_nothing():
+    async with open_engine(config(tokenizer=None)) as engine:
+        got, last = await collect(engine, prompts()[1], greedy(S(regex=r"[^\s\S]")))
+    assert got == [EOS] and last.finish_reason == "stop"
