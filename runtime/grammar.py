@@ -56,6 +56,66 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+# JSON Schema keywords xgrammar 0.2.9 drops without a word (it compiles the schema as if they
+# were not there): a schema using one is refused, since its output would not be held to it
+# (vLLM falls back to another backend for most of them).
+_IGNORED = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+            "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+# A JSON string's characters as a pattern: xgrammar 0.2.9 writes a string with minLength or
+# maxLength as a rule that lets raw control characters through (not JSON); its pattern rule
+# keeps them escaped, so such strings become this pattern with their bounds.
+_JSON_CHARS = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+
+
+_NAMED = ("properties", "$defs", "definitions", "patternProperties")  # maps from names to schemas
+_DATA = ("enum", "const", "default", "examples", "required", "description", "title")  # values, not schemas
+
+
+def _ignored(node, path: str = "") -> str | None:
+    """The first keyword xgrammar would ignore in a schema, with its path, or None."""
+    if isinstance(node, list):
+        return next((f for i, v in enumerate(node) if (f := _ignored(v, f"{path}/{i}"))), None)
+    if not isinstance(node, dict):
+        return None
+    for key, value in node.items():
+        if key in _IGNORED and not (key == "uniqueItems" and value is False):
+            return f"{key!r} (at {path or '/'})"
+        if key == "allOf" and isinstance(value, list) and len(value) > 1:
+            return f"'allOf' with {len(value)} schemas (at {path or '/'})"
+        if key in _DATA:
+            continue
+        if key in _NAMED and isinstance(value, dict):
+            found = next((f for name, v in value.items() if (f := _ignored(v, f"{path}/{key}/{name}"))), None)
+        else:
+            found = _ignored(value, f"{path}/{key}")
+        if found:
+            return found
+    return None
+
+
+def _bounded_strings(node):
+    """The schema with each string's minLength / maxLength as a pattern (see _JSON_CHARS)."""
+    if isinstance(node, list):
+        return [_bounded_strings(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _bounded_strings(v) for k, v in node.items()}
+    if node.get("type") == "string" and ("minLength" in node or "maxLength" in node) and not (
+            {"pattern", "format", "enum", "const"} & set(node)):
+        lo, hi = int(node.pop("minLength", 0)), node.pop("maxLength", None)
+        node["pattern"] = f"^{_JSON_CHARS}{{{lo},{'' if hi is None else int(hi)}}}$"
+    return node
+
+
+def prepare_schema(text: str) -> str:
+    """A JSON schema's text as xgrammar should compile it (strings' length bounds as patterns)."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text  # (xgrammar names what is wrong with it)
+    return json.dumps(_bounded_strings(schema))
+
+
 @functools.lru_cache(maxsize=256)
 def check(kind: str, text: str, whitespace: str) -> None:
     """Raise RequestError (naming ``structured_outputs.<kind>``) where xgrammar cannot read
@@ -63,7 +123,15 @@ def check(kind: str, text: str, whitespace: str) -> None:
     xgr = _xgr()
     try:
         if kind == "json":
-            xgr.Grammar.from_json_schema(text, any_whitespace=whitespace == "any")
+            try:
+                ignored = _ignored(json.loads(text))
+            except ValueError:
+                ignored = None  # (not JSON: xgrammar says so below)
+            if ignored:
+                raise RequestError(f"structured_outputs.json: the schema uses {ignored}, which xgrammar does not "
+                                   "enforce (the output would not be held to it): leave it out",
+                                   field="structured_outputs.json")
+            xgr.Grammar.from_json_schema(prepare_schema(text), any_whitespace=whitespace == "any")
         elif kind == "regex":
             xgr.Grammar.from_regex(text)
         elif kind == "grammar":
@@ -75,9 +143,9 @@ def check(kind: str, text: str, whitespace: str) -> None:
     except RequestError:
         raise
     except Exception as e:  # noqa: BLE001 - xgrammar's RuntimeError / InvalidJSONError: the user's input
-        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "EBNF grammar",
-                "choice": "choice"}[kind]
-        raise RequestError(f"structured_outputs.{kind}: not a {what} xgrammar can use: {_message(e)}",
+        what = {"json": "a JSON schema", "regex": "a regular expression", "grammar": "an EBNF grammar",
+                "choice": "a choice"}[kind]
+        raise RequestError(f"structured_outputs.{kind}: not {what} xgrammar can use: {_message(e)}",
                            field=f"structured_outputs.{kind}") from None
 
 
@@ -195,7 +263,7 @@ class Grammars:
                                                  cache_limit_bytes=CACHE_BYTES)
         kind, text, whitespace = spec
         c = self._compiler
-        compiled = (c.compile_json_schema(text, any_whitespace=whitespace == "any") if kind == "json"
+        compiled = (c.compile_json_schema(prepare_schema(text), any_whitespace=whitespace == "any") if kind == "json"
                     else c.compile_regex(text) if kind == "regex"
                     else c.compile_grammar(text) if kind == "grammar"
                     else c.compile_grammar(choice_ebnf(json.loads(text))) if kind == "choice"

@@ -46,14 +46,30 @@ def _structured(args):
     """StructuredOutputsParams from --json-schema, --regex, --choice or --grammar (None: none)."""
     from lockstep.policy.request import StructuredOutputsParams
 
-    def text(v):
-        return Path(v[1:]).read_text() if v.startswith("@") else v
-
-    for flag, kind in (("json_schema", "json"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar")):
+    for flag, kind in _STRUCTURED_FLAGS.items():
         v = getattr(args, flag)
-        if v is not None:
-            return StructuredOutputsParams(**{kind: text(v) if kind in ("json", "grammar") else v})
+        if v is None:
+            continue
+        if kind in ("json", "grammar") and v.startswith("@"):
+            try:
+                v = Path(v[1:]).read_text()
+            except OSError as e:
+                raise ValueError(f"--{flag.replace('_', '-')} {v}: cannot read the file: {e.strerror}") from None
+        return StructuredOutputsParams(**{kind: v})
     return None
+
+
+_STRUCTURED_FLAGS = {"json_schema": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _flag_named(e):
+    """A structured-outputs RequestError as the flag it came in (``--regex: ...``)."""
+    from lockstep.policy.request import RequestError
+
+    flag = next((f for f, k in _STRUCTURED_FLAGS.items() if e.field == f"structured_outputs.{k}"), None)
+    if flag is None:
+        return e
+    return RequestError(str(e).replace(e.field, "--" + flag.replace("_", "-"), 1), field=e.field)
 
 
 def _bias(text: str) -> tuple[int, float]:
@@ -131,12 +147,18 @@ def run_generate(args: argparse.Namespace) -> int:
     from lockstep.engine.config import EngineConfig
     from lockstep.policy.request import SamplingParams
 
+    from lockstep.policy.request import RequestError
+
+    try:
+        so = _structured(args)
+    except RequestError as e:
+        raise _flag_named(e) from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty, min_p=args.min_p, min_tokens=args.min_tokens,
                             logit_bias=dict(args.logit_bias) or None, allowed_token_ids=args.allowed_token_ids,
-                            structured_outputs=_structured(args))
+                            structured_outputs=so)
     params.validate()
     config = EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                           dep=args.dep, eplb=eplb_config(args), **pd_options(args))
@@ -163,5 +185,10 @@ def run_generate(args: argparse.Namespace) -> int:
                 print(f"[speculative: {sp['drafts']} drafts, acceptance {sp['acceptance_rate']:.0%}, "
                       f"mean accepted length {sp['mean_accepted_length']:.2f}]", file=sys.stderr)
 
-    trio.run(main)
+    from lockstep.policy.request import RequestError
+
+    try:
+        trio.run(main)
+    except RequestError as e:
+        raise _flag_named(e) from None
     return 0

@@ -393,8 +393,8 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
                 if calls:
                     message.update(content=content, tool_calls=calls)
                     reason = "tool_calls" if reason == "stop" else reason
-            elif job.tool_choice and reason == "stop" and text is not None:  # (None: it never stopped thinking)
-                calls = tool_calls(text, job.tool_choice)
+            elif job.tool_choice and text is not None and (reason == "stop" or job.tool_choice != "required"):
+                calls = tool_calls(text, job.tool_choice)  # (text None: it never stopped thinking)
                 if calls is not None:  # (OpenAI's: a forced function's call ends with "stop")
                     message.update(content=None, tool_calls=calls)
                     reason = "tool_calls" if job.tool_choice == "required" else "stop"
@@ -456,8 +456,14 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
     created = int(time.time())
     finals: list = [None] * len(gens)
 
+    latest: list = [None] * len(gens)  # each choice's last output (vLLM's continuous usage)
+
     def chunk(choices: list, usage=None) -> bytes:
         body = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": choices}
+        if usage is None and job.include_usage and job.continuous_usage and choices:  # vLLM's: the usage so far
+            prompt = sum(o.num_prompt_tokens for o in latest[::job.n] if o is not None)
+            done = sum(o.num_output_tokens for o in latest if o is not None)
+            usage = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         if usage is not None or job.include_usage:  # OpenAI's: every other chunk then says "usage": null
             body["usage"] = usage
         return b"data: " + _JSON.encode(body) + b"\n\n"
@@ -495,6 +501,7 @@ def _sse(server: Server, job: Job, gens: list, rid: str) -> SSEResponse:
 
     async def produce(emit) -> None:
         async def on_delta(i, out):
+            latest[i] = out
             if out.finished:
                 finals[i] = out
                 _record(server, out)

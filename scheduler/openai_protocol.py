@@ -60,6 +60,8 @@ class Job:
     tool_choice: str | None = None
     # the prompt closed the thinking already (--reasoning-parser: the answer is all content)
     thinking_closed: bool = False
+    # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+    continuous_usage: bool = False
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -204,18 +206,20 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
     stream = _get(body, "stream", bool, False)
     opts = body.get("stream_options")
     if opts is not None:
-        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-            raise BadRequest("stream_options must be an object with at most include_usage", "stream_options")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+            raise BadRequest("stream_options must be an object with at most include_usage and "
+                             "continuous_usage_stats", "stream_options")
         if not stream:
             raise BadRequest("stream_options is only allowed with stream: true", "stream_options")
     include_usage = _get(opts or {}, "include_usage", bool, False)
+    continuous_usage = _get(opts or {}, "continuous_usage_stats", bool, False)  # vLLM's: usage in every chunk
     salt = _get(body, "cache_salt", str, None)
     _get(body, "user", str, None)  # accepted (an end-user id), and checked
     return Job(model=model, prompts=prompts, params=params, n=n, stream=stream,
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
                cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo, echo_only=echo_only,
                prompt_logprobs=body.get("prompt_logprobs") is not None, structured_from=structured_from,
-               tool_choice=tool_choice)
+               tool_choice=tool_choice, continuous_usage=continuous_usage)
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -381,11 +385,15 @@ def _messages(body: dict) -> list[dict]:
             content = "".join(c["text"] for c in content)
         if not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        extra = set(m) - {"role", "content", "name", "tool_call_id", "tool_calls"}
+        # (a client sends an earlier answer back as it came: fields at null ask for nothing)
+        extra = {k for k, v in m.items() if v is not None} - {"role", "content", "name", "tool_call_id", "tool_calls",
+                                                               "reasoning_content"}
         if extra:
             raise BadRequest(f"messages[{i}]: {', '.join(sorted(extra))} not supported (role, content, name, "
-                             "tool_call_id and tool_calls are)", "messages")
+                             "tool_call_id, tool_calls and reasoning_content are)", "messages")
         msg = {"role": m["role"], "content": content}
+        if isinstance(m.get("reasoning_content"), str):  # an earlier answer's thinking, for the template
+            msg["reasoning_content"] = m["reasoning_content"]
         calls = m.get("tool_calls")
         if calls is not None:  # an earlier answer's calls, for the template
             if m["role"] != "assistant" or not isinstance(calls, list) or not all(

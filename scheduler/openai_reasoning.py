@@ -4,7 +4,8 @@ chat response's ``reasoning_content`` and ``content``.
 ``deepseek_r1``, as vLLM's parser of that name: the answer starts thinking (DeepSeek-R1's
 template opens ``<think>`` in the prompt; a ``<think>`` the model writes at the start is
 dropped), everything before ``</think>`` is reasoning and everything after it the answer;
-an answer that never closes its thinking is all reasoning (content null). Streamed, a piece
+an answer that never closes its thinking is all reasoning (content null, as is an empty
+answer after it). Streamed, a piece
 of text that may be the start of a marker is held until the next one says whether it is.
 """
 
@@ -72,4 +73,4 @@ def split_reasoning(text: str) -> tuple[str | None, str | None]:
     is None where the thinking never closed)."""
     s = ThinkSplitter()
     reasoning, content = s.feed(text, final=True)
-    return reasoning or None, (None if s.thinking else content)
+    return reasoning or None, content or None  # (vLLM's: nothing after </think> is null too)

@@ -123,15 +123,16 @@ def call_id() -> str:
 
 
 def tool_calls(text: str, choice: str) -> list[dict] | None:
-    """The tool calls an answer holds, or None where it is not complete JSON (cut at
-    max_tokens: the text is then returned as it is)."""
+    """The tool calls an answer holds: a named function's text is its call's arguments; a
+    "required" answer that is not complete JSON (cut at max_tokens) gives None (the text is
+    then returned as it is)."""
+    if choice != "required":  # a named function's call, whatever its text (cut at max_tokens too), as vLLM's
+        return [{"id": call_id(), "type": "function", "function": {"name": choice, "arguments": text.strip()}}]
     try:
-        value = json.loads(text)
+        value = json.loads(text, strict=False)  # (control characters in strings: the grammar's, not the client's)
     except ValueError:
         return None
-    if choice != "required":
-        calls = [(choice, text.strip())]
-    elif isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value):
+    if isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value):
         calls = [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
     else:
         return None

@@ -57,7 +57,9 @@ def test_generate_takes_structured_outputs_and_names_bad_ones(capsys, tmp_path):
     out = capsys.readouterr().out.strip()
     assert out.startswith("{")
     assert main(["generate", "--regex", "a[", "hi"]) == 2
-    assert "structured_outputs.regex: not a regular expression" in capsys.readouterr().err
+    assert "error: --regex: not a regular expression" in capsys.readouterr().err  # (the flag, not the field)
+    assert main(["generate", "--json-schema", f"@{tmp_path / 'nope.json'}", "hi"]) == 2
+    assert "--json-schema @" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one of them at most
         main(["generate", "--regex", "a", "--choice", "b", "hi"])
     assert "not allowed with argument" in capsys.readouterr().err

@@ -256,7 +256,6 @@ def test_tool_choice_required_or_named_constrains_the_answer_to_tool_calls():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("weather", {"city": "Oslo"}), ("time", {})]
     assert tool_calls('{"city": "Oslo"}', "weather")[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
-    assert tool_calls('{"city": "Os', "weather") is None  # cut at max_tokens: returned as text
     # an earlier answer's calls and the tool's result reach the template
     history = parse({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "time", "arguments": "{}"}}]},
@@ -327,11 +326,11 @@ def test_thinking_splits_the_same_however_the_text_is_streamed(pieces, cuts):
         got_r.append(r)
         got_c.append(c)
     r, c = s.feed("", final=True)
-    assert ("".join(got_r) + r or None, None if s.thinking else "".join(got_c) + c) == (reasoning, content)
+    assert ("".join(got_r) + r or None, "".join(got_c) + c or None) == (reasoning, content)
     # vLLM's deepseek_r1 rule: a leading <think> dropped, up to the first </think> is thinking
     body = text[len("<think>"):] if text.startswith("<think>") else text
     think, sep, answer = body.partition("</think>")
-    assert (reasoning, content) == (think or None, answer if sep else None)
+    assert (reasoning, content) == (think or None, answer or None)
 
 
 V3_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>weather\n```json\n{\"city\": \"Oslo\"}\n```"
@@ -379,3 +378,31 @@ def test_a_prompt_that_closes_the_thinking_is_seen():
                          ("q<think>", False), ("plain", False)):
         assert thinking_closed(tok, tok.encode(text)) == closed, text
     assert ThinkSplitter(closed=True).feed("a</think>b", final=True) == ("", "a</think>b")
+
+
+def test_an_earlier_answer_sent_back_as_it_came_is_taken():
+    """The openai client sends an assistant message back with its null fields (refusal,
+    audio, ...) and lockstep's reasoning_content: taken; a field with a value it does not
+    know is still refused."""
+    seen = []
+
+    def tpl(messages, add_generation_prompt=True, tools=None, **kw):
+        seen.append(messages)
+        return "x"
+
+    back = {"role": "assistant", "content": "hi", "refusal": None, "audio": None, "function_call": None,
+            "annotations": None, "tool_calls": None, "reasoning_content": "thought"}
+    parse_completion({"model": "m", "messages": [{"role": "user", "content": "a"}, back]}, chat=True,
+                     default_max_tokens=8, chat_template=tpl)
+    assert seen[-1][1] == {"role": "assistant", "content": "hi", "reasoning_content": "thought"}
+    with pytest.raises(BadRequest, match="audio not supported"):
+        parse({"messages": [{"role": "user", "content": "a"}, dict(back, audio={"id": "x"})]}, chat=True)
+
+
+def test_a_named_functions_text_is_its_call_even_cut_short():
+    from lockstep.openai_reasoning import split_reasoning
+    from lockstep.openai_tools import tool_calls
+
+    assert tool_calls('{"city": "Os', "weather")[0]["function"]["arguments"] == '{"city": "Os'
+    assert tool_calls('[{"name": "f", "parameters": {"s": "a\x01"}}]', "required")[0]["function"]["name"] == "f"
+    assert split_reasoning("abc</think>") == ("abc", None)  # (vLLM's: nothing after it is null)

@@ -573,6 +573,13 @@ def test_structured_outputs_through_the_openai_client(real_server):
         model="tiny", messages=chat, max_tokens=20, temperature=1.0, seed=4, stream=True,
         extra_body={"guided_regex": "(ab|cd)+!"}))
     assert re.fullmatch("(ab|cd)+!", streamed) or re.fullmatch("(ab|cd)+", streamed), streamed
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far
+    lines = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": chat, "max_tokens": 6, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    done = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert done == sorted(done) and done[-1] == 6 and chunks[-1]["usage"]["completion_tokens"] == 6
     bad = dict(fmt, json_schema={"name": "x", "schema": {"type": "objectx"}})
     with pytest.raises(openai.BadRequestError, match="response_format.json_schema.schema: not a JSON schema") as e:
         client.chat.completions.create(model="tiny", messages=chat, max_tokens=5, response_format=bad)

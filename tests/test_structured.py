@@ -326,3 +326,39 @@ async def test_an_engine_ends_an_output_whose_grammar_allows_nothing():
     async with open_engine(config(tokenizer=None)) as engine:
         got, last = await collect(engine, prompts()[1], greedy(S(regex=r"[^\s\S]")))
     assert got == [EOS] and last.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("schema, what", [
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' (at /)"),
+    ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "'allOf' with 2 schemas"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}}, "'multipleOf' (at /properties/n)"),
+    ({"$defs": {"x": {"not": {"type": "string"}}}, "$ref": "#/$defs/x"}, "'not' (at /$defs/x)"),
+])
+def test_schema_keywords_xgrammar_would_ignore_are_refused(schema, what):
+    with pytest.raises(RequestError, match="which xgrammar does not enforce") as e:
+        check(*S(json=schema).spec())
+    assert what in str(e.value) and e.value.field == "structured_outputs.json"
+    check(*S(json={"type": "object", "properties": {"not": {"type": "string"}, "enum": {"enum": [{"if": 1}]}}}).spec())
+
+
+def test_strings_with_length_bounds_stay_json():
+    """xgrammar 0.2.9 writes a maxLength string as a rule that lets raw control characters
+    through; lockstep compiles the bounds as a pattern of JSON characters instead: random
+    draws under the mask always parse, within the bounds."""
+    import json as _json
+
+    info = tokenizer_info(ByteTokenizer(512), 512, [EOS])
+    g = Grammars(lambda: info, 512, 1)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "minLength": 2, "maxLength": 6}},
+              "required": ["a"]}
+    tok = ByteTokenizer(512)
+    for seed in range(20):
+        g.add(seed, S(json=schema, disable_any_whitespace=True).spec())
+        gen, out = torch.Generator().manual_seed(seed), []
+        while not out or out[-1] != EOS:
+            x = torch.randn(1, 512, generator=gen) * 3
+            g.mask(x, [(0, seed, len(out))])
+            out.append(int(x[0].argmax()))
+            g.output(seed, len(out) - 1, out[-1])
+        assert 2 <= len(_json.loads(tok.decode(out[:-1]))["a"]) <= 6
+        g.forget(seed)
