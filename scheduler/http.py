@@ -9,6 +9,7 @@ which aborts its requests and frees their blocks.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -245,6 +246,15 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
         if so is not None and engine.config.runtime != "timing":  # compiled off the event loop (xgrammar's first
             from lockstep.runtime.grammar import check  # import alone takes ~2 s), checked once more when made
 
+            if job.tool_choice == "required":  # a function xgrammar cannot read is named, not the whole list
+                for i, tool in enumerate(job.tools):
+                    params = tool["function"].get("parameters")
+                    if params:
+                        try:
+                            await trio.to_thread.run_sync(check, "json", json.dumps(params), "none")
+                        except RequestError as e:
+                            raise BadRequest(str(e).replace("structured_outputs.json",
+                                                            f"tools[{i}].function.parameters", 1), "tools") from None
             await trio.to_thread.run_sync(check, *so.spec())
         gens = _start(engine, job)
     except BadRequest as e:

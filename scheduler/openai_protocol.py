@@ -62,6 +62,7 @@ class Job:
     thinking_closed: bool = False
     # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
     continuous_usage: bool = False
+    tools: tuple = ()  # chat's functions (a "required" answer's schema is made of theirs)
 
     def capped(self, prompt, max_model_len: int) -> SamplingParams:
         """The params for one token-id ``prompt``: with no max_tokens given, the default or
@@ -219,7 +220,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
                include_usage=include_usage, priority=_get(body, "priority", int, 0),
                cache_salt=salt, chat=chat, default_max_tokens=max_tokens is None, echo=echo, echo_only=echo_only,
                prompt_logprobs=body.get("prompt_logprobs") is not None, structured_from=structured_from,
-               tool_choice=tool_choice, continuous_usage=continuous_usage)
+               tool_choice=tool_choice, continuous_usage=continuous_usage, tools=tuple(tools or ()))
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}

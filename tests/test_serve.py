@@ -645,6 +645,10 @@ def test_tool_calls_through_the_openai_client(real_server):
         client.chat.completions.create(model="tiny", messages=chat, tools=bad, max_tokens=5,
                                        tool_choice={"type": "function", "function": {"name": "f"}})
     assert e.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match=r"tools\[1\]\.function\.parameters: not a JSON schema") as e:
+        client.chat.completions.create(model="tiny", messages=chat, tools=tools[:1] + bad, max_tokens=5,
+                                       tool_choice="required")
+    assert e.value.body["param"] == "tools"
 
 
 def test_pd_deployment_serves_the_same_greedy_tokens(real_server):
