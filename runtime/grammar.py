@@ -259,7 +259,7 @@ class Grammars:
             self.tok_vocab = info.vocab_size  # (the model's ids past it: masked apart)
             # (compiled grammars cached up to 512 MB, as vLLM caps them: clients that vary their
             # schemas per request would grow the cache for good)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True,
+            self._compiler = xgr.GrammarCompiler(info, max_threads=FILL_THREADS, cache_enabled=True,
                                                  cache_limit_bytes=CACHE_BYTES)
         kind, text, whitespace = spec
         c = self._compiler
