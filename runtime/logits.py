@@ -192,8 +192,8 @@ class LogitsProcessors:
         return x, Pending(*([c[n] for c in counted] for n in (0, 2, 3, 4)), guided)
 
     def guides(self, plan: StepPlan) -> bool:
-        """Whether a request of ``plan`` has a structured output (its step waits for the last
-        step's tokens: never launched ahead)."""
+        """Whether a request of ``plan`` has a structured output (its masks wait for the tokens
+        of the steps in flight)."""
         g = self.grammars
         return bool(g) and any(r in g for r in plan.req_ids.tolist())
 
@@ -219,9 +219,7 @@ class LogitsProcessors:
         """The drawn ids, now on the host: into the records (already counted)."""
         if pending is None:
             return
-        for j, rid, k in pending.guided:
-            if rid in self.grammars:
-                self.grammars.output(rid, k, int(tokens[j]))
+        self.confirm_guided(pending, tokens)
         for j, rid, k in zip(pending.rows, pending.rids, pending.index):
             if rid in self.record:
                 self._remember(rid, k, int(tokens[j]))
