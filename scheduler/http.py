@@ -405,9 +405,9 @@ async def _whole(server: Server, job: Job, gens: list, rid: str) -> Response:
                     reason = "tool_calls" if reason == "stop" else reason
             elif job.tool_choice and text is not None and (reason == "stop" or job.tool_choice != "required"):
                 calls = tool_calls(text, job.tool_choice)  # (text None: it never stopped thinking)
-                if calls is not None:  # (OpenAI's: a forced function's call ends with "stop")
+                if calls is not None:  # (OpenAI's: a forced function's call ends with "stop", or "length")
                     message.update(content=None, tool_calls=calls)
-                    reason = "tool_calls" if job.tool_choice == "required" else "stop"
+                    reason = "tool_calls" if job.tool_choice == "required" else reason
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
                             "stop_reason": stop})
         else:
