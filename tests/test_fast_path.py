@@ -371,14 +371,14 @@ def test_guided_steps_launch_ahead_and_wait_for_the_last_tokens_before_their_mas
     output follows its grammar."""
     from lockstep import StructuredOutputsParams
 
-    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    guided = SamplingParams(max_tokens=12, temperature=0.0,
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    guided = SamplingParams(max_tokens=8, temperature=0.0,
                             structured_outputs=StructuredOutputsParams(regex="[a-z]{3}[0-9]"))
     params = [plain, guided, plain]
-    prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
+    prompts = [[5] * 12, list(range(3, 13)), [9, 8, 7]]
     ahead = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, params, True)
     whole = _async_run(_runtime(fast=True, cuda_graphs="padded", compile=False), prompts, params, False)
-    assert ahead == whole and len(ahead[0]) == len(ahead[2]) == 12
+    assert ahead == whole and len(ahead[0]) == len(ahead[2]) == 8
     # (this core knows no end of sequence: the tokens drawn after it, unconstrained, come too)
     assert ahead[1][4] == 1 and re.fullmatch("[a-z]{3}[0-9]", bytes(t - 3 for t in ahead[1][:4]).decode())
 
