@@ -136,13 +136,12 @@ class LogitsProcessors:
             self.owner[np.isin(self.owner, plan.finished_req_ids)] = -1
         rids, slots = plan.req_ids.tolist(), plan.slots.tolist()
         fed = [i for i, r in enumerate(rids) if r in self.record]
-        if fed:  # (Python ints once: a batch of 256 paid numpy's per-item cost several times a row)
-            offs, starts = plan.token_offsets.tolist(), plan.start_pos.tolist()
-            for i in fed:
-                self._feed(plan, i, rids[i], slots[i], offs[i], offs[i + 1], starts[i])
         guides = self.grammars
-        if guides:  # the outputs a plan feeds (a recompute's, a P/D decode side's first token)
+        if fed or guides:  # (Python ints once: a batch of 256 paid numpy's per-item cost several times a row)
             offs, starts = plan.token_offsets.tolist(), plan.start_pos.tolist()
+        for i in fed:
+            self._feed(plan, i, rids[i], slots[i], offs[i], offs[i + 1], starts[i])
+        if guides:  # the outputs a plan feeds (a recompute's, a P/D decode side's first token)
             for i, rid in enumerate(rids):
                 if rid in guides:
                     self._feed_grammar(plan, rid, offs[i], offs[i + 1], starts[i])

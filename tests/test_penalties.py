@@ -43,9 +43,9 @@ def processed(logits: np.ndarray, prompt, out: list[int], p: SamplingParams) -> 
     return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
 
 
-def reference(prompt: np.ndarray, p: SamplingParams) -> list[int]:
-    """Greedy decoding of one sequence alone under ``p``'s rules, stopping as the engine
-    does (stop ids, end of sequence, max_tokens)."""
+def decode_alone(prompt: np.ndarray, p: SamplingParams, pick) -> list[int]:
+    """One sequence decoded alone by the tiny model, each token ``pick(logits, out)``,
+    stopping as the engine does (stop ids, end of sequence, max_tokens)."""
     model = tiny_model()
     kv = model.make_kv_cache(64, 16)
     seq = [int(t) for t in prompt]
@@ -53,10 +53,15 @@ def reference(prompt: np.ndarray, p: SamplingParams) -> list[int]:
     logits, _ = model(ForwardBatch.build([seq], [0], [table], 16), kv)
     out: list[int] = []
     while True:
-        out.append(int(processed(logits[0].numpy(), prompt, out, p).argmax()))
+        out.append(pick(logits[0].numpy(), out))
         if len(out) == p.max_tokens or out[-1] in p.stop_token_ids or (out[-1] == EOS and not p.ignore_eos):
             return out
         logits, _ = model(ForwardBatch.build([[out[-1]]], [len(seq) + len(out) - 1], [table], 16), kv)
+
+
+def reference(prompt: np.ndarray, p: SamplingParams) -> list[int]:
+    """Greedy decoding of one sequence alone under ``p``'s rules."""
+    return decode_alone(prompt, p, lambda x, out: int(processed(x, prompt, out, p).argmax()))
 
 
 async def serve(cfg: EngineConfig, ps, params) -> tuple[list[list[int]], object]:

@@ -21,11 +21,11 @@ from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.request import RequestError, SamplingParams
 from lockstep.policy.step import PLACEHOLDER
 from lockstep.runtime.grammar import Grammars, check, tokenizer_info
-from lockstep.runtime.models.batch import ForwardBatch
 from lockstep.runtime.tokenizer import ByteTokenizer
 from test_engine import collect, config, prompts, reference_greedy, tiny_model
 from test_model_hf import hf_tokenizer_dir  # noqa: F401 - a fixture
 from test_pd import pd_config, run_all, settle
+from test_penalties import decode_alone
 
 EOS = 1  # the tiny preset's
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
@@ -65,20 +65,15 @@ def allowed(m) -> np.ndarray:
 
 def reference(prompt: np.ndarray, p: SamplingParams) -> list[int]:
     """Greedy decoding of one sequence alone, each step's logits masked by the grammar."""
-    model, m = tiny_model(), matcher(p.structured_outputs)
-    kv = model.make_kv_cache(64, 16)
-    seq = [int(t) for t in prompt]
-    table = list(range(-(-(len(seq) + p.max_tokens) // 16)))
-    logits, _ = model(ForwardBatch.build([seq], [0], [table], 16), kv)
-    out: list[int] = []
-    while True:
-        x = logits[0].numpy().copy()
+    m = matcher(p.structured_outputs)
+
+    def pick(logits, out):
+        x = logits.copy()
         x[~allowed(m)] = -np.inf
-        out.append(int(x.argmax()))
-        assert m.accept_token(out[-1])
-        if len(out) == p.max_tokens or out[-1] == EOS:
-            return out
-        logits, _ = model(ForwardBatch.build([[out[-1]]], [len(seq) + len(out) - 1], [table], 16), kv)
+        t = int(x.argmax())
+        assert m.accept_token(t)
+        return t
+    return decode_alone(prompt, p, pick)
 
 
 def greedy(so: S, max_tokens: int = 64) -> SamplingParams:
