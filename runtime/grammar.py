@@ -19,6 +19,7 @@ the forward runs (as vLLM overlaps its bitmasks with the forward).
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -221,13 +222,16 @@ class Grammars:
     there too, for the first one): a new JSON schema over a 100K-token vocabulary takes tens
     to hundreds of milliseconds, which then overlaps the request's prefill and other
     requests' steps instead of stopping them; the first step that samples for the request
-    waits for what is left."""
+    waits for what is left. Each result tells the engine whose grammars are done
+    (``take_ready``): while others run, the engine holds a guided request back until then,
+    so that this wait never holds up their steps."""
 
     def __init__(self, make_info, vocab_size: int, max_rows: int):
         self._make_info, self.vocab = make_info, vocab_size
         self._compiler = None
         self._pool = None
         self.guides: dict[int, _Guide] = {}
+        self._ready: collections.deque[int] = collections.deque()  # compiled, not yet reported
         self._bitmask = None  # made with the vocabulary (its width: the tokenizer's ids)
         self.tok_vocab = vocab_size
         self.max_rows = max_rows
@@ -244,7 +248,16 @@ class Grammars:
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
             self._batch = _xgr().BatchGrammarMatcher(max_threads=FILL_THREADS)
-        self.guides[rid] = _Guide(self._pool.submit(self._compile, list(spec)), list(after))
+        future = self._pool.submit(self._compile, list(spec))
+        future.add_done_callback(lambda _, rid=rid: self._ready.append(rid))  # (on the compile's thread)
+        self.guides[rid] = _Guide(future, list(after))
+
+    def take_ready(self) -> list[int]:
+        """The requests whose grammar finished compiling (or failing to) since the last call."""
+        out = []
+        while self._ready:
+            out.append(self._ready.popleft())
+        return out
 
     def _compile(self, spec: list[str]):
         xgr = _xgr()

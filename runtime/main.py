@@ -20,6 +20,7 @@ import threading
 import traceback
 from collections import deque
 
+import attrs
 import msgspec
 
 from lockstep.transports.shm_ring import Ring, recv_ring
@@ -101,7 +102,11 @@ def _serve(runtime, inbox: Ring, outbox: Ring, sock: socket.socket) -> None:
     launch = getattr(runtime, "launch", None)
     in_flight: deque = deque()
 
+    ready = getattr(runtime, "grammars_ready", None)
+
     def send(result) -> None:
+        if ready is not None and (done := ready()) is not None:  # (the engine waits to schedule them)
+            result = attrs.evolve(result, grammars_ready=done)
         k, parts = encode(result)
         outbox.send(k, *parts)
 

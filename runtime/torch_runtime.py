@@ -406,6 +406,11 @@ class TorchRuntime:
             if msg.prompt_logprobs:
                 self.scores.add(rid, msg.prompt_logprobs[i], msg.prompts[i])
 
+    def grammars_ready(self) -> np.ndarray | None:
+        """Requests whose grammar finished compiling since the last call (None: none)."""
+        done = self.processors.grammars.take_ready() if self.processors.grammars is not None else None
+        return np.array(done, np.int64) if done else None
+
     def feed(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Make ``tokens`` these slots' last samples (what the next step's PLACEHOLDERs read),
         on the host and on the fast path's device: for a test or benchmark that feeds one

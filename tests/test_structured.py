@@ -8,6 +8,8 @@ requests beside guided ones, preemptions (a recompute re-feeds the output) and a
 import json
 import re
 
+import attrs
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,7 @@ from lockstep import StructuredOutputsParams as S
 from lockstep.api import open_engine
 from lockstep.engine.config import EngineConfig
 from lockstep.policy.config import SchedulerConfig
-from lockstep.policy.request import RequestError, SamplingParams
+from lockstep.policy.request import FinishReason, RequestError, SamplingParams
 from lockstep.policy.step import PLACEHOLDER
 from lockstep.runtime.grammar import Grammars, check, tokenizer_info
 from lockstep.runtime.tokenizer import ByteTokenizer
@@ -155,6 +157,88 @@ async def test_guided_requests_carry_across_a_pd_hand_off():
         got = await run_all(engine, ps, p)
         await settle(engine)
     assert got == [reference(x, p) for x in ps]
+
+
+async def test_a_guided_request_arriving_mid_batch_waits_for_its_grammar_not_the_batch():
+    """Scheduled at once, its first sampling step would wait for the compile, and the whole
+    batch with it: while others run, no plan holds it before a result says its grammar is
+    compiled (vLLM's WAITING_FOR_FSM). Its tokens, and the others', are those of decoding alone."""
+    ps = prompts()
+    plain = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    p = greedy(CASES["json"])
+    events = []
+    got = {}
+    async with open_engine(config(tokenizer=None)) as engine:
+        s = engine.schedulers[0]
+        s.on_plan = lambda plan: events.append(("plan", set(plan.req_ids.tolist())))
+        s.on_result = lambda plan, r: events.append(("ready", set(r.grammars_ready.tolist())))
+
+        async def one(key, prompt, params):
+            got[key], _ = await collect(engine, prompt, params)
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "plain", ps[0], plain)
+            while s.steps < 3:  # (the plain request decodes: 300 steps to go)
+                await trio.sleep(0.01)
+            n.start_soon(one, "guided", ps[4], p)
+        assert (s.inbound, s.statistics().waiting, s._compiling) == (0, 0, {})
+    plain_id = next(iter(events[0][1]))
+    guided_id = next(r for kind, ids in events for r in ids if r != plain_id)
+    first_plan = next(i for i, (kind, ids) in enumerate(events) if kind == "plan" and guided_id in ids)
+    assert any(kind == "ready" and guided_id in ids for kind, ids in events[:first_plan])
+    assert got["guided"] == reference(ps[4], p)
+    assert got["plain"] == reference_greedy(ps[0], 300)
+
+
+@pytest.mark.parametrize("dep", [1, 2])
+async def test_held_requests_start_once_nothing_else_runs(dep):
+    """Where no result says a grammar is ready (here: taken out of every result), a held request
+    starts once nothing else runs; in a DEP group its rank wakes the others as a message would."""
+    ps = prompts()
+    p = greedy(CASES["regex"], max_tokens=12)
+    got = {}
+    async with open_engine(attrs.evolve(config(tokenizer=None), dep=dep)) as engine:
+        for s in engine.schedulers:
+            async def no_ready(receive=s.client.receive_result):
+                return attrs.evolve(await receive(), grammars_ready=np.zeros(0, np.int64))
+            s.client.receive_result = no_ready
+
+        async def one(key, prompt, params):
+            got[key], _ = await collect(engine, prompt, params)
+        async with trio.open_nursery() as n:
+            for i in range(dep):
+                n.start_soon(one, ("plain", i), ps[i], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+            while sum(s.steps for s in engine.schedulers) < 3 * dep:
+                await trio.sleep(0.01)
+            for i in range(2):
+                n.start_soon(one, ("guided", i), ps[3 + i], p)
+        assert [(s.inbound, s._compiling) for s in engine.schedulers] == [(0, {})] * dep
+    assert [got["guided", i] for i in range(2)] == [reference(ps[3 + i], p) for i in range(2)]
+
+
+async def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind():
+    from lockstep.engine.output import RequestStream
+    from lockstep.engine.scheduler import Abort, Submit
+    from lockstep.policy.request import Request
+
+    ps = prompts()
+    async with open_engine(config(tokenizer=None)) as engine:
+        s = engine.schedulers[0]
+        async with trio.open_nursery() as n:
+            async def plain():
+                await collect(engine, ps[0], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            n.start_soon(plain)
+            while s.steps < 3:
+                await trio.sleep(0.01)
+            # (handled here between two of the actor's checkpoints: the engine is busy, so it is held)
+            req = Request(id=10**6, prompt=ps[4], params=greedy(CASES["json"]), eos_token_id=EOS)
+            stream = RequestStream(req.id, req.prompt_len, trio.current_time())
+            s.inbound += req.prompt_len
+            s._handle(Submit(req, stream), trio.current_time())
+            assert list(s._compiling) == [req.id] and s.statistics().waiting == 1
+            s._handle(Abort(req.id), trio.current_time())
+            assert (s._compiling, stream.done, stream._finish) == ({}, True, FinishReason.ABORT)
+            assert req.id not in s.core.requests and req.id not in s.streams
+        assert (s.inbound, s.statistics().waiting, s.statistics().running) == (0, 0, 0)
 
 
 def test_a_matcher_resumes_from_the_outputs_that_stand():

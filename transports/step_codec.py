@@ -71,6 +71,7 @@ _LAYOUTS = {
         "prompt_token_logprobs": (_F32, 1, True), "prompt_top_ids": (_I32, 2, True),
         "prompt_top_logprobs": (_F32, 2, True), "prompt_token_ranks": (_I32, 1, True),
         "draft_expert_counts": (_I32, 2, True), "num_drafts": (_I32, 1, False),
+        "grammars_ready": (_I64, 1, False),
         "host_s": "d", "gpu_s": "d", "sync_s": "d", "placement_ready": "q", "draft_placement_ready": "q",
     },
 }

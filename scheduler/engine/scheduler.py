@@ -3,7 +3,10 @@
 Each step: apply the step that just ended (``update``), hand its tokens to the request
 streams, dispatch the plan made while it ran, and plan the next one (async scheduling: step
 N+1 is planned while step N executes, exactly as the simulator models it). Messages
-(submissions, aborts) are taken at step boundaries. A runtime that dies fails every request
+(submissions, aborts) are taken at step boundaries. A structured-output request that arrives
+while others run waits outside the core until a result says its runtime compiled its grammar
+(vLLM's WAITING_FOR_FSM): scheduled at once, its first sampling step would wait for the
+compile, and every request in that step with it. A runtime that dies fails every request
 it held with a clear error; the actor then starts a fresh runtime and a fresh core and goes
 on serving.
 
@@ -59,6 +62,11 @@ class Abort:
 @attrs.frozen
 class Stop:
     """Finish the steps in flight, then return."""
+
+
+@attrs.frozen
+class StartHeld:
+    """Nothing runs that a grammar's compile could hold up: start the requests held for one."""
 
 
 @attrs.frozen
@@ -121,6 +129,9 @@ class Scheduler:
         self.streams: dict[int, RequestStream] = {}
         self._unscheduled: set[int] = set()  # admitted, not yet in any plan (for queue time)
         self._want_logprobs: set[int] = set()
+        # Structured-output requests whose grammar the runtime is compiling: out of the core
+        # until a result says it is done (their prompts stay in ``inbound`` for the router).
+        self._compiling: dict[int, Request] = {}
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
         # Plans sent and not yet answered, oldest first: with async scheduling the next plan
         # is sent as soon as it is made, so the runtime starts it the moment it finishes
@@ -171,6 +182,8 @@ class Scheduler:
                 await self._restart(e)
                 continue
             plan = self._in_flight.popleft()
+            if self._compiling and len(result.grammars_ready):
+                self._start_held(result.grammars_ready.tolist())
             self._note_placement(plan, result)
             self.pacer.step_done(result)
             if self.on_result is not None:
@@ -188,6 +201,8 @@ class Scheduler:
         """Nothing in flight: wait for a message (in step time: jump to the next arrival,
         which is planned alone, as the simulator does). In a DEP group, a message to any
         rank wakes every rank, and all of them run the next round together."""
+        if self._compiling:  # (a message, so that a DEP group wakes as for any other)
+            self.send_channel.send_nowait(StartHeld())
         sub = self.pacer.wake()
         if sub is not None:
             now = self.pacer.now()
@@ -259,15 +274,16 @@ class Scheduler:
     def _handle(self, msg, now: float) -> None:
         match msg:
             case Submit(req=req, stream=stream):
-                self.inbound -= req.prompt_len
                 if stream.abandoned:  # its abort may have arrived first and found nothing
+                    self.inbound -= req.prompt_len
                     stream.finish(FinishReason.ABORT, now)
                     return
                 if self.role is not None:
                     req = self.role.on_submit(req)
                 try:
-                    self.core.add_request(req)
+                    self.core.check_request(req)
                 except RequestError as e:
+                    self.inbound -= req.prompt_len
                     stream.fail(e, now)
                     return
                 self.streams[req.id] = stream
@@ -277,17 +293,27 @@ class Scheduler:
                     self._want_logprobs.add(req.id)
                 if p.prompt_logprobs is not None:  # nothing scores the first prompt token
                     stream.push_prompt_logprob(0, (int(req.prompt[0]), None, [], None))
-                self.client.add_requests(new_requests(req))
+                self.client.add_requests(new_requests(req))  # (a grammar starts compiling there)
+                if p.structured_outputs is not None and (self._in_flight or self.core.has_work()):
+                    self._compiling[req.id] = req
+                else:
+                    self.inbound -= req.prompt_len
+                    self.core.add_request(req)
             case Abort(req_id=rid, reason=reason):
                 self._unscheduled.discard(rid)
                 self._want_logprobs.discard(rid)
-                if self.core.abort(rid):
+                held = self._compiling.pop(rid, None)
+                if held is not None:
+                    self.inbound -= held.prompt_len
+                if self.core.abort(rid) or held is not None:
                     self.client.forget([rid])
                 if self.role is not None:
                     self.role.on_abort(self, rid)
                 s = self.streams.pop(rid, None)
                 if s is not None:
                     s.finish(reason, now)
+            case StartHeld():
+                self._start_held(list(self._compiling))
             case Stop():
                 self._stopping = True
             case Rebalance(gen=gen, phy2log=phy2log, model="draft"):
@@ -299,6 +325,14 @@ class Scheduler:
             case _:
                 if self.role is None or not self.role.handle(self, msg, now):
                     raise TypeError(f"Scheduler got an unknown message {msg!r}")
+
+    def _start_held(self, rids: list[int]) -> None:
+        """Queue the held requests among ``rids`` (others: aborted meanwhile, or never held)."""
+        for rid in rids:
+            req = self._compiling.pop(rid, None)
+            if req is not None:
+                self.inbound -= req.prompt_len
+                self.core.add_request(req)
 
     def _plan(self, now: float) -> StepPlan | None:
         plan = self.core.schedule(now)
@@ -514,6 +548,9 @@ class Scheduler:
         now = self.pacer.now()
         for rid in list(self.core.requests):
             self.core.abort(rid)
+        for req in self._compiling.values():
+            self.inbound -= req.prompt_len
+        self._compiling.clear()
         if self.role is not None:
             self.role.on_fail(self)
         streams, self.streams = self.streams, {}
@@ -534,7 +571,7 @@ class Scheduler:
     def statistics(self) -> SchedulerStats:
         c = self.core
         return SchedulerStats(
-            running=c.num_running, waiting=c.num_waiting, kv_blocks_used=c.pool.num_used,
+            running=c.num_running, waiting=c.num_waiting + len(self._compiling), kv_blocks_used=c.pool.num_used,
             kv_blocks_total=c.pool.num_blocks, prefix_queries=self._old[0] + c.prefix_queries,
             prefix_hits=self._old[1] + c.prefix_hits, preemptions=self._old[2] + c.num_preemptions,
             steps=self.steps, generated_tokens=self.generated, runtime_restarts=self.restarts,

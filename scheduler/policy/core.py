@@ -87,6 +87,18 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
     # -- intake --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queue a request, or raise RequestError naming what is wrong (nothing is queued)."""
+        self.check_request(req)
+        if req.hash_acc is None or len(req.block_hashes) != req.prompt_len // self.bs:
+            req.block_hashes, req.hash_acc = self.hasher.hash_prompt(req.prompt, req.cache_salt)
+        req.seq = self._seq
+        self._seq += 1
+        req.state = RequestState.WAITING
+        req.output = np.empty(req.params.max_tokens, dtype=np.int32)
+        self.requests[req.id] = req
+        self._push_waiting(req)
+
+    def check_request(self, req: Request) -> None:
+        """Raise RequestError naming what is wrong with ``req`` here, as ``add_request`` would."""
         if req.id in self.requests:
             raise RequestError(f"request id {req.id} is already in this scheduler")
         prompt = req.prompt
@@ -117,14 +129,6 @@ class SchedulerCore(PlanAssembly, DecodeScheduling, BulkDecode, UpdatePath, Spec
                 f"({req.params.max_tokens}) exceeds max_model_len {self.config.max_model_len}",
                 reason="context_length",
             )
-        if req.hash_acc is None or len(req.block_hashes) != req.prompt_len // self.bs:
-            req.block_hashes, req.hash_acc = self.hasher.hash_prompt(req.prompt, req.cache_salt)
-        req.seq = self._seq
-        self._seq += 1
-        req.state = RequestState.WAITING
-        req.output = np.empty(req.params.max_tokens, dtype=np.int32)
-        self.requests[req.id] = req
-        self._push_waiting(req)
 
     def abort(self, req_id: int) -> bool:
         req = self.requests.get(req_id)

@@ -98,6 +98,9 @@ class StepResult:
     # Drafts the runtime proposed per plan entry where it may propose fewer than planned
     # (adaptive k); empty: as planned. The counters count these, not the reserved positions.
     num_drafts: np.ndarray = EMPTY_I32
+    # Requests whose structured-output grammar this runtime finished compiling (or failed
+    # to) since its last result: the engine holds such a request back until then.
+    grammars_ready: np.ndarray = EMPTY_I64
     host_s: float = 0.0
     gpu_s: float = 0.0
     sync_s: float = 0.0
