@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
                         "deployment's seed, 0 in the built-in)")
     s.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO on TTFT, seconds")
     s.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO on TPOT, seconds")
-    s.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    s.add_argument("--json", metavar="PATH",
+                   help="write the report as JSON (-: to standard output, the table then to standard error)")
     s.add_argument("--plot", metavar="PATH", help="write latency CDFs, throughput and KV use as PNG")
     s.add_argument("--skip-bad-rows", action="store_true", help="skip malformed trace rows (counted)")
     s.add_argument("--no-advance", action="store_true", help="step one by one (for checking)")

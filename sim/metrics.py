@@ -136,18 +136,20 @@ class Metrics:
             ts.append(t)
             us.append(used_blocks)
 
-    def _kv_series(self) -> tuple[np.ndarray, np.ndarray]:
-        """Deployment-wide share of KV blocks in use, as a step function (times, use)."""
-        if not self._kv:
+    def _kv_series(self, instances=None, blocks: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Share of KV blocks in use, as a step function (times, use): deployment-wide, or
+        over ``instances`` (indices) holding ``blocks`` blocks between them."""
+        kv = self._kv if instances is None else {i: v for i, v in self._kv.items() if i in instances}
+        if not kv:
             return np.zeros(0), np.zeros(0)
         times, deltas = [], []
-        for ts, us in self._kv.values():
+        for ts, us in kv.values():
             t, u = np.array(ts, dtype=np.float64), np.array(us, dtype=np.float64)
             times.append(t)
             deltas.append(np.diff(u, prepend=0.0))  # each sample replaces the instance's last
         t, d = np.concatenate(times), np.concatenate(deltas)
         order = np.argsort(t, kind="stable")
-        return t[order], np.cumsum(d[order]) / self.total_blocks
+        return t[order], np.cumsum(d[order]) / (self.total_blocks if blocks is None else blocks)
 
     # -- the report --------------------------------------------------------------------------
     def report(self, *, num_gpus: int, slo_ttft: float, slo_tpot: float, prefix: tuple[int, int],
@@ -196,8 +198,13 @@ class Metrics:
             "steps": int(self.steps),
         }
 
-    def _kv_stats(self) -> tuple[float, float]:
-        t, u = self._kv_series()
+    def kv_stats(self, instances=None, blocks: int | None = None) -> dict:
+        """{mean, max} of ``_kv_series(instances, blocks)``, the mean weighted by time."""
+        mean, peak = self._kv_stats(instances, blocks)
+        return {"mean": mean, "max": peak}
+
+    def _kv_stats(self, instances=None, blocks: int | None = None) -> tuple[float, float]:
+        t, u = self._kv_series(instances, blocks)
         if len(t) < 2:
             return (float(u[0]), float(u[0])) if len(u) else (0.0, 0.0)
         dt = np.diff(t)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,17 @@ def _gpus(n) -> str:
 
 
 def write_json(report: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    """To ``path``, or to standard output where it is "-"."""
+    text = json.dumps(report, indent=2, sort_keys=True) + "\n"
+    if str(path) == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text)
+
+
+def _rate(x: float) -> str:
+    """A rate with the digits that matter: 12,345 / 52.4 / 0.0312."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.1f}" if abs(x) >= 1 else f"{x:.3g}"
 
 
 def _ms(x) -> str:
@@ -30,15 +41,19 @@ def print_table(report: dict, console: Console | None = None) -> None:
     head.add_column("value", justify="right")
     reasons = ", ".join(f"{k}: {v}" for k, v in r["rejected_reasons"].items()) or "none"
     head.add_row("requests", f"{r['total']:,} total, {r['completed']:,} completed, {r['rejected']:,} rejected ({reasons})")
-    head.add_row("output tokens/s", f"{report['output_tokens_per_s']:,.0f} ({report['output_tokens_per_s_per_gpu']:,.0f} per GPU)")
+    head.add_row("output tokens/s", f"{_rate(report['output_tokens_per_s'])} "
+                 f"({_rate(report['output_tokens_per_s_per_gpu'])} per GPU)")
     g = report["goodput"]
     frac = "-" if g["fraction"] is None else f"{g['fraction']:.1%}"
-    head.add_row("goodput", f"{frac} of requests within TTFT {g['slo_ttft_s']} s, TPOT {g['slo_tpot_s'] * 1e3:.0f} ms ({g['requests_per_s']:.2f} req/s)")
+    head.add_row("goodput", f"{frac} of requests within TTFT {g['slo_ttft_s']} s, TPOT {g['slo_tpot_s'] * 1e3:.0f} ms "
+                 f"({_rate(g['requests_per_s'])} req/s)")
     pc = report["prefix_cache"]
     head.add_row("prefix cache", f"{pc['hit_rate']:.1%} of {pc['queries']:,} prompt tokens hit")
     head.add_row("preemptions", f"{report['preemptions']:,}")
     kv = report["kv_cache_use"]
     head.add_row("KV cache use", f"mean {kv['mean']:.1%}, max {kv['max']:.1%}")
+    for name, kv in report.get("kv_cache_use_per_pool", {}).items():
+        head.add_row(f"  pool {name}", f"mean {kv['mean']:.1%}, max {kv['max']:.1%}")
     head.add_row("simulated time", f"{report['duration_s']:,.1f} s in {report['steps']:,} steps")
     b = report.get("balancedness")
     if b is not None and b["mean"] is not None:
@@ -93,7 +108,7 @@ def _print_spec(sd: dict, console: Console) -> None:
 def _print_pd(report: dict, console: Console) -> None:
     steps = Table(title="P/D steps per pool (ms)")
     for col in ("pool", "steps", "step p50", "step p99", "step max", "jump p99", "jump max"):
-        steps.add_column(col, justify="right")
+        steps.add_column(col, justify="right", no_wrap=col == "pool")
     for name, p in report["pools"].items():
         s, j = p["step_s"], p["step_jump_s"]
         steps.add_row(f"{name} ({p['role']}, {_gpus(p['gpus'])})", f"{p['steps']:,}", _ms(s["p50"]), _ms(s["p99"]),
@@ -118,6 +133,15 @@ def _print_pd(report: dict, console: Console) -> None:
     console.print(t)
 
 
+def _bin_width(span: float) -> float:
+    """About 60 bins over the run, of a round width (1, 2 or 5 times a power of ten seconds)."""
+    if span <= 0:
+        return 1.0
+    raw = span / 60
+    base = 10 ** np.floor(np.log10(raw))
+    return float(next(m * base for m in (1, 2, 5, 10) if m * base >= raw))
+
+
 def plot(series: dict, path: str | Path, title: str = "") -> None:
     import matplotlib
 
@@ -132,15 +156,21 @@ def plot(series: dict, path: str | Path, title: str = "") -> None:
     axes[0].set_xscale("log")
     axes[0].set_xlabel("seconds")
     axes[0].set_ylabel("CDF")
-    axes[0].legend()
+    if axes[0].lines:  # (nothing completed: no curve to name)
+        axes[0].legend()
     axes[0].set_title("latency CDFs")
     t, n = series["tok_t"], series["tok_n"]
+    width = _bin_width(float(t.max()) if len(t) else 0.0)
     if len(t):
-        bins = np.arange(0, t.max() + 10, 10.0)
-        hist, edges = np.histogram(t, bins=bins, weights=n)
-        axes[1].plot(edges[:-1], hist / 10.0)
+        edges = np.arange(0, t.max() + width, width)
+        if len(edges) < 2 or edges[-1] < t.max():
+            edges = np.append(edges, edges[-1] + width)
+        hist, edges = np.histogram(t, bins=edges, weights=n)
+        spans = np.diff(edges)
+        spans[-1] = max(t.max() - edges[-2], width / 100)  # the last bin ends with the run, not with the bin
+        axes[1].plot(edges[:-1], hist / spans)
     axes[1].set_xlabel("time (s)")
-    axes[1].set_ylabel("output tokens/s (10 s bins)")
+    axes[1].set_ylabel(f"output tokens/s ({width:g} s bins)")
     axes[1].set_title("throughput")
     axes[2].step(series["kv_t"], series["kv_use"] * 100, where="post")
     axes[2].set_xlabel("time (s)")

@@ -12,8 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from lockstep.policy.config import ConfigError
-from lockstep.policy.deployment import Deployment
+from lockstep.policy.config import ConfigError, SchedulerConfig
+from lockstep.policy.deployment import CostSpec, Deployment, KVTransferSpec
 from lockstep.policy.deployment_file import default_deployment, load_deployment
 
 from .report import plot, print_table, write_json
@@ -70,7 +70,7 @@ def check_outputs(args) -> None:
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"--{flag.replace('_', '-')} must be a finite number of seconds > 0, got {v}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path is None:
+        if path is None or (flag == "--json" and path == "-"):  # (-: standard output)
             continue
         p = Path(path)
         if not path or p.is_dir():
@@ -97,6 +97,41 @@ def unmodeled(deployment: Deployment, no_eplb: bool) -> list[str]:
     if not deployment.scheduler.async_scheduling:
         notes.append("[scheduler] async_scheduling = false: host work is priced serially ([host] overlap off); "
                      "arrivals still join steps as with async scheduling")
+    if skewed and cost.expert_balancedness != CostSpec().expert_balancedness:
+        notes.append(f"[cost] expert_balancedness ({cost.expert_balancedness}) is not used on the DEP pools: with "
+                     "expert_skew > 0 their balancedness comes from the drifting expert loads")
+    pd = any(p.role != "colocated" for p in deployment.pools)
+    if not pd and deployment.kv_transfer != KVTransferSpec():
+        notes.append("[kv_transfer] changes nothing here: it prices the prefill -> decode KV pulls of P/D pools, "
+                     "and every pool is colocated")
+    sched = deployment.scheduler
+    for m in {deployment.model(p.model) for p in deployment.pools}:
+        if SchedulerConfig().max_model_len != sched.max_model_len > m.context_length:
+            notes.append(f"[scheduler] max_model_len ({sched.max_model_len}) exceeds model {m.name!r}'s "
+                         f"context_length ({m.context_length}): its pools take at most {m.context_length} tokens")
+    if deployment.hardware.host_kv_bytes > 0 and not sched.enable_prefix_caching:
+        notes.append("[hardware] host_kv_bytes changes nothing here: the host tier keeps blocks the prefix cache "
+                     "evicts, and enable_prefix_caching is false")
+    served = sorted({p.model for p in deployment.pools})
+    if len(served) > 1:
+        notes.append(f"a trace names no model: its requests go to the pools of every model ({', '.join(served)}), "
+                     "the least loaded whose context holds them; the report sums them all")
+    spec = deployment.speculative
+    if spec is not None and spec.replay and max(spec.replay) > spec.num_spec_tokens:
+        notes.append(f"[speculative] file {spec.file}: counts above num_spec_tokens ({spec.num_spec_tokens}) count as "
+                     f"{spec.num_spec_tokens} (the file's largest is {max(spec.replay)})")
+    return notes
+
+
+def flag_notes(deployment: Deployment, args) -> list[str]:
+    """The same for flags that override a table this deployment does not act on."""
+    notes = []
+    pd = any(p.role != "colocated" for p in deployment.pools)
+    if args.max_kv_loads is not None and not pd and deployment.hardware.host_kv_bytes == 0:
+        notes.append("--max-kv-loads changes nothing here: KV loads are P/D pulls and host-tier loads, and this "
+                     "deployment has neither")
+    if args.num_spec_tokens == 0 and deployment.speculative is None:
+        notes.append("--num-spec-tokens 0 changes nothing here: the deployment has no [speculative] table")
     return notes
 
 
@@ -104,6 +139,7 @@ def run_sim(args) -> int:
     check_outputs(args)
     console = Console(stderr=True)
     deployment: Deployment = load_deployment(args.deployment) if args.deployment else default_deployment()
+    notes = flag_notes(deployment, args)
     if args.max_kv_loads is not None:
         if args.max_kv_loads < 0:
             raise ValueError(f"--max-kv-loads must be >= 0 (0: no cap), got {args.max_kv_loads}")
@@ -118,23 +154,30 @@ def run_sim(args) -> int:
     seed = deployment.seed if args.seed is None else args.seed
     if seed < 0:
         raise ValueError(f"--seed must be >= 0, got {seed}")
-    for note in unmodeled(deployment, args.no_eplb):
+    for note in notes + unmodeled(deployment, args.no_eplb):
         console.print(f"[yellow]note: {escape(note)}[/]", soft_wrap=True)  # ([eplb] is not markup)
     workload, name, skipped = load_workload(args.trace, args.format, seed=seed, rate_scale=args.rate_scale,
                                    limit=args.limit, skip_bad_rows=args.skip_bad_rows, console=console)
     sim = Simulator(deployment, workload, seed=seed, slo_ttft=args.slo_ttft,
-                    slo_tpot=args.slo_tpot, use_advance=not args.no_advance, eplb=not args.no_eplb)
+                    slo_tpot=args.slo_tpot, use_advance=not args.no_advance, eplb=not args.no_eplb,
+                    profile_from=f"--profile {args.profile} (with {deployment.source})" if args.profile else None)
     show = len(workload) >= 2000 and sys.stderr.isatty()
     with Progress(TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True, disable=not show) as bar:
         task = bar.add_task("sim", total=len(workload))
         report = sim.run(progress=(lambda n: bar.update(task, completed=n)) if show else None)
     report["workload"] = name
+    # what was asked for, so that the reports of a sweep tell themselves apart
+    report["run"] = {"trace": args.trace, "format": args.format, "deployment": args.deployment,
+                     "rate_scale": args.rate_scale, "limit": args.limit, "profile": args.profile,
+                     "max_kv_loads": args.max_kv_loads, "num_spec_tokens": args.num_spec_tokens,
+                     "no_eplb": args.no_eplb, "skip_bad_rows": args.skip_bad_rows}
     report["trace_rows_skipped"] = skipped  # bad rows --skip-bad-rows left out (never silently)
-    print_table(report, Console())
+    print_table(report, console if args.json == "-" else Console())  # (the JSON alone on stdout)
     if args.json:
         write_json(report, args.json)
-        console.print(f"wrote {args.json}")
+        if args.json != "-":
+            console.print(f"wrote {args.json}")
     if args.plot:
         plot(sim.metrics.series(), args.plot, title=f"{name} on {deployment.name}")
         console.print(f"wrote {args.plot}")

@@ -89,7 +89,7 @@ class Simulator(PDFlow):
     def __init__(self, deployment: Deployment, workload: Sequence[TraceRequest], *,
                  seed: int | None = None, slo_ttft: float = 2.0, slo_tpot: float = 0.1,
                  use_advance: bool = True, on_plan: Callable | None = None, eplb: bool = True,
-                 private_prefixes: bool = True):
+                 private_prefixes: bool = True, profile_from: str | None = None):
         self.d = deployment
         self.workload = list(workload)
         self.seed = deployment.seed if seed is None else seed  # None: the deployment's
@@ -108,8 +108,9 @@ class Simulator(PDFlow):
         if deployment.speculative and deployment.speculative.acceptance == "measured":
             raise ConfigError(UNMODELED_ACCEPTANCE.format(source=deployment.source))
         self.spec = Speculation(deployment.speculative, self.seed) if deployment.speculative else None
-        profile = load_profile(deployment.cost.profile, f"{deployment.source}: [cost] profile") \
-            if deployment.cost.profile else None
+        # who named the profile, for its errors: the file's [cost] profile, or a flag (--profile)
+        self._profile_from = profile_from or f"{deployment.source}: [cost] profile"
+        profile = load_profile(deployment.cost.profile, self._profile_from) if deployment.cost.profile else None
         for pool in deployment.pools:
             model = deployment.model(pool.model)
             cost = self._cost(pool, model, profile)
@@ -155,7 +156,8 @@ class Simulator(PDFlow):
         try:
             return ProfiledCost(model, d.hardware, d.cost, pool.dep, d.host, profile, pool.name)
         except ConfigError as e:
-            raise ConfigError(f"{d.source}: [cost] profile: {e}") from None
+            drop = "leave it out" if "[cost] profile" not in self._profile_from else "drop [cost] profile"
+            raise ConfigError(f"{self._profile_from}: {str(e).replace('drop [cost] profile', drop)}") from None
 
     # -- workload ------------------------------------------------------------------------------
     def _build_outputs(self) -> None:
@@ -508,6 +510,13 @@ class Simulator(PDFlow):
             num_gpus=self.d.num_gpus, slo_ttft=self.slo[0], slo_tpot=self.slo[1],
             prefix=(queries, hits, host_hits), preemptions=sum(c.num_preemptions for c in cores), extra=extra,
         )
+        if len(self.d.pools) > 1:  # (the deployment-wide figure hides a small pool's pressure)
+            rep["kv_cache_use_per_pool"] = {
+                pool.name: self.metrics.kv_stats(
+                    {j for j, inst in enumerate(self.instances) if inst.pool is pool},
+                    sum(len(inst.cores) * inst.cores[0].config.num_blocks
+                        for inst in self.instances if inst.pool is pool))
+                for pool in self.d.pools}
         if self._experts:
             # one DEP pool with expert loads (pools of one model drift alike): a decode pool's
             # where there is one (its steps make TPOT), else the first

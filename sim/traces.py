@@ -8,8 +8,10 @@ simulator's prefix cache sees the sharing that a trace recorded.
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from datetime import date
 from pathlib import Path
@@ -156,6 +158,26 @@ class _Row(NamedTuple):
     seg_lens: list[int]
 
 
+SKIP_HINT = " (bad rows can be skipped and counted: `lockstep sim --skip-bad-rows`, or skip_bad_rows=True in Python)"
+
+
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes, gunzipped where it is gzip; other compressions are named."""
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        try:
+            return gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceFormatError(f"{path}: a gzip file that does not decompress ({e})") from None
+    for magic, what in _COMPRESSED.items():
+        if data.startswith(magic):
+            raise TraceFormatError(f"{path}: {what}-compressed; decompress it first (gzip is read as it is)")
+    return data
+
+
+_COMPRESSED = {b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
+
+
 def _collect(
     path: Path, fmt: str, rows: Iterable[tuple[int, _Row | str]], per_s: int, skip: bool
 ) -> TraceLoad:
@@ -164,8 +186,7 @@ def _collect(
     for line, row in rows:
         if isinstance(row, str):
             if not skip:
-                raise TraceFormatError(f"{path} line {line}: {row} (bad rows can be skipped and counted: "
-                                       "`lockstep sim --skip-bad-rows`, or skip_bad_rows=True in Python)")
+                raise TraceFormatError(f"{path} line {line}: {row}{SKIP_HINT}")
             skipped += 1
         else:
             good.append(row)
@@ -234,7 +255,7 @@ def read_mooncake(path: str | Path, *, skip_bad_rows: bool = False) -> TraceLoad
     """Mooncake JSONL rows {timestamp (ms), input_length, output_length, hash_ids}."""
     path = Path(path)
     decoder = msgspec.json.Decoder(_MooncakeRow)
-    data = path.read_bytes()
+    data = _read_bytes(path)
     lines = data.removeprefix(b"\xef\xbb\xbf").splitlines()  # a UTF-8 BOM is not part of row 1
     # Blank lines are not rows (files often end with one), so they are not counted as skipped.
     rows = ((n, _mooncake_row(decoder, raw, n)) for n, raw in enumerate(lines, 1) if raw.strip())
@@ -280,7 +301,9 @@ def _mooncake_type_error(raw: bytes, message: str) -> str:
 
 _AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 # Azure writes 7 fractional digits; Python 3.11's datetime.fromisoformat silently drops the 7th.
-_TIMESTAMP = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?")
+# The 2024 traces add a UTC offset ('2024-05-10 00:00:00.009930+00:00'): read as UTC.
+_TIMESTAMP = re.compile(r"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?"
+                        r"(Z|[+-]\d{2}:?\d{2})?")
 _INT = re.compile(r"[+-]?\d+")
 
 
@@ -288,7 +311,7 @@ def read_azure(path: str | Path, *, skip_bad_rows: bool = False) -> TraceLoad:
     """Azure LLM inference CSV `TIMESTAMP,ContextTokens,GeneratedTokens`; nothing is shared."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()
+        lines = _read_bytes(path).decode("utf-8-sig").splitlines()
     except UnicodeDecodeError as e:
         raise TraceFormatError(f"{path}: not UTF-8 text ({e}); expected an Azure CSV trace") from None
     if not lines:
@@ -317,7 +340,8 @@ def _azure_row(line: str, columns: tuple[list[int], int], n: int) -> _Row | str:
     stamp, context, generated = (fields[i].strip() for i in where)
     t = _timestamp_ns(stamp)
     if t is None:
-        return f"field 'TIMESTAMP' must be a date-time like '2023-11-16 18:17:03.9799600', got {stamp!r}"
+        return (f"field 'TIMESTAMP' must be a date-time like '2023-11-16 18:17:03.9799600' (a UTC offset such as "
+                f"'+00:00' may follow), got {stamp!r}")
     input_len = int(context) if _INT.fullmatch(context) else context
     output_len = int(generated) if _INT.fullmatch(generated) else generated
     error = _length_error("ContextTokens", input_len)
@@ -340,6 +364,11 @@ def _timestamp_ns(text: str) -> int | None:
     if hour > 23 or minute > 59 or second > 59:
         return None
     seconds = ((days * 24 + hour) * 60 + minute) * 60 + second
+    if m[8] and m[8] != "Z":  # local time = UTC + offset
+        sign, hh, mm = (-1 if m[8][0] == "-" else 1), int(m[8][1:3]), int(m[8][-2:])
+        if hh > 23 or mm > 59:
+            return None
+        seconds -= sign * (hh * 60 + mm) * 60
     return seconds * 10**9 + int((m[7] or "").ljust(9, "0"))  # exact integers: no float rounding
 
 
@@ -352,7 +381,10 @@ _EXTENSIONS = {".jsonl": "mooncake", ".json": "mooncake", ".csv": "azure"}
 def _sniff(path: Path) -> str | None:
     """The format the first non-blank line shows plainly (a JSON object, Azure's header), if any."""
     with path.open("rb") as f:
-        first = next((line for line in f if line.strip()), b"").removeprefix(b"\xef\xbb\xbf").strip()
+        raw = f.read(1 << 16)
+    if raw[:2] == b"\x1f\x8b" or any(raw.startswith(m) for m in _COMPRESSED):
+        raw = _read_bytes(path)[: 1 << 16]  # (names any compression but gzip)
+    first = next((line for line in raw.splitlines() if line.strip()), b"").removeprefix(b"\xef\xbb\xbf").strip()
     if first.startswith(b"{"):
         return "mooncake"
     if all(c.encode() in first for c in _AZURE_COLUMNS):
@@ -367,8 +399,9 @@ def detect_format(path: str | Path) -> str:
     seen = _sniff(path)
     if seen is not None:
         return seen
-    if path.suffix.lower() in _EXTENSIONS:
-        return _EXTENSIONS[path.suffix.lower()]
+    suffix = Path(path.stem).suffix.lower() if path.suffix.lower() == ".gz" else path.suffix.lower()
+    if suffix in _EXTENSIONS:
+        return _EXTENSIONS[suffix]
     raise TraceFormatError(
         f"{path}: cannot tell the trace format from its first line or extension {path.suffix!r}; "
         "give the format: --format mooncake (JSONL: timestamp, input_length, output_length, hash_ids) "
@@ -387,8 +420,9 @@ def read_trace(path: str | Path, fmt: str = "auto", *, skip_bad_rows: bool = Fal
         seen = _sniff(Path(path)) if Path(path).is_file() else None
         if seen is not None and seen != name:  # a format given that the file plainly is not
             label = {"mooncake": "a Mooncake JSONL", "azure": "an Azure CSV"}[seen]
+            said = str(e).replace(SKIP_HINT, "")  # (skipping rows is not the fix here)
             raise TraceFormatError(f"{path}: read as {name}, but the file looks like {label} trace: give --format "
-                                   f"{seen} (or auto). The {name} reader said: {e}") from None
+                                   f"{seen} (or auto). The {name} reader said: {said}") from None
         raise
 
 

@@ -270,3 +270,35 @@ def test_async_scheduling_off_turns_the_host_overlap_off_and_a_contradiction_is_
     msg = bad(lambda d: (d.setdefault("scheduler", {}).update(async_scheduling=False),
                          d.setdefault("host", {}).update(overlap=True)))
     assert "contradict" in msg and "[host] overlap" in msg
+
+
+def test_sizes_that_would_only_exhaust_memory_are_refused():
+    assert "[scheduler]: max_num_seqs must be an integer in [1, 65,536]" in bad(
+        lambda d: d["scheduler"].update(max_num_seqs=10**11))
+    assert "instances x dep must be at most 65,536 GPUs" in bad(lambda d: d["pools"][0].update(instances=10**5))
+    def huge_blocks(d):  # (in range, but a dozen blocks fill the GPU)
+        d["scheduler"].update(block_size=4096)
+        d["models"][0].update(kv_bytes_per_token=10**6)
+    msg = bad(huge_blocks)
+    assert "a KV block of 4096 tokens takes" in msg and "lower [scheduler] block_size" in msg
+
+
+def test_a_preset_reshaped_keeps_its_kv_per_layer_and_asks_for_its_dense_params():
+    from lockstep.policy.deployment import MODEL_PRESETS
+
+    base = MODEL_PRESETS[BASE["models"][0]["preset"]]
+    msg = bad(lambda d: d["models"][0].update(num_layers=30))
+    assert "num_layers change(s) preset" in msg and "give dense_params too" in msg
+    data = copy.deepcopy(BASE)
+    data["models"][0].update(num_layers=31, dense_params=base["dense_params"] / 2)
+    m = deployment_from_dict(data, source="x.toml").models[0]
+    assert m.kv_bytes_per_token == base["kv_bytes_per_token"] // base["num_layers"] * 31
+    data["models"][0]["kv_bytes_per_token"] = 1000  # (given: kept)
+    assert deployment_from_dict(data, source="x.toml").models[0].kv_bytes_per_token == 1000
+
+
+def test_a_pool_names_its_model_when_there_are_several():
+    def two(d):
+        d["models"].append({"preset": "tiny"})
+        del d["pools"][0]["model"]
+    assert "name the pool's model (model = one of" in bad(two)

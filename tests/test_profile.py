@@ -155,3 +155,8 @@ def test_bad_profiles_are_refused_by_name(tmp_path, capsys):
     assert "junk.json: not readable JSON" in capsys.readouterr().err
     assert main(["sim", "--profile", str(tmp_path / "nope.json")]) == 2
     assert "--profile" in capsys.readouterr().err
+    # a profile given by the flag that does not fit: the error names the flag, not the file's [cost] profile
+    assert main(["sim", "--deployment", str(EXAMPLES / "h200-v2lite.toml"), "--limit", "5",
+                 "--profile", str(tmp_path / "tiny.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--profile" in err and "measured 'tiny'" in err and "[cost] profile" not in err

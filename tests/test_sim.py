@@ -307,8 +307,8 @@ def test_the_deployments_seed_is_the_default_and_a_negative_one_is_refused(tmp_p
     assert main(["sim", "--limit", "60", "--deployment", str(tmp_path / "seed7.toml"), "--json", str(a)]) == 0
     assert main(["sim", "--limit", "60", "--seed", "7", "--json", str(b)]) == 0
     ra, rb = json.loads(a.read_text()), json.loads(b.read_text())
-    assert ra["seed"] == 7 and {k: v for k, v in ra.items() if k != "deployment"} == \
-        {k: v for k, v in rb.items() if k != "deployment"}
+    assert ra["seed"] == 7 and {k: v for k, v in ra.items() if k not in ("deployment", "run")} == \
+        {k: v for k, v in rb.items() if k not in ("deployment", "run")}
     capsys.readouterr()
     assert main(["sim", "--limit", "5", "--seed", "-1"]) == 2
     assert "--seed must be >= 0, got -1" in capsys.readouterr().err
@@ -325,3 +325,50 @@ def test_what_a_run_does_not_model_is_noted(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "[eplb] changes nothing here: expert loads drift only with [cost] expert_skew > 0" in err
     assert "async_scheduling = false: host work is priced serially" in err
+
+
+def test_settings_a_run_does_not_act_on_are_noted(tmp_path, capsys):
+    assert "\nenable_prefix_caching = true" in DEFAULT_DEPLOYMENT_TOML
+    text = DEFAULT_DEPLOYMENT_TOML.replace("\nenable_prefix_caching = true",
+                                          "\nenable_prefix_caching = false\nmax_model_len = 999999", 1)
+    text += "\n[kv_transfer]\nbandwidth = 400e9\n"
+    path = tmp_path / "d.toml"
+    path.write_text(text)
+    assert main(["sim", "--deployment", str(path), "--limit", "5", "--num-spec-tokens", "0"]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    for note in ("[kv_transfer] changes nothing here", "[scheduler] max_model_len (999999) exceeds model",
+                 "[hardware] host_kv_bytes changes nothing here", "--num-spec-tokens 0 changes nothing here"):
+        assert note in err, note
+    assert main(["sim", "--deployment", str(ROOT / "examples" / "h200-v2lite.toml"), "--limit", "5",
+                 "--max-kv-loads", "2"]) == 0  # (colocated, no host tier)
+    assert "--max-kv-loads changes nothing here" in " ".join(capsys.readouterr().err.split())
+    dep8 = (ROOT / "examples" / "h200-dep8.toml").read_text()
+    assert "\nexpert_balancedness = 0.8 " in dep8
+    path.write_text(dep8.replace("\nexpert_balancedness = 0.8 ", "\nexpert_skew = 1.0\nexpert_balancedness = 0.7 ", 1))
+    assert main(["sim", "--deployment", str(path), "--limit", "5"]) == 0
+    assert "expert_balancedness (0.7) is not used" in " ".join(capsys.readouterr().err.split())
+    assert main(["sim", "--deployment", str(ROOT / "examples" / "serve-two-models-cpu.toml"), "--limit", "5"]) == 0
+    assert "a trace names no model" in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_json_says_what_was_run_and_can_go_to_stdout(tmp_path, capsys):
+    assert main(["sim", "--limit", "20", "--rate-scale", "2", "--json", "-"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out)  # (the JSON alone: the table went to stderr)
+    assert report["run"]["rate_scale"] == 2.0 and report["run"]["limit"] == 20 and report["run"]["trace"] is None
+    assert report["requests"]["total"] == 20
+
+
+def test_pools_report_their_own_kv_use():
+    d = load_deployment(ROOT / "examples" / "gb300-nvl72-pd.toml")
+    rep = Simulator(d, read_trace(ROOT / "tests" / "data" / "mooncake_conversation_300.jsonl").requests[:80]).run()
+    per = rep["kv_cache_use_per_pool"]
+    assert set(per) == {p.name for p in d.pools}
+    assert all(0 <= v["mean"] <= v["max"] <= 1 for v in per.values())
+    assert max(v["max"] for v in per.values()) >= rep["kv_cache_use"]["max"]  # (a pool's peak, not diluted)
+
+
+def test_throughput_bins_follow_the_run_length():
+    from lockstep.sim.report import _bin_width
+
+    assert [_bin_width(s) for s in (27.0, 600.0, 3600.0, 0.5, 0.0)] == [0.5, 10.0, 100.0, 0.01, 1.0]

@@ -284,3 +284,33 @@ def test_mooncake_with_a_utf8_bom_reads(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + (mooncake_line(timestamp=0) + "\n").encode())
     assert len(read_mooncake(path).requests) == 1
+
+
+def test_azure_timestamps_with_a_utc_offset_read_as_utc(tmp_path):
+    """The 2024 traces write '2024-05-10 00:00:00.009930+00:00'."""
+    path = write_azure(tmp_path, AZURE_HEADER + "2024-05-10 00:00:00.009930+00:00,4808,10\n"
+                       "2024-05-10 02:00:01.509930+02:00,100,10\n2024-05-10 00:00:02.009930Z,50,5\n")
+    assert [r.arrival_s for r in read_azure(path).requests] == [0.0, 1.5, 2.0]
+    with pytest.raises(TraceFormatError, match="a UTC offset such as '\\+00:00' may follow"):
+        read_azure(write_azure(tmp_path, AZURE_HEADER + "2024-05-10 00:00:00+25:00,1,1\n"))
+
+
+def test_gzip_traces_read_and_other_compressions_are_named(tmp_path):
+    import gzip
+
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_bytes(gzip.compress(MOONCAKE.read_bytes()))
+    assert read_trace(gz).requests == read_trace(MOONCAKE).requests
+    odd = tmp_path / "t.gz"  # (no extension under it: the first line tells)
+    odd.write_bytes(gzip.compress(AZURE.read_bytes()))
+    assert read_trace(odd).format == "azure"
+    zst = tmp_path / "t.jsonl.zst"
+    zst.write_bytes(b"\x28\xb5\x2f\xfd" + b"\0" * 16)
+    with pytest.raises(TraceFormatError, match="t.jsonl.zst: zstd-compressed; decompress it first"):
+        read_trace(zst)
+
+
+def test_a_wrong_format_does_not_suggest_skipping_rows():
+    with pytest.raises(TraceFormatError) as e:
+        read_trace(AZURE, "mooncake")
+    assert "--skip-bad-rows" not in str(e.value)

@@ -19,6 +19,16 @@ def int_at_least(table: str, low: int):
     return check
 
 
+def int_between(table: str, low: int, high: int, why: str):
+    """An attrs validator: an integer in [low, high], named ``table.field``; ``why`` says what
+    the upper bound protects."""
+    def check(inst, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(f"{table}.{attribute.name} must be an integer in [{low}, {high:,}] ({why}), "
+                              f"got {value!r}")
+    return check
+
+
 _positive = int_at_least("scheduler", 1)
 _non_negative = int_at_least("scheduler", 0)
 
@@ -26,8 +36,10 @@ _non_negative = int_at_least("scheduler", 0)
 @attrs.frozen
 class SchedulerConfig:
     num_blocks: int = attrs.field(default=4096, validator=_positive)
-    block_size: int = attrs.field(default=16, validator=_positive)
-    max_num_seqs: int = attrs.field(default=256, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=int_between("scheduler", 2, 4096, "tokens a KV block holds"))
+    # (a rank keeps per-slot arrays of this size: 65,536 is far past any GPU's batch)
+    max_num_seqs: int = attrs.field(default=256, validator=int_between("scheduler", 1, 65536,
+                                                                        "requests one rank runs at once"))
     max_num_batched_tokens: int = attrs.field(default=8192, validator=_positive)
     max_model_len: int = attrs.field(default=131072, validator=_positive)
     enable_prefix_caching: bool = True

@@ -335,6 +335,11 @@ class Deployment:
         free = hw.hbm_bytes * hw.gpu_memory_utilization - weights
         per_block = self.kv_bytes_per_token(pool) * self.scheduler.block_size
         blocks = int(free // per_block)
+        if blocks < 16 and free >= 16 * 16 * self.kv_bytes_per_token(pool):  # (sixteen 16-token blocks would fit)
+            raise ConfigError(
+                f"{self.source}: pool {pool.name!r}: a KV block of {self.scheduler.block_size} tokens takes "
+                f"{per_block / 1e9:.3g} GB, and a GPU has {free / 1e9:.1f} GB left for KV: only {max(blocks, 0)} "
+                "blocks fit; lower [scheduler] block_size (16 by default)")
         if blocks < 16:
             raise ConfigError(
                 f"{self.source}: pool {pool.name!r}: {name} needs {weights / 1e9:.1f} GB of "

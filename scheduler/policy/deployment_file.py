@@ -172,7 +172,19 @@ def _model(table: dict, source: str, i: int) -> ModelSpec:
     if preset is not None:
         if preset not in MODEL_PRESETS:
             raise ConfigError(f"{source}: {where}: preset must be one of {sorted(MODEL_PRESETS)}, got {preset!r}")
-        table = {**MODEL_PRESETS[preset], "name": preset, **table}
+        base, given = MODEL_PRESETS[preset], set(table)
+        layers = table.get("num_layers")
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 and \
+                "kv_bytes_per_token" not in given:  # (the preset's KV is so many bytes a layer)
+            table["kv_bytes_per_token"] = round(base["kv_bytes_per_token"] * layers / base["num_layers"])
+        reshaped = sorted(given & {"num_layers", "num_dense_layers", "hidden_size", "num_shared_experts",
+                                   "vocab_size"})
+        if reshaped and "dense_params" not in given:
+            raise ConfigError(f"{source}: {where}: {', '.join(reshaped)} change(s) preset {preset!r}'s shape, and "
+                              f"dense_params (the parameters outside the routed experts: attention, dense MLPs, "
+                              f"shared experts, embeddings and head; {base['dense_params']:.3g} in the preset) does "
+                              "not follow: give dense_params too")
+        table = {**base, "name": preset, **table}
     missing = [f.name for f in attrs.fields(ModelSpec)
                if f.default is attrs.NOTHING and f.name not in table]
     if missing:
@@ -197,8 +209,14 @@ def _hardware(table: dict, source: str) -> HardwareSpec:
     return _build(HardwareSpec, table, source, "[hardware]")
 
 
+MAX_POOL_GPUS = 65536  # (each rank is simulated: a larger pool would only exhaust memory)
+
+
 def _pool(table: dict, source: str, i: int, models: tuple[ModelSpec, ...]) -> PoolSpec:
     where = f"[[pools]] #{i + 1}"
+    if len(models) > 1 and "model" not in table:
+        raise ConfigError(f"{source}: {where}: name the pool's model (model = one of {[m.name for m in models]}): "
+                          "[[models]] holds several")
     table = {"name": f"pool{i}", "model": models[0].name, **table}
     pool = _build(PoolSpec, table, source, where)
     if pool.role not in ROLES:
@@ -206,6 +224,9 @@ def _pool(table: dict, source: str, i: int, models: tuple[ModelSpec, ...]) -> Po
     for field in ("instances", "dep"):
         if getattr(pool, field) < 1:
             raise ConfigError(f"{source}: {where}: field {field!r} must be an integer >= 1, got {getattr(pool, field)}")
+    if pool.instances * pool.dep > MAX_POOL_GPUS:
+        raise ConfigError(f"{source}: {where}: instances x dep must be at most {MAX_POOL_GPUS:,} GPUs, got "
+                          f"{pool.instances} x {pool.dep}")
     if pool.model not in {m.name for m in models}:
         raise ConfigError(f"{source}: {where}: model {pool.model!r} is not in [[models]]")
     return pool
