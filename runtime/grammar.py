@@ -192,14 +192,24 @@ class _Guide:
         return self._matcher
 
     def keep(self, k: int) -> None:
-        """Outputs from ``k`` on are gone (or differ): the matcher restarts where it took them."""
+        """Outputs from ``k`` on are gone (or differ): the matcher rolls back to the outputs
+        before ``k`` (restarts, where its grammar's start moved)."""
         del self.tokens[k:]
+        start = self.start
         if self.after and self.start is not None and self.start > k:  # (the marker may end elsewhere)
             self.start = None
         self.scanned = min(self.scanned, k)
-        if self.matched and (self.start is None or self.start + self.matched > k):
-            self.matcher.reset()
+        if self._matcher is None or start is None:  # (nothing taken yet; or it never compiled: broken stays)
+            return
+        if self.start is None:  # (the grammar started inside what is gone)
+            if self.matched:
+                self._matcher.reset()
             self.matched, self.broken = 0, False
+        elif start + self.matched > k:
+            self._matcher.rollback(start + self.matched - k)
+            self.matched, self.broken = k - start, False
+        elif self.broken and k <= start + self.matched:  # the output it refused is gone
+            self.broken = False
 
     def find_start(self, k: int) -> bool:
         """Whether the grammar applies to output ``k`` (its marker is among the outputs before)."""
@@ -306,47 +316,126 @@ class Grammars:
         masked, todo, ending = [], [], []
         rid_of = {j: rid for j, rid, _ in rows}
         for j, rid, k in rows:
-            g = self.guides[rid]
-            if len(g.tokens) < k:
-                raise RuntimeError(f"request {rid}: its grammar needs outputs 0..{k - 1} before output {k}, and "
-                                   f"this runtime knows {len(g.tokens)}")
-            if len(g.tokens) > k:  # drawn by a step the scheduler dropped
-                g.keep(k)
-            if not g.find_start(k):  # (still thinking: not constrained yet)
-                continue
-            if g._matcher is None and not g.broken:
-                try:
-                    g.matcher
-                except Exception as e:  # noqa: BLE001 - the engine compiled it once (check): not expected
-                    g.broken = True
-                    log.error("request %d: its grammar did not compile here (%s); its output ends here", rid,
-                              _message(e))
-            if g.broken:  # (no grammar to follow: the end of sequence, not tokens outside it)
+            g = self._at(rid, k)
+            state = self._catch_up(rid, g, k)
+            if state == "end":  # (no grammar to follow: the end of sequence, not tokens outside it)
                 ending.append(j)
-                continue
-            m = g.matcher
-            while g.start + g.matched < k and not m.is_terminated():  # (outputs after the end: planned ahead)
-                t = g.tokens[g.start + g.matched]
-                if not m.accept_token(t):
-                    g.broken = True
-                    log.warning("request %d: its grammar refused output %d (token %d); its output ends there",
-                                rid, g.start + g.matched, t)
-                    break
-                g.matched += 1
-            if g.broken:
-                ending.append(j)
-                continue
-            if m.is_terminated():  # (complete and ended: this row's token is not kept)
-                continue
-            todo.append(m)
-            masked.append(j)
-        bm, n = self._bitmask, self.tok_vocab
+            elif state == "fill":
+                todo.append(g.matcher)
+                masked.append(j)
+        bm = self._bitmask
         if masked:  # (bitmask row j is x's row j; rows not listed are left as they are)
             self._batch.batch_fill_next_token_bitmask(todo, bm, indices=masked)  # (on xgrammar's threads)
-            dead = [j for j, alive in zip(masked, (bm[masked] != 0).any(1).tolist()) if not alive]
-            for j in dead:  # a grammar that allows nothing here (a regex like [^\s\S]): the output ends
-                log.warning("request %d: its grammar allows no token here; its output ends there", rid_of[j])
-            ending += dead
+            ending += self._dead(bm, masked, rid_of)
+        self._apply(x, bm, masked, ending)
+
+    def mask_drafts(self, x: torch.Tensor, rows: list[tuple[int, int, int, list[int]]]) -> None:
+        """Mask a speculative step's rows of ``x``: (first row, request, index of the output
+        drawn there, drafts): row first + j draws output index + j as if drafts[:j] were
+        accepted. The matcher takes the drafts for this and gives them back after (a draft
+        the grammar refuses cannot be accepted: its row's mask leaves it out)."""
+        masked, ending, rid_of = [], [], {}
+        bm = None
+        for r0, rid, k0, drafts in rows:
+            g = self._at(rid, k0)
+            g.tokens += drafts  # (for now)
+            try:
+                for j in range(len(drafts) + 1):
+                    state = self._catch_up(rid, g, k0 + j, drafts_from=k0)
+                    if state == "end":
+                        ending.append(r0 + j)
+                    if state in ("end", "refused"):  # (the rows after it are never reached)
+                        break
+                    if state == "fill":
+                        if bm is None:  # (made once the first compile read the vocabulary)
+                            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+                        g.matcher.fill_next_token_bitmask(bm, r0 + j)
+                        masked.append(r0 + j)
+                        rid_of[r0 + j] = rid
+            finally:
+                g.keep(k0)
+        if masked:
+            ending += self._dead(bm, masked, rid_of)
+        if ending and bm is None and self._bitmask is not None:
+            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+        self._apply(x, bm, masked, ending)
+
+    def mask_next_draft(self, x: torch.Tensor, rows: list[tuple[int, int, int, list[int]]]) -> None:
+        """Mask a draft model's rows of ``x``: (row, request, index of the output of its first
+        draft, drafts so far): the row draws the next draft, after those."""
+        masked, ending, rid_of = [], [], {}
+        bm = None
+        for row, rid, k0, drafts in rows:
+            g = self._at(rid, k0)
+            g.tokens += drafts  # (for now)
+            try:
+                state = self._catch_up(rid, g, k0 + len(drafts), drafts_from=k0)
+                if state == "end":
+                    ending.append(row)
+                elif state == "fill":
+                    if bm is None:
+                        bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+                    g.matcher.fill_next_token_bitmask(bm, row)
+                    masked.append(row)
+                    rid_of[row] = rid
+            finally:
+                g.keep(k0)
+        if masked:
+            ending += self._dead(bm, masked, rid_of)
+        if ending and bm is None and self._bitmask is not None:
+            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+        self._apply(x, bm, masked, ending)
+
+    # -- the pieces of a mask ------------------------------------------------------------------
+    def _at(self, rid: int, k: int) -> _Guide:
+        """``rid``'s guide, its outputs known up to ``k`` (later ones: a step the scheduler dropped)."""
+        g = self.guides[rid]
+        if len(g.tokens) < k:
+            raise RuntimeError(f"request {rid}: its grammar needs outputs 0..{k - 1} before output {k}, and "
+                               f"this runtime knows {len(g.tokens)}")
+        if len(g.tokens) > k:
+            g.keep(k)
+        return g
+
+    def _catch_up(self, rid: int, g: _Guide, k: int, drafts_from: int | None = None) -> str:
+        """Bring the matcher to output ``k``: "free" (not constrained yet: still thinking),
+        "end" (no grammar to follow), "done" (complete and ended: the row's token is not
+        kept), "refused" (a draft, from ``drafts_from`` on, is not in the grammar) or "fill"."""
+        if not g.find_start(k):
+            return "free"
+        if g._matcher is None and not g.broken:
+            try:
+                g.matcher
+            except Exception as e:  # noqa: BLE001 - the engine compiled it once (check): not expected
+                g.broken = True
+                log.error("request %d: its grammar did not compile here (%s); its output ends here", rid, _message(e))
+        if g.broken:
+            return "end"
+        m = g.matcher
+        while g.start + g.matched < k and not m.is_terminated():  # (outputs after the end: planned ahead)
+            t = g.tokens[g.start + g.matched]
+            if t >= self.tok_vocab or not m.accept_token(t):  # (xgrammar would log each id past its vocabulary)
+                if drafts_from is not None and g.start + g.matched >= drafts_from:
+                    return "refused"
+                g.broken = True
+                log.warning("request %d: its grammar refused output %d (token %d); its output ends there",
+                            rid, g.start + g.matched, t)
+                return "end"
+            g.matched += 1
+        return "done" if m.is_terminated() else "fill"
+
+    @staticmethod
+    def _dead(bm, masked: list[int], rid_of: dict[int, int]) -> list[int]:
+        """The rows whose grammar allows no token (a regex like [^\\s\\S]): their output ends."""
+        dead = [j for j, alive in zip(masked, (bm[masked] != 0).any(1).tolist()) if not alive]
+        for j in dead:
+            log.warning("request %d: its grammar allows no token here; its output ends there", rid_of[j])
+        return dead
+
+    def _apply(self, x: torch.Tensor, bm, masked: list[int], ending: list[int]) -> None:
+        """Apply bitmask rows ``masked`` to the same rows of ``x``; rows ``ending`` may draw
+        only the stop ids."""
+        n = self.tok_vocab
         if ending and bm is None:  # (the vocabulary itself could not be read: logged with the compile)
             ending = []
         if ending:

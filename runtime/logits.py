@@ -34,6 +34,11 @@ def _counts(r: LogitsRules) -> bool:
     return bool(r.presence_penalty or r.frequency_penalty or r.repetition_penalty != 1)
 
 
+def grammar_only(r: LogitsRules) -> bool:
+    """Whether the rules hold a structured output and nothing else (what speculative decoding runs)."""
+    return not (_counts(r) or r.min_p or r.min_tokens or r.bias_ids or r.allowed)
+
+
 def penalize_torch(x: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
                    seen: torch.Tensor, params: torch.Tensor) -> None:
     """The penalties on rows ``rows`` of ``x``, in place, from slot ``slots[i]``'s output counts
@@ -189,6 +194,58 @@ class LogitsProcessors:
         if not counted and not guided:
             return x, None
         return x, Pending(*([c[n] for c in counted] for n in (0, 2, 3, 4)), guided)
+
+    def mask_drafts(self, plan: StepPlan, logits: torch.Tensor,
+                    spans: list[tuple[int, int, int, list[int]]]) -> tuple[torch.Tensor, dict[int, tuple[int, int]]]:
+        """Speculative decoding's structured outputs: the logits to accept drafts and draw from
+        (a masked copy where a request of ``plan`` has a grammar; the model's own stay for
+        logprobs), and {plan index: (request, output index of its first row)} of those, whose
+        tokens ``drawn`` then takes. ``spans``: (plan index, first row of ``logits``, position
+        of the token fed before that row, drafts verified after it)."""
+        g = self.grammars
+        if not g:
+            return logits, {}
+        rids = plan.req_ids.tolist()
+        guided = {i: (rids[i], pos + 1 - self.rules[rids[i]].prompt_len) for i, _, pos, _ in spans if rids[i] in g}
+        if not guided:
+            return logits, {}
+        x = logits.clone() if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        g.mask_drafts(x, [(r0, *guided[i], drafts) for i, r0, _, drafts in spans if i in guided])
+        return x, guided
+
+    def feed_guided(self, plan: StepPlan) -> None:
+        """The outputs ``plan`` feeds (a recompute's, a P/D decode side's first), to their
+        grammars (speculative decoding: ``apply`` does this for the other steps)."""
+        g = self.grammars
+        if not g:
+            return
+        rids = plan.req_ids.tolist()
+        offs, starts = plan.token_offsets.tolist(), plan.start_pos.tolist()
+        for i, rid in enumerate(rids):
+            if rid in g:
+                self._feed_grammar(plan, rid, offs[i], offs[i + 1], starts[i])
+
+    def mask_next_draft(self, plan: StepPlan, logits: torch.Tensor,
+                        rows: list[tuple[int, int, int, list[int]]]) -> torch.Tensor:
+        """A draft model's logits to propose from: a masked copy where a request has a grammar
+        (the next draft after ``drafts``). ``rows``: (row, plan index, position of the last
+        true token, drafts so far)."""
+        g = self.grammars
+        if not g:
+            return logits
+        rids = plan.req_ids.tolist()
+        guided = [(row, rids[i], pos + 1 - self.rules[rids[i]].prompt_len, drafts) for row, i, pos, drafts in rows
+                  if rids[i] in g]
+        if not guided:
+            return logits
+        x = logits.clone() if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        g.mask_next_draft(x, guided)
+        return x
+
+    def drawn(self, rid: int, k: int, tokens: list[int]) -> None:
+        """A speculative step's tokens for ``rid`` from its output ``k`` on (its grammar's)."""
+        for j, t in enumerate(tokens):
+            self.grammars.output(rid, k + j, t)
 
     def guides(self, plan: StepPlan) -> bool:
         """Whether a request of ``plan`` has a structured output (its masks wait for the tokens

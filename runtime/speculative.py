@@ -9,7 +9,8 @@ drafts this runtime proposes itself. Each step:
 2. the target runs once over every entry: prefill chunks, and for each decode the last token
    and its drafts, with logits at every one of those positions;
 3. greedy requests accept the longest prefix of drafts equal to the target's argmax, plus the
-   target's next token; sampled requests accept draft ``x`` with probability
+   target's next token (a structured output's rows masked first, each as if the drafts before
+   it were accepted: a draft outside the grammar is never accepted); sampled requests accept draft ``x`` with probability
    ``min(1, p(x) / q(x))`` and on a rejection draw from ``max(p - q, 0)`` renormalized, so the
    output is distributed exactly as the target's (Leviathan et al., Chen et al.).
 
@@ -107,7 +108,8 @@ class Speculator:
             else:
                 entries.append((i, slot, toks, int(plan.start_pos[i]), 0, params))
         passes = self.draft_passes
-        proposals, qs = self._propose(entries)
+        self.rt.processors.feed_guided(plan)  # (structured outputs: the outputs the plan feeds)
+        proposals, qs = self._propose(entries, plan)
         self.pad_passes(self.draft_passes - passes, plan.draft_passes)
         ns = np.zeros(plan.num_reqs, dtype=np.int32)
         out, counts, lp = self._verify(plan, entries, proposals, qs, ns)
@@ -120,9 +122,10 @@ class Speculator:
                           expert_counts=counts, num_drafts=proposed, gpu_s=time.perf_counter() - t0,
                           logprobs=lp[0], top_ids=lp[1], top_logprobs=lp[2])
 
-    def _propose(self, entries) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+    def _propose(self, entries, plan) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
         """Drafts per plan index, and the draft's distributions where they were sampled.
-        The first draft forward also feeds prefill chunks and the tokens the draft missed."""
+        The first draft forward also feeds prefill chunks and the tokens the draft missed.
+        A structured output's drafts are drawn from its grammar's tokens."""
         proposals: dict[int, list[int]] = {}
         qs: dict[int, list[torch.Tensor]] = {}
         feed, drafting = [], []  # drafting: (plan index, slot, first position, drafts, params, feed row)
@@ -143,6 +146,8 @@ class Speculator:
         logits, _ = self._forward(self.draft, self.kv, feed, [int(ends[r]) for *_, r in drafting])
         step = 0
         while True:
+            logits = self.rt.processors.mask_next_draft(plan, logits, [(row, i, start, proposals.get(i, []))
+                                                                       for row, (i, _, start, *_) in enumerate(drafting)])
             top = _argmax_rows(logits, [e[4] for e in drafting])
             for row, (i, slot, start, d, params, _) in enumerate(drafting):
                 tok, q = self._draw(logits[row], params, start + step + 1, top[row])
@@ -181,14 +186,19 @@ class Speculator:
                 rt.model(rt._empty_batch(), rt.kv)
             return [], None, (None, None, None)
         logits, counts = self._forward(rt.forward_model, rt.kv, feed, rows)
+        # Structured outputs: each guided row masked as if the drafts before it were accepted
+        x, guided = rt.processors.mask_drafts(plan, logits, [(i, r0, pos0, proposals.get(i, []))
+                                                             for i, _, pos0, r0, _, _ in spans])
         # One transfer for the expert counts and the argmax of every row (greedy acceptance).
-        host = torch.cat([logits.argmax(dim=-1).to(torch.int32), counts.flatten().to(torch.int32)]).cpu().numpy()
+        host = torch.cat([x.argmax(dim=-1).to(torch.int32), counts.flatten().to(torch.int32)]).cpu().numpy()
         top, counts = host[: len(rows)].tolist(), host[len(rows):].reshape(counts.shape)
         out: list[int] = []
         scored: list[int] = []  # the logits row each token of ``out`` was drawn from
         for i, slot, pos0, r0, m, params in spans:
             drafts = proposals.get(i, [])
-            got = self._accept(logits[r0 : r0 + m], drafts, qs.get(i), params, pos0, top[r0 : r0 + m])
+            got = self._accept(x[r0 : r0 + m], drafts, qs.get(i), params, pos0, top[r0 : r0 + m])
+            if i in guided:
+                rt.processors.drawn(*guided[i], got)
             ns[i] = len(got)
             out += got
             scored += range(r0, r0 + len(got))

@@ -51,7 +51,7 @@ import torch
 from lockstep.policy.step import PLACEHOLDER, StepPlan, StepResult
 
 from .base import KVConnect, KVPull, NewPlacement, NewRequests, Ready, RuntimeSpec
-from .logits import LogitsProcessors
+from .logits import LogitsProcessors, grammar_only
 from .prompt_logprobs import PromptScores
 from .launched import HostReturn, Launched
 from .models import load_model
@@ -400,8 +400,9 @@ class TorchRuntime:
             lp = msg.logprobs[i] if msg.logprobs else -1
             self.params[rid] = (msg.temperature[i], msg.top_p[i], msg.top_k[i], msg.seed[i], lp)
             if msg.rules and msg.rules[i] is not None:
-                if self.spec is not None:  # the engine refuses them first (Engine.generate)
-                    raise ValueError(f"request {rid}: penalties, min_p and min_tokens do not run with a draft model")
+                if self.spec is not None and not grammar_only(msg.rules[i]):  # (the engine refuses them first)
+                    raise ValueError(f"request {rid}: penalties, min_p, min_tokens, logit_bias and allowed_token_ids "
+                                     "do not run with a draft model")
                 self.processors.add(rid, msg.rules[i], msg.prompts[i] if msg.prompts else b"")
             if msg.prompt_logprobs:
                 self.scores.add(rid, msg.prompt_logprobs[i], msg.prompts[i])

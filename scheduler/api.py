@@ -120,10 +120,11 @@ class Engine:
                                "'priority'), lockstep serve --scheduling-policy priority)", field="priority")
         if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):  # ("" salts nothing)
             raise RequestError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}", field="cache_salt")
-        if params.processes_logits and self.config.draft_model:
-            name = next(f for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens",
-                                    "logit_bias", "allowed_token_ids", "structured_outputs")
-                        if getattr(params, f) not in (getattr(SamplingParams(), f), {}))
+        if params.processes_logits and self.config.draft_model:  # (structured outputs do run with one)
+            name = next((f for f in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                                     "min_tokens", "logit_bias", "allowed_token_ids")
+                         if getattr(params, f) not in (getattr(SamplingParams(), f), {})), None)
+        if params.processes_logits and self.config.draft_model and name is not None:
             raise RequestError(f"{name} is not supported with speculative decoding (this engine runs draft model "
                                f"{self.config.draft_model!r}): leave it at its default", field=name)
         if params.prompt_logprobs is not None:

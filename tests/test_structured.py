@@ -318,10 +318,31 @@ async def test_engines_that_cannot_run_them_refuse_by_name():
         with pytest.raises(RequestError, match="not supported with the timing runtime") as e:
             engine.generate(prompts()[0], greedy(CASES["regex"]))
         assert e.value.field == "structured_outputs"
-    async with open_engine(config(tokenizer=None, draft_model="tiny-draft")) as engine:
-        with pytest.raises(RequestError, match="structured_outputs is not supported with speculative") as e:
-            engine.generate(prompts()[0], greedy(CASES["regex"]))
-        assert e.value.field == "structured_outputs"
+
+
+@pytest.mark.parametrize("draft", ["tiny", "tiny-draft"])
+async def test_speculative_decoding_keeps_guided_greedy_tokens(draft):
+    """Drafts are drawn from the grammar's tokens, and each verified row is masked as if the
+    drafts before it were accepted: greedy tokens equal decoding alone with the grammar. The
+    draft "tiny" is the target itself: its drafts are the target's tokens, all accepted."""
+    ps = prompts()
+    cfg = config(tokenizer=None, draft_model=draft, num_spec_tokens=3)
+    async with open_engine(cfg) as engine:
+        for kind in ("json", "regex"):
+            p = greedy(CASES[kind], max_tokens=40)
+            got = await run_all(engine, ps, p)
+            assert got == [reference(x, p) for x in ps], kind
+        stats = [s.statistics() for s in engine.schedulers]
+        sampled = await run_all(engine, ps, SamplingParams(max_tokens=60, temperature=1.0, seed=3,
+                                                           structured_outputs=CASES["json"]))
+        for s in engine.schedulers:
+            assert s.core.pool.num_used == 0
+    accepted, drafted = sum(st.spec_accepted_tokens for st in stats), sum(st.spec_draft_tokens for st in stats)
+    assert accepted > 0
+    if draft == "tiny":  # the target's own drafts, from the same grammar's masks: every one accepted
+        assert accepted == drafted
+    for tokens in sampled:
+        assert_matches("json", tokens)
 
 
 def test_a_hugging_face_byte_level_vocabulary_spells_the_grammar(hf_tokenizer_dir):
