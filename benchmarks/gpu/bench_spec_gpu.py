@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -67,6 +68,10 @@ async def serve(args, draft: str, scale: float) -> dict:
                        dtype="bfloat16", tokenizer=None, scheduler=sched, runtime_options=opts, **extra)
     rng = np.random.default_rng(args.seed)
     params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
+    if args.regex:  # every token of every request guided (a grammar that cannot end within --output)
+        from lockstep.policy.request import StructuredOutputsParams
+
+        params = attrs.evolve(params, structured_outputs=StructuredOutputsParams(regex=f"[a-z]{{{args.output + 50}}}"))
     rows, tokens = [], {}
     t_load = time.perf_counter()
     async with open_engine(cfg) as engine:
@@ -136,6 +141,8 @@ def main() -> None:
     ap.add_argument("--init-range", type=float, default=0.0, help="the preset's initializer_range (0: its own)")
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile of the fast path's small ops")
     ap.add_argument("--k", type=int, default=3, help="drafts per decode")
+    ap.add_argument("--regex", action="store_true",
+                    help="structured outputs: every request held to a regex of letters on every step")
     ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
