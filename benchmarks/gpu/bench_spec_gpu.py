@@ -100,9 +100,14 @@ async def serve(args, draft: str, scale: float) -> dict:
                     first = [o.token_ids.tolist() for o in out]
             mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
             tokens[c] = first
+            if args.regex:  # (the byte tokenizer's ids: a letter's is its byte + 3)
+                letters = set(range(ord("a") + 3, ord("z") + 4))
+                row_out = sum(t not in letters for seq in first for t in seq)
             row = {"draft": draft or "none", "scale": scale, "k": args.k if draft else 0, "concurrency": c,
                    "tokens_per_s": mid["tokens_per_s"], "tpot_ms": mid["tpot_ms"],
                    "all_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+            if args.regex:
+                row["tokens_outside_regex"] = row_out
             if draft:
                 sp = mid["spec"]
                 row.update(mean_accepted=sp["accepted_tokens"] / max(sp["drafts"], 1),
