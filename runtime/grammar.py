@@ -126,8 +126,9 @@ def check(kind: str, text: str, whitespace: str) -> None:
         if kind == "json":
             try:
                 ignored = _ignored(json.loads(text))
-            except ValueError:
-                ignored = None  # (not JSON: xgrammar says so below)
+            except ValueError as e:
+                raise RequestError(f"structured_outputs.json: not valid JSON: {e}", field="structured_outputs.json") \
+                    from None
             if ignored:
                 raise RequestError(f"structured_outputs.json: the schema uses {ignored}, which xgrammar does not "
                                    "enforce (the output would not be held to it): leave it out",

@@ -185,6 +185,28 @@ def _chat_template(tok_cfg: dict):
     return env.from_string(source)
 
 
+def custom_chat_template(tokenizer, source: str):
+    """``apply_chat_template`` with a Jinja template of the caller's (vLLM's ``chat_template``
+    argument) in place of the tokenizer's own; raises TokenizerError where it does not parse."""
+    if not isinstance(source, str) or not source.strip():
+        raise TokenizerError(f"chat_template must be a Jinja template (a non-empty string), got {source!r}")
+    try:
+        import jinja2
+        template = _chat_template({"chat_template": source})
+    except ImportError:
+        template = None
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"chat_template does not parse: {e}") from None
+    if template is None:
+        raise TokenizerError("chat_template needs jinja2 (pip install jinja2)")
+    strings = getattr(tokenizer, "_token_strings", {"bos": "", "eos": ""})
+
+    def apply(messages, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        return template.render(**kwargs, messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt,
+                               bos_token=strings["bos"], eos_token=strings["eos"])
+    return apply
+
+
 def load_tokenizer(model: str | Path, vocab_size: int | None = None) -> ByteTokenizer | HFTokenizer:
     """A checkpoint directory gives its HF tokenizer; a preset name the byte tokenizer."""
     if Path(model).is_dir():

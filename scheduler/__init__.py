@@ -16,7 +16,7 @@ _LAZY = {
     "RequestOutput": "lockstep.api", "Completion": "lockstep.api",
     "EngineConfig": "lockstep.engine.config", "SchedulerConfig": "lockstep.policy.config",
     "SamplingParams": "lockstep.policy.request", "RequestError": "lockstep.policy.request",
-    "StructuredOutputsParams": "lockstep.policy.request",
+    "StructuredOutputsParams": "lockstep.policy.request", "ConfigError": "lockstep.policy.config",
 }
 __all__ = sorted(_LAZY)
 

@@ -13,6 +13,7 @@ iteration. Leaving the loop early aborts the request and frees its blocks.
 from __future__ import annotations
 
 import itertools
+import weakref
 from functools import partial
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -27,7 +28,7 @@ from lockstep.engine.disagg import DecodeSide, Disagg, PrefillSide
 from lockstep.engine.errors import plain_error
 from lockstep.engine.group import LocalGroup
 from lockstep.engine.node_group import NodeGroup, parse_address
-from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt
+from lockstep.engine.frontend import Frontend, Prompt, as_token_array, check_prompt, truncated
 from lockstep.engine.output import RequestStream
 from lockstep.engine.scheduler import Abort, Scheduler, SchedulerStats
 from lockstep.engine.stops import StopStrings, cut_at_stop_ids, feed_stop_strings
@@ -60,6 +61,8 @@ class RequestOutput:
     # On the last output: the stop string (str) or stop token id (int) that ended the request,
     # as vLLM's stop_reason; None when it ended otherwise (end of sequence, length, abort)
     stop_reason: str | int | None = None
+    prompt: str | None = None  # the prompt as given, where it was text (vLLM's)
+    prompt_token_ids: np.ndarray | None = None  # the prompt's token ids (vLLM's)
 
 
 @attrs.frozen
@@ -79,6 +82,19 @@ class Completion:
     stop_reason: str | int | None = None  # RequestOutput's
     samples: tuple = ()  # with SamplingParams.n > 1: every sample (this one's fields are the first's)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (RequestOutput's)
+    prompt: str | None = None  # the prompt as given, where it was text (vLLM's)
+    prompt_token_ids: np.ndarray | None = None  # the prompt's token ids (vLLM's)
+    index: int = 0  # which of the n samples (vLLM's CompletionOutput.index)
+
+    @property
+    def finished(self) -> bool:
+        """Always True: a Completion is a whole answer (vLLM's RequestOutput.finished)."""
+        return True
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' logprobs, with SamplingParams.logprobs (else None, as vLLM's)."""
+        return None if self.logprobs is None else float(sum(row[1] for row in self.logprobs))
 
     @property
     def outputs(self) -> tuple:
@@ -94,10 +110,12 @@ class Engine:
         self.scheduler = schedulers[0]
         self._ids = itertools.count()
         self._live: dict[int, RequestStream] = {}  # request id -> stream, while it is consumed
+        # request id -> stream, from generate() on: an abort before the first output finds it
+        self._made: weakref.WeakValueDictionary[int, RequestStream] = weakref.WeakValueDictionary()
         self.closed = False  # its open_engine block has ended
 
     def generate(self, prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, request_id: int | None = None) -> AsyncIterator[RequestOutput]:
         if self.closed:
             raise RuntimeError("this engine is closed: its open_engine block has ended")
         if isinstance(prompt, dict) and "cache_salt" in prompt:  # vLLM's prompt dicts may carry it
@@ -150,6 +168,7 @@ class Engine:
             raise RequestError("stop strings need a tokenizer, and this engine has none (tokenizer=None): use "
                                "stop_token_ids", field="stop")
         prompt = as_token_array(prompt)
+        text_prompt = prompt if isinstance(prompt, str) else None  # (vLLM's RequestOutput.prompt)
         # what does not depend on the prompt's tokens, also for a text prompt (tokenized later)
         fe = self.frontend
         params.check_vocab(fe.vocab_size, fe.eos)
@@ -158,18 +177,33 @@ class Engine:
         if params.max_tokens is not None and params.max_tokens >= fe.max_model_len:
             raise RequestError(f"max_tokens ({params.max_tokens}) leaves no room for a prompt in the model's context "
                                f"of {fe.max_model_len} tokens", reason="context_length", field="max_tokens")
+        if params.stop and not params.detokenize:
+            raise RequestError("stop strings are matched on the output's text, and detokenize=False makes none: use "
+                               "stop_token_ids, or leave detokenize True", field="detokenize")
         if not isinstance(prompt, str):
+            prompt = truncated(prompt, params, fe.max_model_len)
             check_prompt(prompt, params, self.frontend.max_model_len, self.frontend.vocab_size,
                          eos_token_id=self.frontend.eos)
-        rid = next(self._ids)
+        if request_id is None:
+            rid = next(self._ids)
+            while rid in self._made or rid in self._live:  # (one a caller chose)
+                rid = next(self._ids)
+        elif isinstance(request_id, bool) or not isinstance(request_id, int) or request_id < 0:
+            raise RequestError(f"request_id must be None or an integer >= 0, got {request_id!r}", field="request_id")
+        elif request_id in self._made or request_id in self._live:
+            raise RequestError(f"request_id {request_id} is in use by another request", field="request_id")
+        else:
+            rid = request_id
         stream = RequestStream(rid, len(prompt) if not isinstance(prompt, str) else 0, trio.current_time())
+        stream.prompt_text = text_prompt
+        self._made[rid] = stream
         return self._stream(Prompt(rid, prompt, params, stream, priority, cache_salt))
 
     async def _stream(self, p: Prompt) -> AsyncIterator[RequestOutput]:
         stream, params = p.stream, p.params
-        detok = self._detokenizer(params.skip_special_tokens)
+        detok = self._detokenizer(params.skip_special_tokens) if params.detokenize else None
         stops, n, first = set(params.stop_token_ids), 0, True
-        cut = StopStrings(params.stop) if params.stop else None
+        cut = StopStrings(params.stop, include=params.include_stop_str_in_output) if params.stop else None
         self._live[p.req_id] = stream  # here, not in generate: a generator never started holds nothing
         try:
             try:
@@ -233,6 +267,7 @@ class Engine:
             ttft_s=None if s.first_token_at is None else s.first_token_at - s.arrival,
             e2e_s=(s.finished_at - s.arrival) if done and s.finished_at is not None else None,
             queue_s=None if s.scheduled_at is None else s.scheduled_at - s.arrival, logprobs=logprobs,
+            prompt=s.prompt_text, prompt_token_ids=s.prompt_ids,
         )
 
     def _detokenizer(self, skip_special_tokens: bool = True):
@@ -262,15 +297,18 @@ class Engine:
             if isinstance(leaf, Exception):
                 raise leaf from None
             raise
+        got = [attrs.evolve(g, index=i) for i, g in enumerate(got)]
         return attrs.evolve(got[0], samples=tuple(got))
 
     def abort(self, request_id: int, reason: FinishReason = FinishReason.ABORT) -> None:
-        """Stop a request wherever it is; its blocks are freed at the next step boundary. An
-        id of no live request is ignored (it may have just finished), as vLLM's."""
+        """Stop a request wherever it is; its blocks are freed at the next step boundary. That
+        may be before its generator first runs (``generate(request_id=...)`` names it ahead):
+        it then ends at once. An id of no live request is ignored (it may have just finished),
+        as vLLM's."""
         if isinstance(request_id, bool) or not isinstance(request_id, int):
             raise RequestError(f"request_id must be an integer (RequestOutput.request_id), got {request_id!r}",
                                field="request_id")
-        stream = self._live.get(request_id)
+        stream = self._live.get(request_id) or self._made.get(request_id)  # (made: its generator not started yet)
         if stream is not None and reason is FinishReason.ABORT:
             stream.abandoned = True  # still in the Frontend, it is dropped there (RequestStream.abandoned)
         rank = self.frontend.rank_of.get(request_id)
@@ -479,4 +517,5 @@ async def collect(outputs: AsyncIterator[RequestOutput]) -> Completion:
     return Completion(last.request_id, "".join(texts), np.concatenate(ids).astype(np.int32),
                       last.finish_reason, last.num_prompt_tokens, last.ttft_s, last.e2e_s,
                       lps if last.logprobs is not None else None, prompt, last.stop_reason,
-                      num_cached_tokens=last.num_cached_tokens)
+                      num_cached_tokens=last.num_cached_tokens, prompt=last.prompt,
+                      prompt_token_ids=last.prompt_token_ids)

@@ -48,8 +48,10 @@ def _parser() -> argparse.ArgumentParser:
     serve_cli.add_parser(sub)
     bench_serve.add_parser(sub)
     profile_cli.add_parser(sub)
+    p.allow_abbrev = False
     for parser in _subparsers(p):  # every command's help shows its defaults
         parser.formatter_class = _Defaults
+        parser.allow_abbrev = False  # (--n must not be taken for --num-spec-tokens)
     return p
 
 

@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
     g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1: off")
     g.add_argument("--seed", type=int, help="sampling seed (a fixed seed repeats the same answer)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=_ids, default=(), metavar="ID,ID,...", help="token ids that end the output")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past the end of sequence (up to --max-tokens)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="in [0.0001, 10000]: a prompt or output token's positive logit divided by it, a negative "
                         "one multiplied; 1: off")
@@ -155,6 +157,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise _flag_named(e) from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=tuple(args.stop),
+                            stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
                             repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
                             presence_penalty=args.presence_penalty, min_p=args.min_p, min_tokens=args.min_tokens,
                             logit_bias=dict(args.logit_bias) or None, allowed_token_ids=args.allowed_token_ids,

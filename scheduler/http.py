@@ -40,8 +40,14 @@ class Server:
     """What the handlers share: the engine, the served model name, metrics, draining."""
 
     def __init__(self, engine, model_name: str, *, default_max_tokens: int = 256, reasoning_parser: str | None = None,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, chat_template: str | None = None):
         self.engine, self.model_name = engine, model_name
+        # the chat template: the tokenizer's, or one given in its place (serve --chat-template)
+        self.apply_chat_template = None if engine.tokenizer is None else engine.tokenizer.apply_chat_template
+        if chat_template is not None and engine.tokenizer is not None:
+            from lockstep.runtime.tokenizer import custom_chat_template
+
+            self.apply_chat_template = custom_chat_template(engine.tokenizer, chat_template)
         self.default_max_tokens = default_max_tokens
         self.reasoning_parser = reasoning_parser  # chat answers' thinking apart (lockstep.openai_reasoning)
         self.tool_parser = tool_parser  # tool_choice "auto" (lockstep.openai_tool_parser)
@@ -134,7 +140,7 @@ def make_app(servers: Server | list[Server]) -> Starlette:
                     tools = check_tools(body.get("tools"))
                 except ToolError as e:
                     raise BadRequest(str(e), e.param) from None
-                text = chat_prompt(body, tok.apply_chat_template, tools)
+                text = chat_prompt(body, server.apply_chat_template, tools)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:
@@ -217,7 +223,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
         return error("the server is shutting down", status=503, kind="service_unavailable")
     engine, job = server.engine, None
     try:
-        template = engine.tokenizer.apply_chat_template if engine.tokenizer is not None else None
+        template = server.apply_chat_template
         if chat and template is None:
             raise BadRequest("this model has no tokenizer, so no chat template", "messages")
         job = parse_completion(body, chat=chat, default_max_tokens=server.default_max_tokens,

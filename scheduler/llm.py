@@ -59,13 +59,16 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: int | Sequence[int] | None = None) -> list[Completion]:
+                 priority: int | Sequence[int] | None = None, use_tqdm: bool = True) -> list[Completion]:
         """One Completion per prompt (text, token ids, vLLM's prompt dicts, which may carry a
         ``cache_salt``, or a list of these), all run concurrently; ``params`` (or vLLM's name,
         ``sampling_params``): one SamplingParams for all, or one per prompt; ``priority``: one
         for all or one per prompt (with SchedulerConfig(policy="priority")). A bad one raises
         RequestError naming the field (and, in a batch, the prompt's index); a
-        KeyboardInterrupt aborts every request of the call."""
+        KeyboardInterrupt aborts every request of the call. (``use_tqdm`` is taken for vLLM's
+        scripts: no progress bar is drawn either way.)"""
+        if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+            raise TypeError(f"use_tqdm must be a bool, got {use_tqdm!r}")
         if sampling_params is not None:
             if params is not None:
                 raise TypeError("give params or sampling_params (vLLM's name for it), not both")
@@ -91,32 +94,52 @@ class LLM:
     def chat(self, messages, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, priority: int | Sequence[int] | None = None) -> list[Completion]:
+             continue_final_message: bool = False, priority: int | Sequence[int] | None = None,
+             chat_template: str | None = None, use_tqdm: bool = True) -> list[Completion]:
         """One Completion per conversation (a list of OpenAI-style messages, or a list of such
         lists), through the model's chat template, as vLLM's ``LLM.chat``: ``tools`` (OpenAI's
         function definitions, for the template), ``chat_template_kwargs`` (the template's own
         variables), ``add_generation_prompt``, ``continue_final_message`` (the last message, an
-        assistant's, left open). The rest as ``generate``."""
+        assistant's, left open), ``chat_template`` (a Jinja template of its own, in place of the
+        tokenizer's). The rest as ``generate``."""
         one = isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
         convs = [messages] if one else list(messages) if isinstance(messages, (list, tuple)) else [messages]
         body = {"continue_final_message": continue_final_message, "chat_template_kwargs": chat_template_kwargs}
         if add_generation_prompt is not True:  # (continue_final_message turns the default off)
             body["add_generation_prompt"] = add_generation_prompt
-        ids = self._runner.call(_chat_prompts, convs, body, tools, one)
-        return self.generate(ids[0] if one else ids, params, sampling_params=sampling_params, priority=priority)
+        ids = self._runner.call(_chat_prompts, convs, body, tools, one, chat_template)
+        return self.generate(ids[0] if one else ids, params, sampling_params=sampling_params, priority=priority,
+                             use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (``encode``, ``decode``, ``apply_chat_template``), as vLLM's;
+        None where the engine has none (tokenizer=None)."""
+        return self._runner.call(_tokenizer)
 
 
-async def _chat_prompts(engine: Engine, convs: list, body: dict, tools, one: bool) -> list[np.ndarray]:
-    """Each conversation's token ids through the engine's chat template (which writes its own bos)."""
+async def _tokenizer(engine: Engine):
+    return engine.tokenizer
+
+
+async def _chat_prompts(engine: Engine, convs: list, body: dict, tools, one: bool,
+                        chat_template: str | None = None) -> list[np.ndarray]:
+    """Each conversation's token ids through the engine's chat template, or ``chat_template``
+    (either writes its own bos)."""
     from lockstep.openai_protocol import BadRequest, chat_prompt
     from lockstep.openai_tools import ToolError, check_tools
+    from lockstep.runtime.tokenizer import TokenizerError, custom_chat_template
 
     if engine.tokenizer is None:
         raise RequestError("chat needs a tokenizer, and this engine has none (tokenizer=None)", field="messages")
+    try:
+        template = engine.tokenizer.apply_chat_template if chat_template is None else \
+            custom_chat_template(engine.tokenizer, chat_template)
+    except TokenizerError as e:
+        raise RequestError(str(e), field="chat_template") from None
     out = []
     for i, conv in enumerate(convs):
         try:
-            text = chat_prompt({**body, "messages": conv}, engine.tokenizer.apply_chat_template, check_tools(tools))
+            text = chat_prompt({**body, "messages": conv}, template, check_tools(tools))
         except (BadRequest, ToolError) as e:
             field = getattr(e, "param", None)
             raise RequestError(str(e) if one else f"messages[{i}]: {e}", field=field) from None
@@ -256,6 +279,9 @@ class _Runner:
                 self._token.run_sync_soon(self._scope.cancel)
         if self._thread.ident is not None:  # (interrupted before it started: nothing to wait for)
             self._thread.join()
+        from lockstep.engine.runtime_client import stop_forkserver
+
+        stop_forkserver()  # (and the resource tracker: nothing of the engine outlives it; kept while others run)
 
 
 def _not_in_trio(what: str) -> None:

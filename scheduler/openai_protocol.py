@@ -94,7 +94,7 @@ _COMMON = {"model", "n", "stream", "stream_options", "stop", "max_tokens", "temp
            "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "prompt_logprobs",
            "logit_bias", "allowed_token_ids", "skip_special_tokens", "response_format", "structured_outputs",
            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-           "guided_whitespace_pattern"}
+           "guided_whitespace_pattern", "include_stop_str_in_output", "truncate_prompt_tokens"}
 _FIELDS = {False: _COMMON | {"prompt", "echo"},
            True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                             "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
@@ -102,7 +102,6 @@ _FIELDS = {False: _COMMON | {"prompt", "echo"},
 _NO_OP = {  # field -> is the value the no-op one
     "best_of": lambda v: v == 1, "suffix": lambda v: not v,
     # vLLM's extras at their defaults (clients built for vLLM send them)
-    "include_stop_str_in_output": lambda v: v is False,
     "spaces_between_special_tokens": lambda v: v is True, "use_beam_search": lambda v: v is False,
     "length_penalty": lambda v: v == 1, "return_tokens_as_token_ids": lambda v: v is False,
     "echo": lambda v: v is False,  # (chat's; completions implement it)
@@ -194,6 +193,8 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
             # echo with logprobs: the prompt's too, with as many top ones; or vLLM's own field
             prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None),
             structured_outputs=structured,
+            include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+            truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int, None),
         )
         if tool_choice == "auto":  # the calls' markers are special tokens: the parser reads them
             params = attrs.evolve(params, skip_special_tokens=False)

@@ -64,6 +64,8 @@ def add_parser(sub) -> None:
                    help='tool_choice "auto" (the default with tools): the model\'s own calls read by --tool-call-parser')
     s.add_argument("--tool-call-parser", choices=["deepseek_v3"],
                    help="the model's tool-call format (deepseek_v3: DeepSeek-V3's, R1's and V3.1's)")
+    s.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) in place of the tokenizer's (vLLM's)")
     s.add_argument("--reasoning-parser", choices=["deepseek_r1"],
                    help="chat answers' thinking (up to </think>) as reasoning_content, apart from content (vLLM's)")
     s.add_argument("--runtime-option", action="append", default=[], metavar="KEY=VALUE",
@@ -306,6 +308,18 @@ def _check_flags(args) -> None:
         raise ValueError(f"--max-tokens-default must be at least 1, got {args.max_tokens_default}")
     if args.backlog < 1:
         raise ValueError(f"--backlog must be at least 1, got {args.backlog}")
+    if args.chat_template is not None:
+        from pathlib import Path
+
+        from lockstep.runtime.tokenizer import TokenizerError, custom_chat_template
+
+        path = Path(args.chat_template)
+        try:
+            if len(args.chat_template) < 4096 and path.is_file():
+                args.chat_template = path.read_text()
+            custom_chat_template(None, args.chat_template)  # (it parses: checked before any engine starts)
+        except (OSError, UnicodeDecodeError, TokenizerError) as e:
+            raise ValueError(f"--chat-template {str(path)[:80]}: {e}") from None
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # (vLLM's rule)
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format: "
                          "deepseek_v3)")
@@ -340,7 +354,7 @@ async def _run_servers(args, configs, shutdown, serving, task_status) -> None:
         for name, config in configs:  # a deployment that lists several models: an engine each
             engine = await stack.enter_async_context(open_engine(config))
             servers.append(Server(engine, name, default_max_tokens=args.max_tokens_default,
-                                  reasoning_parser=args.reasoning_parser,
+                                  reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
                                   tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None))
         server = servers[0]
         hc = Config()

@@ -406,3 +406,11 @@ def test_a_named_functions_text_is_its_call_even_cut_short():
     assert tool_calls('{"city": "Os', "weather")[0]["function"]["arguments"] == '{"city": "Os'
     assert tool_calls('[{"name": "f", "parameters": {"s": "a\x01"}}]', "required")[0]["function"]["name"] == "f"
     assert split_reasoning("abc</think>") == ("abc", None)  # (vLLM's: nothing after it is null)
+
+
+def test_vllm_stop_string_and_truncation_fields_pass_through():
+    job = parse({"prompt": [5, 6, 7], "stop": ["x"], "include_stop_str_in_output": True, "truncate_prompt_tokens": 2})
+    assert job.params.include_stop_str_in_output is True and job.params.truncate_prompt_tokens == 2
+    with pytest.raises(BadRequest) as e:
+        parse({"prompt": [5], "truncate_prompt_tokens": 0})
+    assert e.value.param == "truncate_prompt_tokens"

@@ -322,8 +322,9 @@ def test_num_spec_tokens_flag(tmp_path, capsys):
     plain, plain_toml = tmp_path / "plain.json", str(ROOT / "examples" / "h200-v2lite.toml")
     assert main(["sim", "--deployment", plain_toml, "--json", str(plain), *args]) == 0
     base = json.loads(plain.read_text())
-    base.pop("deployment")
-    assert base == {k: v for k, v in reps["0"].items() if k != "deployment"}  # K = 0: the same run
+    base.pop("deployment"), base.pop("run")
+    assert base == {k: v for k, v in reps["0"].items() if k not in ("deployment", "run")}  # K = 0: the same run
+    assert reps["0"]["run"]["num_spec_tokens"] == 0
     for rep in reps.values():
         assert rep["output_tokens"] == base["output_tokens"]
     assert main(["sim", "--deployment", plain_toml, "--num-spec-tokens", "2", *args]) == 2

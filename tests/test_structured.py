@@ -275,7 +275,7 @@ def test_a_matcher_resumes_from_the_outputs_that_stand():
 
 @pytest.mark.parametrize("so, field, message", [
     (S(json='{"type": "objectx"}'), "structured_outputs.json", "Unsupported type"),
-    (S(json="{not json"), "structured_outputs.json", "not a JSON schema"),
+    (S(json="{not json"), "structured_outputs.json", "not valid JSON"),
     (S(regex="a["), "structured_outputs.regex", "Unclosed"),
     (S(grammar="root ::= undefined_rule"), "structured_outputs.grammar", "not a EBNF grammar|undefined"),
 ])

@@ -85,11 +85,13 @@ def _watch_parent() -> None:
 
 
 def _start_planner() -> ProcessPoolExecutor:
-    from .runtime_client import forkserver_context
+    from .runtime_client import forkserver_context, main_not_rerun
 
     pool = ProcessPoolExecutor(max_workers=1, mp_context=forkserver_context(), initializer=_watch_parent)
     try:
-        pool.submit(warm_up).result()  # the process is up and has imported the planner
+        with main_not_rerun():  # (the worker process starts on the first submit)
+            future = pool.submit(warm_up)
+        future.result()  # the process is up and has imported the planner
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise

@@ -81,6 +81,7 @@ class Frontend:
             p.stream.finish(FinishReason.ABORT, trio.current_time())
             return
         p.stream.num_prompt_tokens = len(tokens)
+        p.stream.prompt_ids = tokens
         req = Request(id=p.req_id, prompt=tokens, params=p.params, arrival_time=p.stream.arrival,
                       priority=p.priority, block_hashes=hashes, hash_acc=acc,
                       cache_salt=p.cache_salt, eos_token_id=self.eos)
@@ -105,7 +106,8 @@ class Frontend:
         if isinstance(p.prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt: this engine has no tokenizer; pass token ids", field="prompt")
-            tokens = np.asarray(self.tokenizer.encode(p.prompt, add_bos=self.tokenizer.add_bos), dtype=np.int32)
+            tokens = truncated(np.asarray(self.tokenizer.encode(p.prompt, add_bos=self.tokenizer.add_bos),
+                                          dtype=np.int32), p.params, self.max_model_len)
         else:
             tokens = p.prompt
         check_prompt(tokens, p.params, self.max_model_len, self.vocab_size, check_ids=False, eos_token_id=self.eos)
@@ -140,8 +142,10 @@ def as_token_array(prompt) -> object:
     if arr.ndim == 1 and arr.size == 0:  # [] is float64 to numpy: say what is wrong with it
         raise RequestError("prompt must hold at least one token", field="prompt")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise RequestError(f"prompt must be a string or a 1-D sequence of integer token ids, "
-                           f"got {type(prompt).__name__} of shape {arr.shape} and dtype {arr.dtype}", field="prompt")
+        what = (f"{type(prompt).__name__} of shape {arr.shape} and dtype {arr.dtype}"
+                if isinstance(prompt, (np.ndarray, list, tuple)) else f"a {type(prompt).__name__}")
+        raise RequestError(f"prompt must be a string, a dict of vLLM's ('prompt' or 'prompt_token_ids') or a 1-D "
+                           f"sequence of integer token ids, got {what}", field="prompt")
     if arr.dtype != np.int32:  # wider ids must not wrap into range
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi > np.iinfo(np.int32).max:
@@ -164,6 +168,17 @@ def fill_max_tokens(p: Prompt, prompt_len: int, max_model_len: int) -> Prompt:
 
 def _tokens(n: int) -> str:
     return "1 token" if n == 1 else f"{n} tokens"
+
+
+def truncated(tokens: np.ndarray, params: SamplingParams, max_model_len: int) -> np.ndarray:
+    """The prompt's last ``truncate_prompt_tokens`` tokens (-1: as many as leave the context
+    room for max_tokens, or for one token), as vLLM keeps them."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return tokens
+    if k == -1:
+        k = max(max_model_len - (params.max_tokens or 1), 1)
+    return tokens[-k:] if len(tokens) > k else tokens
 
 
 def check_prompt(tokens: np.ndarray, params: SamplingParams, max_model_len: int, vocab_size: int, *,

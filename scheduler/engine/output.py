@@ -19,7 +19,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int32)
 class RequestStream:
     __slots__ = ("req_id", "num_prompt_tokens", "num_cached_tokens", "arrival", "scheduled_at",
                  "first_token_at", "finished_at", "_chunks", "_finish", "_error", "_wakeup", "_logprobs",
-                 "abandoned", "_prompt_logprobs", "pushed_at")
+                 "abandoned", "_prompt_logprobs", "pushed_at", "prompt_ids", "prompt_text", "__weakref__")
 
     def __init__(self, req_id: int, num_prompt_tokens: int, arrival: float):
         self.req_id = req_id
@@ -38,6 +38,8 @@ class RequestStream:
         # still on its way (tokenizing, or its Submit queued behind the abort) is dropped
         # where it arrives instead of running for nobody.
         self.abandoned = False
+        self.prompt_ids = None  # the prompt's token ids, once tokenized (RequestOutput.prompt_token_ids)
+        self.prompt_text = None  # a text prompt as given (RequestOutput.prompt)
         # Prompt logprobs (requests that asked): prompt index -> (token, logprob, top pairs);
         # a recompute after a preemption scores the prompt again: the first row stays.
         self._prompt_logprobs: dict | None = None

@@ -9,8 +9,10 @@ runtime is noticed through its process sentinel while a step is awaited, and sur
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import socket
+import sys
 import threading
 
 import msgspec
@@ -98,6 +100,34 @@ class RuntimeDied(RuntimeError):
     """The runtime process exited or failed; in-flight steps are lost."""
 
 
+_STARTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def main_not_rerun():
+    """Start processes (from the forkserver) inside this: they will not import the caller's
+    main script, as multiprocessing otherwise does in the forkserver and in each child. A
+    script without ``if __name__ == "__main__":`` would start a second engine there (and fail
+    with multiprocessing's bootstrapping error), and one read from standard input (``python -``)
+    has no file to import. Runtime processes need nothing of it: their target and arguments
+    are lockstep's. (Starts are serialized: the main module is shared.)"""
+    main = sys.modules.get("__main__")
+    with _STARTING:
+        if main is None:
+            yield
+            return
+        had_file, file, spec = hasattr(main, "__file__"), getattr(main, "__file__", None), main.__spec__
+        if had_file:
+            del main.__file__
+        main.__spec__ = None
+        try:
+            yield
+        finally:
+            main.__spec__ = spec
+            if had_file:
+                main.__file__ = file
+
+
 def forkserver_context() -> multiprocessing.context.BaseContext:
     """The forkserver every runtime starts from (torch imported once, in the server)."""
     ctx = multiprocessing.get_context("forkserver")
@@ -130,7 +160,7 @@ class RuntimeClient:
                                 args=(theirs, _ENC.encode(self.spec), err), daemon=True)
         try:
             try:
-                await trio.to_thread.run_sync(self.proc.start)
+                await trio.to_thread.run_sync(self._start_process)
             except BaseException:
                 if err is not None:
                     err_here.close()
@@ -155,6 +185,10 @@ class RuntimeClient:
             raise RuntimeDied(f"runtime sent message kind {kind} before READY")
         self.ready = msgspec.msgpack.decode(payload, type=Ready)
         return self.ready
+
+    def _start_process(self) -> None:
+        with main_not_rerun():
+            self.proc.start()
 
     async def aclose(self, timeout: float = 5.0) -> None:
         """Ask the runtime to stop, wait up to ``timeout``, then kill it; release the rings."""

@@ -40,13 +40,14 @@ def feed_stop_strings(cut: StopStrings, detok, tokens: np.ndarray, final: bool,
 class StopStrings:
     """Stop strings over streamed text, as vLLM applies them: generation stops where the first
     stop string is complete (of two ending together, the longer), cut at its start, and the
-    stop string itself is not returned (as in OpenAI's API). The last (longest - 1)
+    stop string itself is not returned (as in OpenAI's API; with ``include``, vLLM's
+    include_stop_str_in_output, it is). The last (longest - 1)
     characters are held back until what follows shows no stop string starts in them, so a
     stop string spanning deltas is never partly returned, and the text returned is the
     same however the output was split into deltas."""
 
-    def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stops)
+    def __init__(self, stops: Sequence[str], include: bool = False):
+        self.stops, self.include = tuple(stops), include
         self.hold = max(len(s) for s in self.stops) - 1
         self.held = ""
         self.matched: str | None = None  # the stop string that ended the output
@@ -59,8 +60,8 @@ class StopStrings:
         found = [(i + len(s), i, s) for s in (self.stops if armed else ())
                  for i in (text.find(s, max(held - len(s) + 1, 0)),) if i >= 0]
         if found:
-            _, start, self.matched = min(found)
-            return text[:start], True
+            end, start, self.matched = min(found)
+            return text[: end if self.include else start], True
         keep = 0 if final else min(self.hold, len(text))
         text, self.held = text[: len(text) - keep], text[len(text) - keep :]
         return text, False

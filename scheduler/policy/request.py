@@ -158,10 +158,12 @@ _STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _STRUCTURED_FIELDS = {f.name for f in attrs.fields(StructuredOutputsParams)}
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to sample one request, as vLLM's; checked when made (``validate``): a bad value
-    raises RequestError naming the field where it was typed."""
+    raises RequestError naming the field where it was typed. Fields are keywords only (vLLM's
+    first positional is n, this one's would be max_tokens) and frozen: change one with
+    ``attrs.evolve(params, max_tokens=...)``; ``clone()`` is vLLM's copy."""
 
     max_tokens: int | None = _num(16)  # None: what the context leaves after the prompt (vLLM's)
     temperature: float = _num(1.0)
@@ -198,6 +200,20 @@ class SamplingParams:
     skip_special_tokens: bool = _num(True)
     # The output matches a JSON schema, regex, choice or grammar (vLLM's structured outputs).
     structured_outputs: StructuredOutputsParams | None = attrs.field(default=None, converter=_as_structured)
+    # The stop string that ended the output stays in its text (vLLM's; not a stop token's).
+    include_stop_str_in_output: bool = _num(False)
+    # Keep only the prompt's last k tokens (vLLM's; -1: as many as the context leaves room for
+    # one output token).
+    truncate_prompt_tokens: int | None = _num(None)
+    # Text for the output (vLLM's; False: token ids only, no text).
+    detokenize: bool = _num(True)
+    # vLLM's: samples to draw to return the best n of. Only n itself (or None) is taken: like
+    # vLLM's V1 engine, this one draws n and returns them all.
+    best_of: int | None = _num(None)
+
+    def clone(self) -> SamplingParams:
+        """A copy (vLLM's; these are frozen, so it is an equal one)."""
+        return attrs.evolve(self)
 
     def __attrs_post_init__(self) -> None:
         self.validate()
@@ -280,6 +296,17 @@ class SamplingParams:
             raise RequestError(f"structured_outputs must be None, a StructuredOutputsParams or a dict of its fields "
                                f"({', '.join(sorted(_STRUCTURED_FIELDS))}), got {_short(so)}",
                                field="structured_outputs")
+        for name in ("include_stop_str_in_output", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", field=name)
+        k = self.truncate_prompt_tokens
+        if k is not None and not (_is_int(k) and (k == -1 or 1 <= k <= INT32_MAX)):
+            raise RequestError(f"truncate_prompt_tokens must be None, -1 (what the context holds) or an integer in "
+                               f"[1, 2**31 - 1], got {k!r}", field="truncate_prompt_tokens")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(f"best_of must be None or n ({self.n}): the best of more samples than are returned is "
+                               f"not drawn here (vLLM's V1 engine refuses it too), got {self.best_of!r}",
+                               field="best_of")
         if so is not None and self.min_tokens:  # the grammar may allow only end of sequence, which it holds
             raise RequestError("min_tokens cannot be combined with structured_outputs (the output's grammar may allow "
                                "only the end of sequence before min_tokens): leave it 0", field="min_tokens")
