@@ -626,9 +626,9 @@ def test_speculation_on_the_fast_path_replays_verify_and_draft_passes_as_graphs(
     assert spec.runner.sizes[-1] == 16 and spec.spec.runner.sizes[-1] == 8  # 4 requests x (1 + 2) = 12, x 2
     assert spec.spec.runner.tables is spec.runner.tables
     prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
-    want = _serve(plain, prompts)
+    want = _serve(plain, prompts, max_tokens=6)  # (two verifies at least: the interpreter is slow)
     replays, draft_replays = spec.runner.replays, spec.spec.runner.replays
-    got = _serve(spec, prompts, spec_tokens=2)
+    got = _serve(spec, prompts, spec_tokens=2, max_tokens=6)
     assert got == want
     assert spec.runner.replays > replays and spec.spec.runner.replays > draft_replays
     assert spec.spec.draft_passes > 0
@@ -698,8 +698,8 @@ def test_sampled_speculation_on_the_fast_path_draws_what_the_eager_path_draws():
     kw = dict(fast=True, compile=False, draft_model="layers:1", num_spec_tokens=2)
     graph, eager = _runtime(cuda_graphs="on" if DEV == "cuda" else "padded", **kw), _runtime(cuda_graphs="off", **kw)
     prompts = [[5] * 30, list(range(3, 23)), [9, 8, 7]]
-    got = _serve(graph, prompts, spec_tokens=2, temperature=0.8)
-    assert got == _serve(eager, prompts, spec_tokens=2, temperature=0.8)
+    got = _serve(graph, prompts, spec_tokens=2, temperature=0.8, max_tokens=6)
+    assert got == _serve(eager, prompts, spec_tokens=2, temperature=0.8, max_tokens=6)
     assert graph.runner.replays and graph.spec.runner.replays and not eager.runner.replays
 
 
