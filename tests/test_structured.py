@@ -273,6 +273,38 @@ def test_a_matcher_resumes_from_the_outputs_that_stand():
     assert PLACEHOLDER < 0  # (plans mark a decode's input so; the runtime never feeds it to a matcher)
 
 
+def test_draft_masks_are_each_rows_own_mask_after_the_drafts_before_it():
+    """A speculative step's masks, filled in rounds over several requests (one position of
+    each a round): row first + j allows what the grammar allows after the outputs and
+    drafts[:j]; a refused draft leaves the rows after it as they are; the end of a grammar
+    allows only the end of sequence; the matchers give the drafts back after."""
+    info = tokenizer_info(ByteTokenizer(512), 512, [EOS])
+    g = Grammars(lambda: info, 512, 4)
+    b = lambda c: ord(c) + 3  # noqa: E731
+    specs = {1: "abc|abd|b", 2: "[a-c]+x", 3: "ab"}
+    for rid, rx in specs.items():
+        g.add(rid, S(regex=rx).spec())
+    g.output(1, 0, b("a"))
+    # request 1 from output 1: drafts b, d (both in the grammar), then the end
+    # request 2 from output 0: drafts a, z (z refused: the row after it is never reached)
+    # request 3 from output 0: drafts a, b (then only the end of sequence)
+    rows = [(0, 1, 1, [b("b"), b("d")]), (3, 2, 0, [b("a"), b("z")]), (6, 3, 0, [b("a"), b("b")])]
+    x = torch.zeros(9, 512)
+    g.mask_drafts(x, rows)
+    ok = lambda r: set(torch.nonzero(x[r] == 0).flatten().tolist())  # noqa: E731
+    assert ok(0) == {b("b")} and ok(1) == {b("c"), b("d")} and ok(2) == {EOS}
+    assert ok(3) == {b("a"), b("b"), b("c")} and ok(4) == {b("a"), b("b"), b("c"), b("x")}
+    assert ok(5) == set(range(512))  # after the refused draft: left as it was
+    assert ok(6) == {b("a")} and ok(7) == {b("b")} and ok(8) == {EOS}
+    assert [len(g.guides[r].tokens) for r in specs] == [1, 0, 0]  # the drafts given back
+    # a draft pass's rows: one a request, after the drafts so far
+    y = torch.zeros(3, 512)
+    g.mask_next_draft(y, [(0, 1, 1, [b("b")]), (1, 2, 0, []), (2, 3, 0, [b("a"), b("b")])])
+    allowed_y = [set(torch.nonzero(y[r] == 0).flatten().tolist()) for r in range(3)]
+    assert allowed_y == [{b("c"), b("d")}, {b("a"), b("b"), b("c")}, {EOS}]
+    assert [len(g.guides[r].tokens) for r in specs] == [1, 0, 0]
+
+
 @pytest.mark.parametrize("so, field, message", [
     (S(json='{"type": "objectx"}'), "structured_outputs.json", "Unsupported type"),
     (S(json="{not json"), "structured_outputs.json", "not valid JSON"),
