@@ -41,9 +41,13 @@ CACHE_BYTES = 512 * 2**20  # xgrammar's threads filling a step's masks
 def _xgr():
     try:
         import xgrammar
-    except ImportError:
-        raise RequestError("structured_outputs need the xgrammar package, which is not installed: "
-                           "pip install xgrammar", field="structured_outputs") from None
+    except ImportError as e:
+        if e.name == "xgrammar":
+            raise RequestError("structured_outputs need the xgrammar package, which is not installed: "
+                               "pip install xgrammar", field="structured_outputs") from None
+        # (installed, but something it needs is not: say what, not "install xgrammar")
+        raise RequestError(f"structured_outputs need the xgrammar package, which did not import: {e} "
+                           f"(pip install xgrammar installs what it needs)", field="structured_outputs") from None
     return xgrammar
 
 
@@ -244,7 +248,6 @@ class Grammars:
         self.guides: dict[int, _Guide] = {}
         self._ready: collections.deque[int] = collections.deque()  # compiled, not yet reported
         self._bitmask = None  # made with the vocabulary (its width: the tokenizer's ids)
-        self._draft_bitmask = None  # a speculative step's (its rows: requests x positions)
         self.tok_vocab = vocab_size
         self.max_rows = max_rows
 
@@ -335,67 +338,58 @@ class Grammars:
         """Mask a speculative step's rows of ``x``: (first row, request, index of the output
         drawn there, drafts): row first + j draws output index + j as if drafts[:j] were
         accepted. The matcher takes the drafts for this and gives them back after (a draft
-        the grammar refuses cannot be accepted: its row's mask leaves it out). The rows are
-        filled in rounds, one position of every request a round, each round's on xgrammar's
-        threads (a matcher takes one draft between rounds: cheap next to a fill)."""
-        self._mask_rounds(x, [(r0, rid, k0, drafts, len(drafts) + 1) for r0, rid, k0, drafts in rows])
-
-    def mask_next_draft(self, x: torch.Tensor, rows: list[tuple[int, int, int, list[int]]]) -> None:
-        """Mask a draft model's rows of ``x``: (row, request, index of the output of its first
-        draft, drafts so far): the row draws the next draft, after those."""
-        self._mask_rounds(x, [(row - len(drafts), rid, k0, drafts, -1) for row, rid, k0, drafts in rows])
-
-    def _mask_rounds(self, x: torch.Tensor, rows: list[tuple[int, int, int, list[int], int]]) -> None:
-        """(first row, request, index of the output drawn at the first row, drafts, positions):
-        row first + j is masked for output index + j, drafts[:j] taken, for j < positions;
-        positions -1: only j = len(drafts) (a draft pass's one row)."""
+        the grammar refuses cannot be accepted: its row's mask leaves it out)."""
         masked, ending, rid_of = [], [], {}
-        live, taken = [], []  # live: (guide, first row, request, index of its first output, position, last)
         bm = None
-        try:
-            for r0, rid, k0, drafts, n in rows:
-                g = self._at(rid, k0)
-                g.tokens += drafts  # (for now: given back below)
-                taken.append((g, k0))
-                live.append((g, r0, rid, k0, len(drafts) if n < 0 else 0, len(drafts) if n < 0 else n - 1))
-            while live:
-                todo, at, nxt = [], [], []
-                for g, r0, rid, k0, j, last in live:
+        for r0, rid, k0, drafts in rows:
+            g = self._at(rid, k0)
+            g.tokens += drafts  # (for now)
+            try:
+                for j in range(len(drafts) + 1):
                     state = self._catch_up(rid, g, k0 + j, drafts_from=k0)
                     if state == "end":
                         ending.append(r0 + j)
                     if state in ("end", "refused"):  # (the rows after it are never reached)
-                        continue
+                        break
                     if state == "fill":
-                        todo.append(g.matcher)
-                        at.append(r0 + j)
+                        if bm is None:  # (made once the first compile read the vocabulary)
+                            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+                        g.matcher.fill_next_token_bitmask(bm, r0 + j)
+                        masked.append(r0 + j)
                         rid_of[r0 + j] = rid
-                    if j < last:
-                        nxt.append((g, r0, rid, k0, j + 1, last))
-                if todo:  # (each matcher once a round: every request is at one position)
-                    bm = self._rows_bitmask(len(x))  # (a fill means the vocabulary was read)
-                    self._batch.batch_fill_next_token_bitmask(todo, bm, indices=at)
-                    masked += at
-                live = nxt
-        finally:
-            for g, k0 in taken:
+            finally:
                 g.keep(k0)
-        masked.sort()
         if masked:
             ending += self._dead(bm, masked, rid_of)
-        if ending and bm is None:
-            bm = self._rows_bitmask(len(x))
+        if ending and bm is None and self._bitmask is not None:
+            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
         self._apply(x, bm, masked, ending)
 
-    def _rows_bitmask(self, n: int):
-        """A bitmask of at least ``n`` rows for a speculative step's masks, made once and
-        grown as needed (rows not masked this time are never read); None before the
-        vocabulary is read."""
-        if self._bitmask is None:
-            return None
-        if self._draft_bitmask is None or len(self._draft_bitmask) < n:
-            self._draft_bitmask = _xgr().allocate_token_bitmask(max(n, self.max_rows), self.tok_vocab)
-        return self._draft_bitmask
+    def mask_next_draft(self, x: torch.Tensor, rows: list[tuple[int, int, int, list[int]]]) -> None:
+        """Mask a draft model's rows of ``x``: (row, request, index of the output of its first
+        draft, drafts so far): the row draws the next draft, after those."""
+        masked, ending, rid_of = [], [], {}
+        bm = None
+        for row, rid, k0, drafts in rows:
+            g = self._at(rid, k0)
+            g.tokens += drafts  # (for now)
+            try:
+                state = self._catch_up(rid, g, k0 + len(drafts), drafts_from=k0)
+                if state == "end":
+                    ending.append(row)
+                elif state == "fill":
+                    if bm is None:
+                        bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+                    g.matcher.fill_next_token_bitmask(bm, row)
+                    masked.append(row)
+                    rid_of[row] = rid
+            finally:
+                g.keep(k0)
+        if masked:
+            ending += self._dead(bm, masked, rid_of)
+        if ending and bm is None and self._bitmask is not None:
+            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+        self._apply(x, bm, masked, ending)
 
     # -- the pieces of a mask ------------------------------------------------------------------
     def _at(self, rid: int, k: int) -> _Guide:
