@@ -17,8 +17,10 @@ $(BIN)/lockstep: pyproject.toml
 run: $(BIN)/lockstep
 	$(BIN)/lockstep sim
 
+# Two workers, a test file each at a time (its module fixtures and forkserver stay in one
+# process): CI's machine has 2 cores, and most tests wait on their runtime processes.
 test: $(BIN)/lockstep
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 bench: $(BIN)/lockstep
 	$(BIN)/python benchmarks/bench_scheduler.py

@@ -47,3 +47,24 @@ def descendant_pids() -> set[int]:
         frontier = {p for p, pp in parent.items() if pp in frontier} - out
         out |= frontier
     return out
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def leaked_shm(before: set[str], prefix: str = "lockstep") -> set[str]:
+    """Names under /dev/shm starting with ``prefix`` that appeared since ``before`` and whose
+    maker is gone. ``make test`` runs test files in two worker processes at once, so a file
+    whose maker still runs (``lockstep-ep-<pid>-...``: the peer exchange's) may be another
+    worker's; one whose maker has exited, or that names none, was left behind."""
+    out = set()
+    for name in shm_names() - before:
+        if not name.startswith(prefix):
+            continue
+        parts = name.split("-")
+        pid = int(parts[2]) if len(parts) > 3 and parts[1] == "ep" and parts[2].isdigit() else None
+        if pid is not None and os.path.exists(f"/proc/{pid}") and pid not in descendant_pids():
+            continue  # (another worker's, alive)
+        out.add(name)
+    return out

@@ -29,6 +29,7 @@ from lockstep.policy.rebalance import EplbConfig, Rebalancer
 from lockstep.policy.request import SamplingParams
 from lockstep.runtime.models.expert_parallel import ShardedExperts, choose_slots
 from lockstep.runtime.placements import ExpertPlacements
+from leaks import leaked_shm, shm_names
 
 
 def _engine_tests():
@@ -289,7 +290,7 @@ async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split, 
     the switch included."""
     ps = E.prompts()
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    shm = set(os.listdir("/dev/shm"))
+    shm = shm_names()
     cfg = attrs.evolve(E.config(tokenizer=None), dep=2,
                        eplb=EplbConfig(redundant_experts=2, window_steps=3, token_split=split),
                        runtime_options={"ep_dispatch": "padded", "ep_exchange": exchange})
@@ -299,7 +300,7 @@ async def test_dep2_padded_dispatch_keeps_greedy_tokens_through_a_switch(split, 
     for p, g in zip(ps, got):
         assert g == E.reference_greedy(p, params.max_tokens)
     assert stats.generation >= 1
-    assert not {f for f in set(os.listdir("/dev/shm")) - shm if f.startswith("lockstep-ep-")}
+    assert not leaked_shm(shm, "lockstep-ep-")
 
 
 def _peer_exchange_worker(rank: int, world: int, port: int) -> None:
@@ -414,9 +415,9 @@ def test_peer_exchange_delivers_what_an_all_to_all_does_and_leaves_no_file():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    before = set(os.listdir("/dev/shm"))
+    before = shm_names()
     tmp.start_processes(_peer_exchange_worker, args=(3, port), nprocs=3, start_method="forkserver")
-    assert not {f for f in set(os.listdir("/dev/shm")) - before if f.startswith("lockstep-ep-")}
+    assert not leaked_shm(before, "lockstep-ep-")
 
 
 async def test_dep2_proportional_token_split_keeps_greedy_tokens():

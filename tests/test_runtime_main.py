@@ -10,6 +10,7 @@ import msgspec
 from lockstep.runtime import main as runtime_main
 from lockstep.runtime.base import RuntimeSpec
 from lockstep.transports.shm_ring import Ring, send_ring
+from leaks import leaked_shm, shm_names
 
 
 class _StuckInLoad:
@@ -38,7 +39,7 @@ def _stuck_runtime(sock: socket.socket, engine_end: socket.socket, scratch: str)
 def test_a_runtime_stuck_in_its_load_ends_when_the_engine_is_gone(tmp_path):
     """It exits by itself, and removes the files it tracked (``runtime.leftovers``)."""
     scratch = str(tmp_path / "lockstep-ep-scratch")
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_names()
     ctx = mp.get_context("fork")  # the stub runtime lives in this module
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = ctx.Process(target=_stuck_runtime, args=(child, parent, scratch), daemon=True)
@@ -65,4 +66,4 @@ def test_a_runtime_stuck_in_its_load_ends_when_the_engine_is_gone(tmp_path):
         from_rt.close()
         if parent.fileno() >= 0:
             parent.close()
-    assert not [f for f in set(os.listdir("/dev/shm")) - shm_before if "lockstep" in f]
+    assert not leaked_shm(shm_before)
