@@ -189,6 +189,47 @@ async def test_a_guided_request_arriving_mid_batch_waits_for_its_grammar_not_the
     assert got["plain"] == reference_greedy(ps[0], 300)
 
 
+async def test_a_grammar_the_runtime_has_compiled_is_not_held_again():
+    """Once a result has said a grammar is compiled, a later request with the same grammar
+    arriving mid-batch is planned at once (its compile is a cache hit in the runtime); another
+    grammar is still held. Tokens are those of decoding alone."""
+    ps = prompts()
+    plain = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    p, other = greedy(CASES["regex"], max_tokens=8), greedy(CASES["json"], max_tokens=8)
+    got, held = {}, []
+
+    class Held(dict):  # the requests ever held
+        def __setitem__(self, rid, req):
+            held.append(rid)
+            super().__setitem__(rid, req)
+
+    async with open_engine(config(tokenizer=None)) as engine:
+        s = engine.schedulers[0]
+        s._compiling = Held()
+        got["first"], _ = await collect(engine, ps[3], p)  # (compiled, and reported, here)
+        ids = {}
+
+        async def one(key, prompt, params):
+            gen = engine.generate(prompt, params)
+            out = []
+            async for o in gen:
+                ids.setdefault(key, o.request_id)
+                out += o.token_ids.tolist()
+            got[key] = out
+        steps = s.steps
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "plain", ps[0], plain)
+            while s.steps < steps + 3:  # (the plain request decodes: 300 steps to go)
+                await trio.sleep(0.01)
+            n.start_soon(one, "again", ps[4], p)
+            n.start_soon(one, "other", ps[2], other)
+        assert (s._compiling, s._grammar_of) == ({}, {})
+    assert held == [ids["other"]]
+    assert got["first"] == reference(ps[3], p) and got["again"] == reference(ps[4], p)
+    assert got["other"] == reference(ps[2], other)
+    assert got["plain"] == reference_greedy(ps[0], 300)
+
+
 @pytest.mark.parametrize("dep", [1, 2])
 async def test_held_requests_start_once_nothing_else_runs(dep):
     """Where no result says a grammar is ready (here: taken out of every result), a held request

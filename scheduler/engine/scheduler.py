@@ -22,7 +22,7 @@ boundaries).
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable
 
 import attrs
@@ -42,6 +42,7 @@ from .output import RequestStream, deliver
 from .pacing import Pacer, RealTime
 from .runtime_client import RuntimeClient, RuntimeDied, new_requests
 
+_COMPILED_KEPT = 1024  # grammars remembered as compiled (the runtime's cache holds up to 512 MB of them)
 _MAX_FAILED_STARTS = 3  # a group restart whose runtime fails to start this often in a row stops
 
 log = structlog.get_logger("lockstep.scheduler")
@@ -132,6 +133,12 @@ class Scheduler:
         # Structured-output requests whose grammar the runtime is compiling: out of the core
         # until a result says it is done (their prompts stay in ``inbound`` for the router).
         self._compiling: dict[int, Request] = {}
+        # The grammars (structured_outputs.spec()) this runtime has compiled, most recent last:
+        # a request whose grammar is among them is not held (its compile is a cache hit in the
+        # runtime, as vLLM's scheduler finds such a grammar ready at once); and the grammar of
+        # each request whose compile the runtime has not reported yet.
+        self._compiled: OrderedDict[tuple, None] = OrderedDict()
+        self._grammar_of: dict[int, tuple] = {}
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
         # Plans sent and not yet answered, oldest first: with async scheduling the next plan
         # is sent as soon as it is made, so the runtime starts it the moment it finishes
@@ -182,8 +189,11 @@ class Scheduler:
                 await self._restart(e)
                 continue
             plan = self._in_flight.popleft()
-            if self._compiling and len(result.grammars_ready):
-                self._start_held(result.grammars_ready.tolist())
+            if len(result.grammars_ready):
+                ready = result.grammars_ready.tolist()
+                self._note_compiled(ready)
+                if self._compiling:
+                    self._start_held(ready)
             self._note_placement(plan, result)
             self.pacer.step_done(result)
             if self.on_result is not None:
@@ -294,7 +304,10 @@ class Scheduler:
                 if p.prompt_logprobs is not None:  # nothing scores the first prompt token
                     stream.push_prompt_logprob(0, (int(req.prompt[0]), None, [], None))
                 self.client.add_requests(new_requests(req))  # (a grammar starts compiling there)
-                if p.structured_outputs is not None and (self._in_flight or self.core.has_work()):
+                grammar = None if p.structured_outputs is None else tuple(p.structured_outputs.spec())
+                if grammar is not None:
+                    self._grammar_of[req.id] = grammar
+                if grammar is not None and (self._in_flight or self.core.has_work()) and grammar not in self._compiled:
                     self._compiling[req.id] = req
                 else:
                     self.inbound -= req.prompt_len
@@ -325,6 +338,16 @@ class Scheduler:
             case _:
                 if self.role is None or not self.role.handle(self, msg, now):
                     raise TypeError(f"Scheduler got an unknown message {msg!r}")
+
+    def _note_compiled(self, rids: list[int]) -> None:
+        """The runtime has compiled these requests' grammars (kept in its compiler's cache)."""
+        for rid in rids:
+            grammar = self._grammar_of.pop(rid, None)
+            if grammar is not None:
+                self._compiled[grammar] = None
+                self._compiled.move_to_end(grammar)
+                if len(self._compiled) > _COMPILED_KEPT:
+                    self._compiled.popitem(last=False)
 
     def _start_held(self, rids: list[int]) -> None:
         """Queue the held requests among ``rids`` (others: aborted meanwhile, or never held)."""
@@ -551,6 +574,8 @@ class Scheduler:
         for req in self._compiling.values():
             self.inbound -= req.prompt_len
         self._compiling.clear()
+        self._compiled.clear()  # (a new runtime's compiler starts empty)
+        self._grammar_of.clear()
         if self.role is not None:
             self.role.on_fail(self)
         streams, self.streams = self.streams, {}
