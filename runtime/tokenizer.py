@@ -192,13 +192,12 @@ def custom_chat_template(tokenizer, source: str):
         raise TokenizerError(f"chat_template must be a Jinja template (a non-empty string), got {source!r}")
     try:
         import jinja2
-        template = _chat_template({"chat_template": source})
     except ImportError:
-        template = None
+        raise TokenizerError("chat_template needs jinja2 (pip install jinja2)") from None
+    try:
+        template = _chat_template({"chat_template": source})
     except jinja2.TemplateSyntaxError as e:
         raise TokenizerError(f"chat_template does not parse: {e}") from None
-    if template is None:
-        raise TokenizerError("chat_template needs jinja2 (pip install jinja2)")
     strings = getattr(tokenizer, "_token_strings", {"bos": "", "eos": ""})
 
     def apply(messages, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
