@@ -20,11 +20,13 @@ the forward runs (as vLLM overlaps its bitmasks with the forward).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import functools
 import json
 import logging
 import os
 import re
+import threading
 
 import numpy as np
 import torch
@@ -34,8 +36,9 @@ from lockstep.policy.request import RequestError
 from .models.batch import to_device
 
 log = logging.getLogger("lockstep.runtime")
-FILL_THREADS = min(4, os.cpu_count() or 1)
-CACHE_BYTES = 512 * 2**20  # xgrammar's threads filling a step's masks
+FILL_THREADS = min(4, os.cpu_count() or 1)  # xgrammar's threads filling a step's masks
+CACHE_BYTES = 512 * 2**20  # xgrammar's compiled grammars (as vLLM caps them)
+RECENT_KEPT = 64  # compiled grammars kept at hand, by spec (Grammars._recent)
 
 
 def _xgr():
@@ -178,10 +181,11 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
 
 
 class _Guide:
-    __slots__ = ("future", "_matcher", "tokens", "after", "start", "scanned", "matched", "broken")
+    __slots__ = ("future", "early", "_matcher", "tokens", "after", "start", "scanned", "matched", "broken")
 
-    def __init__(self, future, after: list[int]):
+    def __init__(self, future, after: list[int], early=None):
         self.future = future  # the matcher, once its grammar is compiled
+        self.early = early  # () -> a matcher, or None: its grammar compiled for another request meanwhile
         self._matcher = None
         self.tokens: list[int] = []  # the request's outputs by index, as far as known
         self.after = after  # the grammar applies after these ids (a reasoning model's end of thinking)
@@ -193,7 +197,12 @@ class _Guide:
     @property
     def matcher(self):
         if self._matcher is None:
-            self._matcher = self.future.result()  # (waits for a compile still running)
+            # Equal grammars compile once: a request queued behind another's compile on the
+            # pool takes the one already made rather than waiting its turn.
+            made = None if self.future.done() or self.early is None else self.early()
+            if made is not None:
+                self.future.cancel()
+            self._matcher = made if made is not None else self.future.result()  # (waits for a compile still running)
         return self._matcher
 
     def keep(self, k: int) -> None:
@@ -247,6 +256,10 @@ class Grammars:
         self._pool = None
         self.guides: dict[int, _Guide] = {}
         self._ready: collections.deque[int] = collections.deque()  # compiled, not yet reported
+        # The grammars compiled last, by spec: a request with one of them gets its matcher at
+        # once, not through the pool, where it could wait behind another grammar's compile.
+        self._recent: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self._recent_lock = threading.Lock()
         self._bitmask = None  # made with the vocabulary (its width: the tokenizer's ids)
         self.tok_vocab = vocab_size
         self.max_rows = max_rows
@@ -263,9 +276,16 @@ class Grammars:
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
             self._batch = _xgr().BatchGrammarMatcher(max_threads=FILL_THREADS)
-        future = self._pool.submit(self._compile, list(spec))
-        future.add_done_callback(lambda _, rid=rid: self._ready.append(rid))  # (on the compile's thread)
-        self.guides[rid] = _Guide(future, list(after))
+        key = tuple(spec)
+        compiled = self._compiled(key)
+        if compiled is not None:
+            future = concurrent.futures.Future()
+            future.set_result(_xgr().GrammarMatcher(compiled))
+            self._ready.append(rid)
+        else:
+            future = self._pool.submit(self._compile, key)
+            future.add_done_callback(lambda _, rid=rid: self._ready.append(rid))  # (on the compile's thread)
+        self.guides[rid] = _Guide(future, list(after), functools.partial(self._matcher_now, key))
 
     def take_ready(self) -> list[int]:
         """The requests whose grammar finished compiling (or failing to) since the last call."""
@@ -274,7 +294,19 @@ class Grammars:
             out.append(self._ready.popleft())
         return out
 
-    def _compile(self, spec: list[str]):
+    def _compiled(self, key: tuple):
+        """The grammar compiled for ``key`` lately, or None."""
+        with self._recent_lock:
+            compiled = self._recent.get(key)
+            if compiled is not None:
+                self._recent.move_to_end(key)
+            return compiled
+
+    def _matcher_now(self, key: tuple):
+        compiled = self._compiled(key)
+        return None if compiled is None else _xgr().GrammarMatcher(compiled)
+
+    def _compile(self, spec: tuple):
         xgr = _xgr()
         if self._compiler is None:  # (the vocabulary is read once, for the first guided request)
             info = self._make_info()
@@ -297,6 +329,10 @@ class Grammars:
                     else c.compile_grammar(choice_ebnf(json.loads(text))) if kind == "choice"
                     # any JSON object (OpenAI's json_object mode asks for an object; vLLM compiles this too)
                     else c.compile_json_schema('{"type": "object"}', any_whitespace=whitespace == "any"))
+        with self._recent_lock:
+            self._recent[spec] = compiled
+            if len(self._recent) > RECENT_KEPT:
+                self._recent.popitem(last=False)
         return xgr.GrammarMatcher(compiled)
 
     def forget(self, rid: int) -> None:

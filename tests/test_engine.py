@@ -60,9 +60,9 @@ def reference_greedy(prompt: np.ndarray, n: int) -> list[int]:
     return out
 
 
-async def collect(engine, prompt, params):
+async def collect(engine, prompt, params, **kw):
     toks, last = [], None
-    async for out in engine.generate(prompt, params):
+    async for out in engine.generate(prompt, params, **kw):
         toks.append(out.token_ids)
         last = out
     return np.concatenate(toks).tolist(), last

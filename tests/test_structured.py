@@ -230,6 +230,39 @@ async def test_a_grammar_the_runtime_has_compiled_is_not_held_again():
     assert got["plain"] == reference_greedy(ps[0], 300)
 
 
+async def test_requests_held_for_one_grammar_start_when_the_first_of_them_is_ready():
+    """Requests arriving mid-batch with the same new grammar are all held; once a result says
+    one of them is compiled, the others start too (the runtime has the grammar), even where
+    no result names them (here: taken out of every result)."""
+    ps = prompts()
+    plain = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    p = greedy(CASES["grammar"], max_tokens=8)
+    first, second = 1000, 1001  # (request ids)
+    got, plans = {}, []
+    async with open_engine(config(tokenizer=None)) as engine:
+        s = engine.schedulers[0]
+        s.on_plan = lambda plan: plans.append(set(plan.req_ids.tolist()))
+
+        async def first_only(receive=s.client.receive_result):
+            r = await receive()
+            return attrs.evolve(r, grammars_ready=r.grammars_ready[r.grammars_ready == first])
+        s.client.receive_result = first_only
+
+        async def one(key, prompt, params, rid=None):
+            got[key], _ = await collect(engine, prompt, params, request_id=rid)
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "plain", ps[0], plain)
+            while s.steps < 3:  # (the plain request decodes: 300 steps to go)
+                await trio.sleep(0.01)
+            n.start_soon(one, first, ps[3], p, first)
+            n.start_soon(one, second, ps[4], p, second)
+        assert (s._compiling, set(s._grammar_of)) == ({}, {second})  # (its report was taken out)
+    start = {rid: next(i for i, planned in enumerate(plans) if rid in planned) for rid in (first, second)}
+    assert start[second] <= start[first] + 1 < 100  # (not once the plain request is done)
+    assert got[first] == reference(ps[3], p) and got[second] == reference(ps[4], p)
+    assert got["plain"] == reference_greedy(ps[0], 300)
+
+
 @pytest.mark.parametrize("dep", [1, 2])
 async def test_held_requests_start_once_nothing_else_runs(dep):
     """Where no result says a grammar is ready (here: taken out of every result), a held request
@@ -479,6 +512,31 @@ def test_an_engine_constrains_only_what_follows_after_tokens():
         out = llm.generate([prompts()[2]], SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=so))[0]
     toks = out.token_ids.tolist()
     assert toks[0] == first and toks[-1] == EOS and re.fullmatch("[a-c]{5}", text(toks[1:-1]))
+
+
+def test_a_grammar_compiled_once_gives_later_requests_their_matchers_without_the_pool():
+    """A request whose grammar the runtime compiled lately is ready when it arrives (reported
+    at once), and one already queued behind another compile takes the compiled grammar rather
+    than waiting its turn on the pool."""
+    import threading
+
+    info = tokenizer_info(ByteTokenizer(512), 512, [EOS])
+    g = Grammars(lambda: info, 512, 4)
+    spec = S(regex="[0-9]{2}").spec()
+    g.add(1, spec)
+    blocker = threading.Event()
+    g._pool.submit(blocker.wait, 60)  # the pool's one thread: busy after 1's compile
+    g.add(2, spec)  # (queued behind the blocker: 1's compile is not done yet)
+    try:
+        g.guides[1].future.result()
+        assert g.take_ready() == [1]
+        g.add(3, spec)
+        assert g.guides[3].future.done() and g.take_ready() == [3]
+        m = g.guides[2].matcher  # (the blocker still holds the pool)
+        assert g.guides[2].future.cancelled() and m.accept_string("42") and not m.accept_string("7")
+    finally:
+        blocker.set()
+    assert g.take_ready() == [2]  # (its cancelled compile: reported, as a finished one is)
 
 
 def test_a_grammar_that_allows_nothing_or_refused_an_output_ends_it():

@@ -192,8 +192,9 @@ class Scheduler:
             if len(result.grammars_ready):
                 ready = result.grammars_ready.tolist()
                 self._note_compiled(ready)
-                if self._compiling:
-                    self._start_held(ready)
+                if self._compiling:  # (and those held for an equal grammar: the runtime has it now)
+                    done = self._compiled
+                    self._start_held(ready + [rid for rid in self._compiling if self._grammar_of.get(rid) in done])
             self._note_placement(plan, result)
             self.pacer.step_done(result)
             if self.on_result is not None:
