@@ -15,8 +15,16 @@ depend on the weights' values.
 
 For each concurrency c in --concurrency: c requests at once (random prompts of --prompt
 tokens, greedy, --output tokens each, EOS ignored); output tokens/s over the wall time of the
-batch (median of --repeat), TPOT, and the speculation counters over those requests
-(acceptance per position, mean accepted drafts). Greedy tokens with a draft are compared with
+batch (median of --repeat), TPOT, TTFT (median and slowest), the steps the batch took (those
+carrying a prefill apart, with their time and the runtime's own host and device seconds), each
+request's tokens per decode step (fewest first: one request that never accepts a draft sets
+the batch's wall time), and the speculation counters over those requests (acceptance per
+position, mean accepted drafts).
+
+With --regex, take a small scale (1e-6): the regex's letters are far down a random target's
+choices, and at 1e-4 a request can settle on a letter where the draft's and the target's
+second choices differ by a hair; its output then repeats that letter and no draft of it is
+accepted again (seen on the H200: 1 request of 8, 3 of 32; session 26). Greedy tokens with a draft are compared with
 the plain run's, request by request, up to each one's first difference (bf16 near-ties may
 part them: a verify of 1 + k rows sums in another order than a one-row decode).
 
@@ -76,6 +84,19 @@ async def serve(args, draft: str, scale: float) -> dict:
     t_load = time.perf_counter()
     async with open_engine(cfg) as engine:
         load_s = time.perf_counter() - t_load
+        # Each step: when its result came, whether some request prefilled, and the runtime's
+        # own host and device seconds for it.
+        steps = []
+        most_new = 1 + (args.k if draft else 0)
+        sampled: dict[int, list[int]] = {}  # request -> tokens each decode step gave it
+
+        def on_result(plan, result):
+            steps.append((time.perf_counter(), bool(len(plan.num_new) and plan.num_new.max() > most_new),
+                          result.host_s, result.gpu_s))
+            for rid, new, got in zip(plan.req_ids.tolist(), plan.num_new.tolist(), result.num_sampled.tolist()):
+                if new <= most_new:
+                    sampled.setdefault(rid, []).append(got)
+        engine.scheduler.on_result = on_result
         await engine.complete(rng.integers(10, 500, 16).astype(np.int32), SamplingParams(max_tokens=4))  # warm
         for c in args.concurrency:
             runs, first = [], None
@@ -83,7 +104,14 @@ async def serve(args, draft: str, scale: float) -> dict:
                 prompts = [np.random.default_rng([args.seed, c, i]).integers(10, 500, args.prompt).astype(np.int32)
                            for i in range(c)]
                 before = engine.spec_statistics() if draft else None
+                if args.regex and args.fresh_grammar:  # a grammar no request has used yet: compiled while the batch arrives
+                    from lockstep.policy.request import StructuredOutputsParams
+
+                    params = attrs.evolve(params, structured_outputs=StructuredOutputsParams(
+                        regex=f"[a-z]{{{args.output + 50}}}[0-9]{{{1 + rep + 10 * c}}}"))
                 out = [None] * c
+                steps.clear()
+                sampled.clear()
                 t0 = time.perf_counter()
 
                 async def one(i):
@@ -94,7 +122,21 @@ async def serve(args, draft: str, scale: float) -> dict:
                 wall = time.perf_counter() - t0
                 n_out = sum(len(o.token_ids) for o in out)
                 tpot = [(o.e2e_s - o.ttft_s) / max(len(o.token_ids) - 1, 1) for o in out]
+                when = np.array([t0] + [s[0] for s in steps])
+                took = np.diff(when)
+                pre = np.array([s[1] for s in steps], bool)
+                host, gpu = (np.array([s[i] for s in steps]) for i in (2, 3))
+                ttft = [o.ttft_s for o in out]
                 runs.append({"tokens_per_s": n_out / wall, "tpot_ms": 1e3 * float(np.median(tpot)),
+                             "ttft_ms": 1e3 * float(np.median(ttft)), "ttft_max_ms": 1e3 * max(ttft),
+                             "steps": len(steps), "prefill_steps": int(pre.sum()),
+                             # each request's tokens per decode step, fewest first
+                             "per_request": sorted(round(float(np.mean(v)), 2) for v in sampled.values()),
+                             "prefill_step_ms": 1e3 * float(took[pre].sum()),
+                             "decode_step_ms": 1e3 * float(np.median(took[~pre])) if (~pre).any() else float("nan"),
+                             "prefill_host_ms": 1e3 * float(host[pre].sum()), "prefill_gpu_ms": 1e3 * float(gpu[pre].sum()),
+                             "decode_host_ms": 1e3 * float(np.median(host[~pre])) if (~pre).any() else float("nan"),
+                             "decode_gpu_ms": 1e3 * float(np.median(gpu[~pre])) if (~pre).any() else float("nan"),
                              "spec": _delta(before, engine.spec_statistics()) if draft else None})
                 if first is None:
                     first = [o.token_ids.tolist() for o in out]
@@ -105,6 +147,9 @@ async def serve(args, draft: str, scale: float) -> dict:
                 row_out = sum(t not in letters for seq in first for t in seq)
             row = {"draft": draft or "none", "scale": scale, "k": args.k if draft else 0, "concurrency": c,
                    "tokens_per_s": mid["tokens_per_s"], "tpot_ms": mid["tpot_ms"],
+                   **{k: mid[k] for k in ("ttft_ms", "ttft_max_ms", "steps", "prefill_steps", "prefill_step_ms",
+                                          "decode_step_ms", "prefill_host_ms", "prefill_gpu_ms", "decode_host_ms",
+                                          "decode_gpu_ms", "per_request")},
                    "all_tokens_per_s": [r["tokens_per_s"] for r in runs]}
             if args.regex:
                 row["tokens_outside_regex"] = row_out
@@ -148,6 +193,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3, help="drafts per decode")
     ap.add_argument("--regex", action="store_true",
                     help="structured outputs: every request held to a regex of letters on every step")
+    ap.add_argument("--fresh-grammar", action="store_true",
+                    help="with --regex: each batch's regex is one no request used before (compiled as it arrives)")
     ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--output", type=int, default=128)
