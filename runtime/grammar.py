@@ -1,12 +1,11 @@
 """Structured outputs (vLLM's): a request's JSON schema, regex, choice or grammar masks its
 logits each step, through xgrammar.
 
-The engine checks a request's grammar when the request is made (``check``: xgrammar parses
-it, no tokenizer needed), so a bad schema is a RequestError naming the field, not a runtime's
-failure. The runtime compiles it against the model's vocabulary (``Grammars``; the compiler
-caches equal grammars) and keeps one matcher per request. Each step a guided row's matcher
-takes the request's outputs it has not yet seen, then fills the row's bitmask of the tokens
-that keep the output inside the grammar; once the output is complete only the end of
+The engine checks a request's grammar when the request is made (``grammar_check.check``), so
+a bad schema is a RequestError naming the field, not a runtime's failure. The runtime compiles
+it against the model's vocabulary (``Grammars``; the compiler caches equal grammars) and keeps
+one matcher per request. Each step a guided row's matcher takes the request's outputs it has
+not yet seen, then fills the row's bitmask of the tokens that keep the output inside the grammar; once the output is complete only the end of
 sequence is allowed. With ``after`` (a reasoning model's end of thinking) the grammar applies
 from the output after those ids; the thinking is not constrained. The matcher follows the
 outputs by index: a step the scheduler dropped (its request preempted while it ran) or
@@ -25,137 +24,18 @@ import functools
 import json
 import logging
 import os
-import re
 import threading
 
 import numpy as np
 import torch
 
-from lockstep.policy.request import RequestError
-
+from .grammar_check import xgrammar_message, load_xgrammar, choice_ebnf, prepare_schema
 from .models.batch import to_device
 
 log = logging.getLogger("lockstep.runtime")
 FILL_THREADS = min(4, os.cpu_count() or 1)  # xgrammar's threads filling a step's masks
 CACHE_BYTES = 512 * 2**20  # xgrammar's compiled grammars (as vLLM caps them)
 RECENT_KEPT = 64  # compiled grammars kept at hand, by spec (Grammars._recent)
-
-
-def _xgr():
-    try:
-        import xgrammar
-    except ImportError as e:
-        if e.name == "xgrammar":
-            raise RequestError("structured_outputs need the xgrammar package, which is not installed: "
-                               "pip install xgrammar", field="structured_outputs") from None
-        # (installed, but something it needs is not: say what, not "install xgrammar")
-        raise RequestError(f"structured_outputs need the xgrammar package, which did not import: {e} "
-                           f"(pip install xgrammar installs what it needs)", field="structured_outputs") from None
-    return xgrammar
-
-
-def _message(e: Exception) -> str:
-    """xgrammar's error without its '[time] /project/cpp/file.cc:123: ' prefix."""
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip()).strip()
-
-
-def choice_ebnf(choices: list[str]) -> str:
-    # (JSON string literals are EBNF string literals: the same escapes)
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-# JSON Schema keywords xgrammar 0.2.9 drops without a word (it compiles the schema as if they
-# were not there): a schema using one is refused, since its output would not be held to it
-# (vLLM falls back to another backend for most of them).
-_IGNORED = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
-            "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
-# A JSON string's characters as a pattern: xgrammar 0.2.9 writes a string with minLength or
-# maxLength as a rule that lets raw control characters through (not JSON); its pattern rule
-# keeps them escaped, so such strings become this pattern with their bounds.
-_JSON_CHARS = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
-
-
-_NAMED = ("properties", "$defs", "definitions", "patternProperties")  # maps from names to schemas
-_DATA = ("enum", "const", "default", "examples", "required", "description", "title")  # values, not schemas
-
-
-def _ignored(node, path: str = "") -> str | None:
-    """The first keyword xgrammar would ignore in a schema, with its path, or None."""
-    if isinstance(node, list):
-        return next((f for i, v in enumerate(node) if (f := _ignored(v, f"{path}/{i}"))), None)
-    if not isinstance(node, dict):
-        return None
-    for key, value in node.items():
-        if key in _IGNORED and not (key == "uniqueItems" and value is False):
-            return f"{key!r} (at {path or '/'})"
-        if key == "allOf" and isinstance(value, list) and len(value) > 1:
-            return f"'allOf' with {len(value)} schemas (at {path or '/'})"
-        if key in _DATA:
-            continue
-        if key in _NAMED and isinstance(value, dict):
-            found = next((f for name, v in value.items() if (f := _ignored(v, f"{path}/{key}/{name}"))), None)
-        else:
-            found = _ignored(value, f"{path}/{key}")
-        if found:
-            return found
-    return None
-
-
-def _bounded_strings(node):
-    """The schema with each string's minLength / maxLength as a pattern (see _JSON_CHARS)."""
-    if isinstance(node, list):
-        return [_bounded_strings(v) for v in node]
-    if not isinstance(node, dict):
-        return node
-    node = {k: _bounded_strings(v) for k, v in node.items()}
-    if node.get("type") == "string" and ("minLength" in node or "maxLength" in node) and not (
-            {"pattern", "format", "enum", "const"} & set(node)):
-        lo, hi = int(node.pop("minLength", 0)), node.pop("maxLength", None)
-        node["pattern"] = f"^{_JSON_CHARS}{{{lo},{'' if hi is None else int(hi)}}}$"
-    return node
-
-
-def prepare_schema(text: str) -> str:
-    """A JSON schema's text as xgrammar should compile it (strings' length bounds as patterns)."""
-    try:
-        schema = json.loads(text)
-    except ValueError:
-        return text  # (xgrammar names what is wrong with it)
-    return json.dumps(_bounded_strings(schema))
-
-
-@functools.lru_cache(maxsize=256)
-def check(kind: str, text: str, whitespace: str) -> None:
-    """Raise RequestError (naming ``structured_outputs.<kind>``) where xgrammar cannot read
-    this grammar. (Cached: clients send the same schema again and again.)"""
-    xgr = _xgr()
-    try:
-        if kind == "json":
-            try:
-                ignored = _ignored(json.loads(text))
-            except ValueError as e:
-                raise RequestError(f"structured_outputs.json: not valid JSON: {e}", field="structured_outputs.json") \
-                    from None
-            if ignored:
-                raise RequestError(f"structured_outputs.json: the schema uses {ignored}, which xgrammar does not "
-                                   "enforce (the output would not be held to it): leave it out",
-                                   field="structured_outputs.json")
-            xgr.Grammar.from_json_schema(prepare_schema(text), any_whitespace=whitespace == "any")
-        elif kind == "regex":
-            xgr.Grammar.from_regex(text)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(text)
-        elif kind == "choice":
-            xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
-        elif kind != "json_object":
-            raise RequestError(f"structured_outputs: unknown kind {kind!r}", field="structured_outputs")
-    except RequestError:
-        raise
-    except Exception as e:  # noqa: BLE001 - xgrammar's RuntimeError / InvalidJSONError: the user's input
-        what = {"json": "a JSON schema", "regex": "a regular expression", "grammar": "an EBNF grammar",
-                "choice": "a choice"}[kind]
-        raise RequestError(f"structured_outputs.{kind}: not {what} xgrammar can use: {_message(e)}",
-                           field=f"structured_outputs.{kind}") from None
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
@@ -165,7 +45,7 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
     preset's 102,400 against the byte tokenizer's 259) are masked apart (``Grammars.mask``),
     since xgrammar counts ids that decode to nothing as special and checks each accepted
     token against them one by one (20 µs a token with 100K of them)."""
-    xgr = _xgr()
+    xgr = load_xgrammar()
     from lockstep.runtime.tokenizer import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
@@ -275,12 +155,12 @@ class Grammars:
             from concurrent.futures import ThreadPoolExecutor
 
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="lockstep-grammar")
-            self._batch = _xgr().BatchGrammarMatcher(max_threads=FILL_THREADS)
+            self._batch = load_xgrammar().BatchGrammarMatcher(max_threads=FILL_THREADS)
         key = tuple(spec)
         compiled = self._compiled(key)
         if compiled is not None:
             future = concurrent.futures.Future()
-            future.set_result(_xgr().GrammarMatcher(compiled))
+            future.set_result(load_xgrammar().GrammarMatcher(compiled))
             self._ready.append(rid)
         else:
             future = self._pool.submit(self._compile, key)
@@ -304,10 +184,10 @@ class Grammars:
 
     def _matcher_now(self, key: tuple):
         compiled = self._compiled(key)
-        return None if compiled is None else _xgr().GrammarMatcher(compiled)
+        return None if compiled is None else load_xgrammar().GrammarMatcher(compiled)
 
     def _compile(self, spec: tuple):
-        xgr = _xgr()
+        xgr = load_xgrammar()
         if self._compiler is None:  # (the vocabulary is read once, for the first guided request)
             info = self._make_info()
             self._bitmask = xgr.allocate_token_bitmask(self.max_rows, info.vocab_size)
@@ -389,7 +269,7 @@ class Grammars:
                         break
                     if state == "fill":
                         if bm is None:  # (made once the first compile read the vocabulary)
-                            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+                            bm = load_xgrammar().allocate_token_bitmask(len(x), self.tok_vocab)
                         g.matcher.fill_next_token_bitmask(bm, r0 + j)
                         masked.append(r0 + j)
                         rid_of[r0 + j] = rid
@@ -398,7 +278,7 @@ class Grammars:
         if masked:
             ending += self._dead(bm, masked, rid_of)
         if ending and bm is None and self._bitmask is not None:
-            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+            bm = load_xgrammar().allocate_token_bitmask(len(x), self.tok_vocab)
         self._apply(x, bm, masked, ending)
 
     def mask_next_draft(self, x: torch.Tensor, rows: list[tuple[int, int, int, list[int]]]) -> None:
@@ -415,7 +295,7 @@ class Grammars:
                     ending.append(row)
                 elif state == "fill":
                     if bm is None:
-                        bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+                        bm = load_xgrammar().allocate_token_bitmask(len(x), self.tok_vocab)
                     g.matcher.fill_next_token_bitmask(bm, row)
                     masked.append(row)
                     rid_of[row] = rid
@@ -424,7 +304,7 @@ class Grammars:
         if masked:
             ending += self._dead(bm, masked, rid_of)
         if ending and bm is None and self._bitmask is not None:
-            bm = _xgr().allocate_token_bitmask(len(x), self.tok_vocab)
+            bm = load_xgrammar().allocate_token_bitmask(len(x), self.tok_vocab)
         self._apply(x, bm, masked, ending)
 
     # -- the pieces of a mask ------------------------------------------------------------------
@@ -449,7 +329,7 @@ class Grammars:
                 g.matcher
             except Exception as e:  # noqa: BLE001 - the engine compiled it once (check): not expected
                 g.broken = True
-                log.error("request %d: its grammar did not compile here (%s); its output ends here", rid, _message(e))
+                log.error("request %d: its grammar did not compile here (%s); its output ends here", rid, xgrammar_message(e))
         if g.broken:
             return "end"
         m = g.matcher
@@ -487,7 +367,7 @@ class Grammars:
             # (through pinned memory: a copy from pageable memory would make the host wait for the
             # device, and a step launched ahead would gain nothing)
             rows = to_device(np.array(masked, np.int32), x.device)
-            _xgr().apply_token_bitmask_inplace(x, to_device(bm[:masked[-1] + 1].numpy(), x.device),
+            load_xgrammar().apply_token_bitmask_inplace(x, to_device(bm[:masked[-1] + 1].numpy(), x.device),
                                                vocab_size=n, indices=rows)
             if n < x.shape[1]:  # the model's ids past the tokenizer's: never drawn
                 x[:, n:].index_fill_(0, rows.long(), float("-inf"))

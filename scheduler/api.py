@@ -161,7 +161,7 @@ class Engine:
             if self.config.runtime == "timing":
                 raise RequestError("structured_outputs is not supported with the timing runtime (it computes no "
                                    "logits): leave it None", field="structured_outputs")
-            from lockstep.runtime.grammar import check  # (xgrammar: imported on first use)
+            from lockstep.runtime.grammar_check import check  # (xgrammar: imported on first use)
 
             check(*params.structured_outputs.spec())
         if params.stop and self.tokenizer is None:

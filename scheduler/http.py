@@ -250,7 +250,7 @@ async def _complete(pick, request: Request, *, chat: bool) -> Response:
                 so = attrs.evolve(so, after_tokens=tuple(engine.tokenizer.encode(THINK_END).tolist()))
                 job = attrs.evolve(job, params=attrs.evolve(job.params, structured_outputs=so))
         if so is not None and engine.config.runtime != "timing":  # compiled off the event loop (xgrammar's first
-            from lockstep.runtime.grammar import check  # import alone takes ~2 s), checked once more when made
+            from lockstep.runtime.grammar_check import check  # import alone takes ~2 s), checked once more when made
 
             if job.tool_choice == "required":  # a function xgrammar cannot read is named, not the whole list
                 for i, tool in enumerate(job.tools):

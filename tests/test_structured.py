@@ -22,7 +22,8 @@ from lockstep.engine.config import EngineConfig
 from lockstep.policy.config import SchedulerConfig
 from lockstep.policy.request import FinishReason, RequestError, SamplingParams
 from lockstep.policy.step import PLACEHOLDER
-from lockstep.runtime.grammar import Grammars, check, tokenizer_info
+from lockstep.runtime.grammar import Grammars, tokenizer_info
+from lockstep.runtime.grammar_check import check
 from lockstep.runtime.tokenizer import ByteTokenizer
 from test_engine import collect, config, prompts, reference_greedy, tiny_model
 from test_model_hf import hf_tokenizer_dir  # noqa: F401 - a fixture

@@ -20,7 +20,8 @@ tok.add_special_tokens(["<s>", "</s>"])
 tok.save("/tmp/bigtok/tokenizer.json")
 json.dump({"bos_token": "<s>", "eos_token": "</s>"}, open("/tmp/bigtok/tokenizer_config.json", "w"))
 from lockstep.runtime.tokenizer import HFTokenizer
-from lockstep.runtime.grammar import tokenizer_info, prepare_schema
+from lockstep.runtime.grammar import tokenizer_info
+from lockstep.runtime.grammar_check import prepare_schema
 import xgrammar as xgr
 t = HFTokenizer("/tmp/bigtok")
 t0 = time.perf_counter(); info = tokenizer_info(t, 100002, [t.eos_token_id]); print("info", round(time.perf_counter() - t0, 2), "s", info.vocab_size)
