@@ -69,6 +69,8 @@ async def serve(args, draft: str, scale: float) -> dict:
         opts["preset_overrides"] = over
     if args.no_compile:
         opts["compile"] = False
+    if args.no_launch_ahead:
+        opts["launch_ahead"] = False
     if args.device == "cpu":  # checks the script: the graph path's buffers, kernels interpreted
         opts.update(fast=True, cuda_graphs="padded", compile=False, preset_overrides={"num_hidden_layers": 2})
     extra = dict(draft_model=draft, num_spec_tokens=args.k) if draft else {}
@@ -150,7 +152,8 @@ async def serve(args, draft: str, scale: float) -> dict:
                    **{k: mid[k] for k in ("ttft_ms", "ttft_max_ms", "steps", "prefill_steps", "prefill_step_ms",
                                           "decode_step_ms", "prefill_host_ms", "prefill_gpu_ms", "decode_host_ms",
                                           "decode_gpu_ms", "per_request")},
-                   "all_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+                   "all_tokens_per_s": [r["tokens_per_s"] for r in runs],
+                   "distinct_tokens": len({t for seq in first for t in seq})}
             if args.regex:
                 row["tokens_outside_regex"] = row_out
             if draft:
@@ -190,6 +193,8 @@ def main() -> None:
                     help="comma-separated DRAFT@SCALE settings (DRAFT 'none': no speculation)")
     ap.add_argument("--init-range", type=float, default=0.0, help="the preset's initializer_range (0: its own)")
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile of the fast path's small ops")
+    ap.add_argument("--no-launch-ahead", action="store_true",
+                    help="runtime option launch_ahead off: each step's tokens are back before the next starts")
     ap.add_argument("--k", type=int, default=3, help="drafts per decode")
     ap.add_argument("--regex", action="store_true",
                     help="structured outputs: every request held to a regex of letters on every step")

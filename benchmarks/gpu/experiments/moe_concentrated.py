@@ -1,13 +1,14 @@
-"""Experiment (session 26): is the fused MoE slower when every token of a decode batch picks the
-same experts? The engine's v2-lite decode step took 6.06 ms of device time at 8 requests whose
-tokens were all equal (random weights scaled 1e-6: every request repeats one token) against
-3.21 ms when a regex made them differ; 8.76 against 3.98 ms at 32. Times fused_moe on one
-v2-lite layer's shape with the ids of T tokens spread at random, and all T tokens on the same
-6 experts (a CUDA graph of the call, replayed: median of 50 samples of 20 replays).
+"""Experiment (session 26): how much of a decode step's time is the spread of its routing? The
+engine's v2-lite plain decode step took 6.06 ms of device time at 8 requests against 3.21 ms
+when a regex held every request to letters (whose outputs repeat a few letters); 8.76 against
+3.98 ms at 32. Times fused_moe on one v2-lite layer's shape with the ids of T tokens spread
+at random, and all T tokens on the same 6 experts (a CUDA graph of the call, replayed: median
+of 50 samples of 20 replays).
 
 Run from the repository root: python3 benchmarks/gpu/experiments/moe_concentrated.py
-Result on one H200 (2026-12-02, raw/2026-12-02-h200-session26-moe-concentrated.txt): no, the
-other way round (50.6 against 174.7 us at 8 tokens, 50.5 against 257.4 at 32)."""
+Result on one H200 (2026-12-02, raw/2026-12-02-h200-session26-moe-concentrated.txt): 50.6
+against 174.7 us at 8 tokens, 50.5 against 257.4 at 32: over 26 MoE layers, the whole
+difference between the two engine runs."""
 import statistics
 import sys
 from pathlib import Path
