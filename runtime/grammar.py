@@ -35,7 +35,7 @@ from .models.batch import to_device
 log = logging.getLogger("lockstep.runtime")
 FILL_THREADS = min(4, os.cpu_count() or 1)  # xgrammar's threads filling a step's masks
 CACHE_BYTES = 512 * 2**20  # xgrammar's compiled grammars (as vLLM caps them)
-RECENT_KEPT = 64  # compiled grammars kept at hand, by spec (Grammars._recent)
+RECENT_KEPT = 16  # compiled grammars kept at hand, by spec (Grammars._recent; past xgrammar's cache cap too)
 
 
 def tokenizer_info(tokenizer, vocab_size: int, stop_ids: list[int]):
