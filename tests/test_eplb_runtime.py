@@ -381,7 +381,7 @@ def test_direct_dispatch_kernels_compute_what_exact_dispatch_does(monkeypatch):
 
 
 def test_the_exchange_through_peers_memory_is_chosen_only_on_one_host():
-    from lockstep.runtime.torch_runtime import exchange_for
+    from lockstep.runtime.runtime_setup import exchange_for
 
     assert exchange_for(None, "cuda", ["a", "a"]) == "direct"
     assert exchange_for(None, "cpu", ["a", "a"]) == "nccl"
