@@ -181,7 +181,7 @@ async def test_a_guided_request_arriving_mid_batch_waits_for_its_grammar_not_the
             while s.steps < 3:  # (the plain request decodes: 300 steps to go)
                 await trio.sleep(0.01)
             n.start_soon(one, "guided", ps[4], p)
-        assert (s.inbound, s.statistics().waiting, s._compiling) == (0, 0, {})
+        assert (s.inbound, s.statistics().waiting, s.holds.held) == (0, 0, {})
     plain_id = next(iter(events[0][1]))
     guided_id = next(r for kind, ids in events for r in ids if r != plain_id)
     first_plan = next(i for i, (kind, ids) in enumerate(events) if kind == "plan" and guided_id in ids)
@@ -206,7 +206,7 @@ async def test_a_grammar_the_runtime_has_compiled_is_not_held_again():
 
     async with open_engine(config(tokenizer=None)) as engine:
         s = engine.schedulers[0]
-        s._compiling = Held()
+        s.holds.held = Held()
         got["first"], _ = await collect(engine, ps[3], p)  # (compiled, and reported, here)
         ids = {}
 
@@ -224,7 +224,7 @@ async def test_a_grammar_the_runtime_has_compiled_is_not_held_again():
                 await trio.sleep(0.01)
             n.start_soon(one, "again", ps[4], p)
             n.start_soon(one, "other", ps[2], other)
-        assert (s._compiling, s._grammar_of) == ({}, {})
+        assert (s.holds.held, s.holds.awaiting) == ({}, {})
     assert held == [ids["other"]]
     assert got["first"] == reference(ps[3], p) and got["again"] == reference(ps[4], p)
     assert got["other"] == reference(ps[2], other)
@@ -257,7 +257,7 @@ async def test_requests_held_for_one_grammar_start_when_the_first_of_them_is_rea
                 await trio.sleep(0.01)
             n.start_soon(one, first, ps[3], p, first)
             n.start_soon(one, second, ps[4], p, second)
-        assert (s._compiling, set(s._grammar_of)) == ({}, {second})  # (its report was taken out)
+        assert (s.holds.held, set(s.holds.awaiting)) == ({}, {second})  # (its report was taken out)
     start = {rid: next(i for i, planned in enumerate(plans) if rid in planned) for rid in (first, second)}
     assert start[second] <= start[first] + 1 < 100  # (not once the plain request is done)
     assert got[first] == reference(ps[3], p) and got[second] == reference(ps[4], p)
@@ -286,7 +286,7 @@ async def test_held_requests_start_once_nothing_else_runs(dep):
                 await trio.sleep(0.01)
             for i in range(2):
                 n.start_soon(one, ("guided", i), ps[3 + i], p)
-        assert [(s.inbound, s._compiling) for s in engine.schedulers] == [(0, {})] * dep
+        assert [(s.inbound, s.holds.held) for s in engine.schedulers] == [(0, {})] * dep
     assert [got["guided", i] for i in range(2)] == [reference(ps[3 + i], p) for i in range(2)]
 
 
@@ -309,9 +309,9 @@ async def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behin
             stream = RequestStream(req.id, req.prompt_len, trio.current_time())
             s.inbound += req.prompt_len
             s._handle(Submit(req, stream), trio.current_time())
-            assert list(s._compiling) == [req.id] and s.statistics().waiting == 1
+            assert list(s.holds.held) == [req.id] and s.statistics().waiting == 1
             s._handle(Abort(req.id), trio.current_time())
-            assert (s._compiling, stream.done, stream._finish) == ({}, True, FinishReason.ABORT)
+            assert (s.holds.held, stream.done, stream._finish) == ({}, True, FinishReason.ABORT)
             assert req.id not in s.core.requests and req.id not in s.streams
         assert (s.inbound, s.statistics().waiting, s.statistics().running) == (0, 0, 0)
 

@@ -95,11 +95,8 @@ class Recovery:
         now = self.pacer.now()
         for rid in list(self.core.requests):
             self.core.abort(rid)
-        for req in self._compiling.values():
+        for req in self.holds.clear():
             self.inbound -= req.prompt_len
-        self._compiling.clear()
-        self._compiled.clear()  # (a new runtime's compiler starts empty)
-        self._grammar_of.clear()
         if self.role is not None:
             self.role.on_fail(self)
         streams, self.streams = self.streams, {}

@@ -22,7 +22,7 @@ boundaries).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Callable
 
 import attrs
@@ -31,6 +31,7 @@ import structlog
 import trio
 
 from lockstep.policy.core import SchedulerCore
+from lockstep.policy.grammar_holds import GrammarHolds
 from lockstep.policy.request import FinishReason, Request, RequestError
 from lockstep.policy.step import StepPlan, StepResult
 
@@ -43,7 +44,6 @@ from .pacing import Pacer, RealTime
 from .recovery import Recovery
 from .runtime_client import RuntimeClient, RuntimeDied, new_requests
 
-_COMPILED_KEPT = 1024  # grammars remembered as compiled (the runtime's cache holds up to 512 MB of them)
 
 log = structlog.get_logger("lockstep.scheduler")
 
@@ -132,13 +132,7 @@ class Scheduler(Recovery):
         self._want_logprobs: set[int] = set()
         # Structured-output requests whose grammar the runtime is compiling: out of the core
         # until a result says it is done (their prompts stay in ``inbound`` for the router).
-        self._compiling: dict[int, Request] = {}
-        # The grammars (structured_outputs.spec()) this runtime has compiled, most recent last:
-        # a request whose grammar is among them is not held (its compile is a cache hit in the
-        # runtime, as vLLM's scheduler finds such a grammar ready at once); and the grammar of
-        # each request whose compile the runtime has not reported yet.
-        self._compiled: OrderedDict[tuple, None] = OrderedDict()
-        self._grammar_of: dict[int, tuple] = {}
+        self.holds = GrammarHolds()
         self.send_channel, self._inbox = trio.open_memory_channel(math.inf)
         # Plans sent and not yet answered, oldest first: with async scheduling the next plan
         # is sent as soon as it is made, so the runtime starts it the moment it finishes
@@ -190,11 +184,7 @@ class Scheduler(Recovery):
                 continue
             plan = self._in_flight.popleft()
             if len(result.grammars_ready):
-                ready = result.grammars_ready.tolist()
-                self._note_compiled(ready)
-                if self._compiling:  # (and those held for an equal grammar: the runtime has it now)
-                    done = self._compiled
-                    self._start_held(ready + [rid for rid in self._compiling if self._grammar_of.get(rid) in done])
+                self._start(self.holds.compiled(result.grammars_ready.tolist()))
             self._note_placement(plan, result)
             self.pacer.step_done(result)
             if self.on_result is not None:
@@ -212,7 +202,7 @@ class Scheduler(Recovery):
         """Nothing in flight: wait for a message (in step time: jump to the next arrival,
         which is planned alone, as the simulator does). In a DEP group, a message to any
         rank wakes every rank, and all of them run the next round together."""
-        if self._compiling:  # (a message, so that a DEP group wakes as for any other)
+        if self.holds:  # (a message, so that a DEP group wakes as for any other)
             self.send_channel.send_nowait(StartHeld())
         sub = self.pacer.wake()
         if sub is not None:
@@ -305,18 +295,12 @@ class Scheduler(Recovery):
                 if p.prompt_logprobs is not None:  # nothing scores the first prompt token
                     stream.push_prompt_logprob(0, (int(req.prompt[0]), None, [], None))
                 self.client.add_requests(new_requests(req))  # (a grammar starts compiling there)
-                grammar = None if p.structured_outputs is None else tuple(p.structured_outputs.spec())
-                if grammar is not None:
-                    self._grammar_of[req.id] = grammar
-                if grammar is not None and (self._in_flight or self.core.has_work()) and grammar not in self._compiled:
-                    self._compiling[req.id] = req
-                else:
-                    self.inbound -= req.prompt_len
-                    self.core.add_request(req)
+                if not self.holds.arrive(req, busy=bool(self._in_flight) or self.core.has_work()):
+                    self._start([req])
             case Abort(req_id=rid, reason=reason):
                 self._unscheduled.discard(rid)
                 self._want_logprobs.discard(rid)
-                held = self._compiling.pop(rid, None)
+                held = self.holds.drop(rid)
                 if held is not None:
                     self.inbound -= held.prompt_len
                 if self.core.abort(rid) or held is not None:
@@ -327,7 +311,7 @@ class Scheduler(Recovery):
                 if s is not None:
                     s.finish(reason, now)
             case StartHeld():
-                self._start_held(list(self._compiling))
+                self._start(self.holds.release_all())
             case Stop():
                 self._stopping = True
             case Rebalance(gen=gen, phy2log=phy2log, model="draft"):
@@ -340,23 +324,11 @@ class Scheduler(Recovery):
                 if self.role is None or not self.role.handle(self, msg, now):
                     raise TypeError(f"Scheduler got an unknown message {msg!r}")
 
-    def _note_compiled(self, rids: list[int]) -> None:
-        """The runtime has compiled these requests' grammars (kept in its compiler's cache)."""
-        for rid in rids:
-            grammar = self._grammar_of.pop(rid, None)
-            if grammar is not None:
-                self._compiled[grammar] = None
-                self._compiled.move_to_end(grammar)
-                if len(self._compiled) > _COMPILED_KEPT:
-                    self._compiled.popitem(last=False)
-
-    def _start_held(self, rids: list[int]) -> None:
-        """Queue the held requests among ``rids`` (others: aborted meanwhile, or never held)."""
-        for rid in rids:
-            req = self._compiling.pop(rid, None)
-            if req is not None:
-                self.inbound -= req.prompt_len
-                self.core.add_request(req)
+    def _start(self, reqs: list[Request]) -> None:
+        """Into the core (their prompts leave ``inbound``: the core's load counts them now)."""
+        for req in reqs:
+            self.inbound -= req.prompt_len
+            self.core.add_request(req)
 
     def _plan(self, now: float) -> StepPlan | None:
         plan = self.core.schedule(now)
@@ -507,7 +479,7 @@ class Scheduler(Recovery):
     def statistics(self) -> SchedulerStats:
         c = self.core
         return SchedulerStats(
-            running=c.num_running, waiting=c.num_waiting + len(self._compiling), kv_blocks_used=c.pool.num_used,
+            running=c.num_running, waiting=c.num_waiting + len(self.holds), kv_blocks_used=c.pool.num_used,
             kv_blocks_total=c.pool.num_blocks, prefix_queries=self._old[0] + c.prefix_queries,
             prefix_hits=self._old[1] + c.prefix_hits, preemptions=self._old[2] + c.num_preemptions,
             steps=self.steps, generated_tokens=self.generated, runtime_restarts=self.restarts,

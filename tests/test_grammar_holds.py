@@ -1,0 +1,45 @@
+"""GrammarHolds, the sans-I/O policy behind vLLM's WAITING_FOR_FSM in the engine: which
+structured-output requests wait for their grammar's compile, and which start on a report."""
+
+import numpy as np
+
+from lockstep import StructuredOutputsParams as S
+from lockstep.policy.grammar_holds import GrammarHolds
+from lockstep.policy.request import Request, SamplingParams
+
+A, B = S(regex="[0-9]+"), S(regex="[a-z]+")
+
+
+def req(rid: int, so=None) -> Request:
+    return Request(id=rid, prompt=np.arange(1, 9, dtype=np.int32), params=SamplingParams(structured_outputs=so))
+
+
+def test_only_guided_requests_arriving_while_others_run_are_held():
+    h = GrammarHolds()
+    assert not h.arrive(req(1), busy=True)  # no grammar
+    assert not h.arrive(req(2, A), busy=False)  # an idle engine: it compiles while it prefills
+    assert h.arrive(req(3, A), busy=True)
+    assert list(h.held) == [3] and len(h) == 1 and set(h.awaiting) == {2, 3}
+
+
+def test_a_report_starts_its_request_and_those_held_for_an_equal_grammar():
+    h = GrammarHolds()
+    for rid, so in ((1, A), (2, A), (3, B)):
+        assert h.arrive(req(rid, so), busy=True)
+    assert [r.id for r in h.compiled([1])] == [1, 2]  # 2's own report has not come
+    assert list(h.held) == [3] and set(h.awaiting) == {2, 3}
+    assert not h.arrive(req(4, A), busy=True)  # compiled already: not held again
+    assert h.compiled([2, 4]) == [] and [r.id for r in h.compiled([3])] == [3]
+    assert (h.held, h.awaiting) == ({}, {})
+
+
+def test_drop_release_and_clear():
+    h = GrammarHolds(kept=1)
+    for rid, so in ((1, A), (2, B), (3, B)):
+        h.arrive(req(rid, so), busy=True)
+    assert h.drop(1).id == 1 and h.drop(1) is None
+    assert [r.id for r in h.release_all()] == [2, 3] and len(h) == 0
+    h.compiled([1, 2])  # (kept=1: the older grammar, A, is forgotten)
+    assert h.arrive(req(5, A), busy=True) and not h.arrive(req(6, B), busy=True)
+    assert [r.id for r in h.clear()] == [5] and (h.held, h.awaiting) == ({}, {})
+    assert h.arrive(req(7, B), busy=True)  # a new runtime has compiled nothing
