@@ -5,8 +5,8 @@ streams, dispatch the plan made while it ran, and plan the next one (async sched
 N+1 is planned while step N executes, exactly as the simulator models it). Messages
 (submissions, aborts) are taken at step boundaries. A structured-output request that arrives
 while others run waits outside the core until a result says its runtime compiled its grammar
-(vLLM's WAITING_FOR_FSM): scheduled at once, its first sampling step would wait for the
-compile, and every request in that step with it. A runtime that dies fails every request
+(vLLM's WAITING_FOR_FSM; ``lockstep.policy.grammar_holds``): scheduled at once, its first
+sampling step would wait for the compile, and every request in that step with it. A runtime that dies fails every request
 it held with a clear error; the actor then starts a fresh runtime and a fresh core and goes
 on serving (``recovery``).
 
