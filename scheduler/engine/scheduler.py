@@ -6,9 +6,9 @@ N+1 is planned while step N executes, exactly as the simulator models it). Messa
 (submissions, aborts) are taken at step boundaries. A structured-output request that arrives
 while others run waits outside the core until a result says its runtime compiled its grammar
 (vLLM's WAITING_FOR_FSM; ``lockstep.policy.grammar_holds``): scheduled at once, its first
-sampling step would wait for the compile, and every request in that step with it. A runtime that dies fails every request
-it held with a clear error; the actor then starts a fresh runtime and a fresh core and goes
-on serving (``recovery``).
+sampling step would wait for the compile, and every request in that step with it. A runtime
+that dies fails every request it held with a clear error; the actor then starts a fresh
+runtime and a fresh core and goes on serving (``recovery``).
 
 With expert load balancing, every step's expert counts go to the Balancer actor, whose new
 placements go to the runtime with the next plan; the runtime's ready placement generation
