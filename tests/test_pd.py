@@ -310,7 +310,7 @@ def test_a_cuda_engine_gives_each_runtime_its_own_gpu():
     """On ``cuda`` (no index) the engine numbers its runtimes, prefill pool first, and each
     takes the GPU of its number: P/D's pools land on different GPUs. The clients are only
     made here, not started (no GPU on this machine)."""
-    from lockstep.api import _pool
+    from lockstep.engine.startup import _pool
 
     cfg = EngineConfig(model="tiny", device="cuda", prefill_instances=1, instances=2, kv_transport="nixl")
     d = Disagg("nixl", 10.0)
