@@ -164,8 +164,10 @@ class Grammars:
             self._ready.append(rid)
         else:
             future = self._pool.submit(self._compile, key)
-            future.add_done_callback(lambda _, rid=rid: self._ready.append(rid))  # (on the compile's thread)
-        self.guides[rid] = _Guide(future, list(after), functools.partial(self._matcher_now, key))
+            # (on the compile's thread; a compile cancelled by ``forget`` is not reported: it
+            # did not happen, and the engine must not take its grammar for compiled)
+            future.add_done_callback(lambda f, rid=rid: None if f.cancelled() else self._ready.append(rid))
+        self.guides[rid] = _Guide(future, list(after), functools.partial(self._matcher_now, key, rid))
 
     def take_ready(self) -> list[int]:
         """The requests whose grammar finished compiling (or failing to) since the last call."""
@@ -182,9 +184,14 @@ class Grammars:
                 self._recent.move_to_end(key)
             return compiled
 
-    def _matcher_now(self, key: tuple):
+    def _matcher_now(self, key: tuple, rid: int):
+        """A matcher for ``rid`` from a grammar compiled for another request, or None; its
+        compile still queued is then cancelled, so ``rid`` is reported here."""
         compiled = self._compiled(key)
-        return None if compiled is None else load_xgrammar().GrammarMatcher(compiled)
+        if compiled is None:
+            return None
+        self._ready.append(rid)
+        return load_xgrammar().GrammarMatcher(compiled)
 
     def _compile(self, spec: tuple):
         xgr = load_xgrammar()

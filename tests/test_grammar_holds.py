@@ -43,3 +43,15 @@ def test_drop_release_and_clear():
     assert h.arrive(req(5, A), busy=True) and not h.arrive(req(6, B), busy=True)
     assert [r.id for r in h.clear()] == [5] and (h.held, h.awaiting) == ({}, {})
     assert h.arrive(req(7, B), busy=True)  # a new runtime has compiled nothing
+
+
+def test_a_request_gone_before_its_report_leaves_nothing_awaiting():
+    """Aborted (drop) or finished (forget) while its compile is queued: the runtime cancels
+    the compile and never reports it, so it must not wait for a report."""
+    h = GrammarHolds()
+    h.arrive(req(1, A), busy=True)
+    h.arrive(req(2, A), busy=False)
+    assert h.drop(1).id == 1 and set(h.awaiting) == {2}
+    h.forget([2, 3])
+    assert (h.held, h.awaiting) == ({}, {})
+    assert h.arrive(req(4, A), busy=True)  # (nothing reported A compiled)

@@ -449,7 +449,9 @@ class Scheduler(Recovery):
             finished = self.role.after_update(self, plan, result, out, now)
         deliver(self.streams, out.req_ids, out.num_tokens, out.token_ids, finished, now)
         if out.finished:
-            self.client.forget([rid for rid, _ in out.finished])
+            gone = [rid for rid, _ in out.finished]
+            self.client.forget(gone)
+            self.holds.forget(gone)
 
     # -- faults --------------------------------------------------------------------------------
     def _new_core(self) -> None:

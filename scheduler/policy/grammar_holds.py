@@ -71,8 +71,15 @@ class GrammarHolds:
         return self.release(list(self.held))
 
     def drop(self, rid: int) -> Request | None:
-        """``rid`` was aborted: the request, if it was held."""
+        """``rid`` was aborted (the runtime cancels its compile, never reported): the request,
+        if it was held."""
+        self.awaiting.pop(rid, None)
         return self.held.pop(rid, None)
+
+    def forget(self, rids: list[int]) -> None:
+        """``rids`` finished: a compile of theirs still queued is cancelled, never reported."""
+        for rid in rids:
+            self.awaiting.pop(rid, None)
 
     def clear(self) -> list[Request]:
         """The runtime is gone (a new one's compiler starts empty): the held requests, dropped."""
