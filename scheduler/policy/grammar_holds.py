@@ -15,7 +15,10 @@ from collections import OrderedDict
 
 from .request import Request
 
-COMPILED_KEPT = 1024  # grammars remembered as compiled (the runtime's cache holds up to 512 MB of them)
+# Grammars remembered as compiled: fewer than the runtime keeps at hand (runtime.grammar's
+# RECENT_KEPT, 16), so that a request not held finds its matcher there at once rather than
+# on the compile pool, where it could wait behind another grammar's compile.
+COMPILED_KEPT = 8
 
 
 class GrammarHolds:
