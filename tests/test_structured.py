@@ -525,10 +525,18 @@ def test_a_grammar_compiled_once_gives_later_requests_their_matchers_without_the
     info = tokenizer_info(ByteTokenizer(512), 512, [EOS])
     g = Grammars(lambda: info, 512, 4)
     spec = S(regex="[0-9]{2}").spec()
+    gate, blocker, compile_ = threading.Event(), threading.Event(), g._compile
+
+    def gated(key, first=[True]):  # the first compile waits for the gate
+        if first:
+            first.clear()
+            gate.wait(60)
+        return compile_(key)
+    g._compile = gated
     g.add(1, spec)
-    blocker = threading.Event()
     g._pool.submit(blocker.wait, 60)  # the pool's one thread: busy after 1's compile
-    g.add(2, spec)  # (queued behind the blocker: 1's compile is not done yet)
+    g.add(2, spec)  # (queued behind the blocker: 1's compile has not run)
+    gate.set()
     try:
         g.guides[1].future.result()
         assert g.take_ready() == [1]
