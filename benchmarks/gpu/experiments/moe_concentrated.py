@@ -3,7 +3,8 @@ engine's v2-lite plain decode step took 6.06 ms of device time at 8 requests aga
 when a regex held every request to letters (whose outputs repeat a few letters); 8.76 against
 3.98 ms at 32. Times fused_moe on one v2-lite layer's shape with the ids of T tokens spread
 at random, and all T tokens on the same 6 experts (a CUDA graph of the call, replayed: median
-of 50 samples of 20 replays).
+of 50 samples of 20 back-to-back replays, L2 warm, unlike kbench's ``Bench.graph_us``, which
+flushes it before each replay: a decode step's layers do not start cold either).
 
 Run from the repository root: python3 benchmarks/gpu/experiments/moe_concentrated.py
 Result on one H200 (2026-12-02, raw/2026-12-02-h200-session26-moe-concentrated.txt): 50.6
