@@ -4,7 +4,8 @@ when a regex held every request to letters (whose outputs repeat a few letters);
 3.98 ms at 32. Times fused_moe on one v2-lite layer's shape with the ids of T tokens spread
 at random, and all T tokens on the same 6 experts (a CUDA graph of the call, replayed: median
 of 50 samples of 20 back-to-back replays, L2 warm, unlike kbench's ``Bench.graph_us``, which
-flushes it before each replay: a decode step's layers do not start cold either).
+flushes it before each replay: 6 experts' 104 MB of weights partly stay in the 50 MB L2,
+which flatters the concentrated case a little; spread routing's ~640 MB do not).
 
 Run from the repository root: python3 benchmarks/gpu/experiments/moe_concentrated.py
 Result on one H200 (2026-12-02, raw/2026-12-02-h200-session26-moe-concentrated.txt): 50.6
