@@ -111,13 +111,13 @@ def test_request_errors_carry_the_field_they_blame():
     import numpy as np
 
     from lockstep.engine.frontend import check_prompt
-    from lockstep.http import _request_param
+    from lockstep.openai_responses import request_param
     from lockstep.policy.request import RequestError
     for tokens, max_tokens in ((np.zeros(0, np.int32), 5), (np.ones(100, np.int32), 5), (np.full(3, 10, np.int32), 5)):
         with pytest.raises(RequestError) as e:
             check_prompt(tokens, SamplingParams(max_tokens=max_tokens), 100, 10)
-        assert e.value.field == "prompt" and _request_param(e.value, chat=True) == "messages"
-        assert _request_param(e.value, chat=False) == "prompt"
+        assert e.value.field == "prompt" and request_param(e.value, chat=True) == "messages"
+        assert request_param(e.value, chat=False) == "prompt"
     with pytest.raises(RequestError) as e:  # the prompt fits: max_tokens is what is too large
         check_prompt(np.ones(98, np.int32), SamplingParams(max_tokens=5), 100, 10)
     assert e.value.field == "max_tokens" and e.value.reason == "context_length"
@@ -129,8 +129,8 @@ def test_request_errors_carry_the_field_they_blame():
         as_token_array([])
     with pytest.raises(RequestError) as e:
         SamplingParams(top_p=0).validate()
-    assert e.value.field == "top_p" and _request_param(e.value, chat=True) == "top_p"
-    assert _request_param(RequestError("request 3 is already in this scheduler"), chat=False) is None
+    assert e.value.field == "top_p" and request_param(e.value, chat=True) == "top_p"
+    assert request_param(RequestError("request 3 is already in this scheduler"), chat=False) is None
 
 
 @settings(deadline=None, max_examples=300, derandomize=True)
@@ -156,7 +156,7 @@ def test_stop_strings_cut_the_same_however_the_text_is_split(text, stops, cuts):
 
 def test_an_engine_failure_tells_the_client_its_first_line_only():
     """A runtime's traceback (its internal paths included) stays in the server's log."""
-    from lockstep.http import _failed
+    from lockstep.openai_responses import _failed
 
     exc = RuntimeError("runtime process 'torch' failed:\nTraceback (most recent call last):\n  File \"/x/y.py\"")
     msg = _failed(exc)
