@@ -55,3 +55,28 @@ def test_a_request_gone_before_its_report_leaves_nothing_awaiting():
     h.forget([2, 3])
     assert (h.held, h.awaiting) == ({}, {})
     assert h.arrive(req(4, A), busy=True)  # (nothing reported A compiled)
+
+
+def test_a_report_after_its_request_finished_still_marks_the_grammar_compiled():
+    """A compile running when its request finished is not cancelled: its report may come a
+    step later, and the next request with that grammar must not be held for it."""
+    h = GrammarHolds()
+    h.arrive(req(1, A), busy=False)
+    h.forget([1])
+    assert h.awaiting == {} and h.arrive(req(2, A), busy=True)  # not known compiled yet
+    assert [r.id for r in h.compiled([1])] == [2]  # the late report releases it
+    assert not h.arrive(req(3, A), busy=True)
+    assert h.compiled([1]) == []  # reported twice: nothing more
+
+
+def test_finished_requests_unreported_are_forgotten_in_the_end():
+    """Cancelled compiles are never reported: what is kept for late reports stays bounded."""
+    from lockstep.policy.grammar_holds import GONE_KEPT
+
+    h = GrammarHolds()
+    for rid in range(GONE_KEPT + 10):
+        h.arrive(req(rid, A), busy=False)
+        h.forget([rid])
+    assert len(h._gone) == GONE_KEPT and 0 not in h._gone
+    h.compiled([0])  # evicted: no longer counts
+    assert h.arrive(req(10_000, A), busy=True)

@@ -19,6 +19,9 @@ from .request import Request
 # RECENT_KEPT, 16), so that a request not held finds its matcher there at once rather than
 # on the compile pool, where it could wait behind another grammar's compile.
 COMPILED_KEPT = 8
+# Finished requests whose compile may still be reported (it was running when they finished,
+# or its report lagged their last step): their grammars, kept this long for that report.
+GONE_KEPT = 64
 
 
 class GrammarHolds:
@@ -29,6 +32,7 @@ class GrammarHolds:
         # (structured_outputs.spec()); the grammars it has compiled, most recent last.
         self.awaiting: dict[int, tuple] = {}
         self._compiled: OrderedDict[tuple, None] = OrderedDict()
+        self._gone: OrderedDict[int, tuple] = OrderedDict()  # finished: request id -> grammar
 
     def __len__(self) -> int:
         return len(self.held)
@@ -50,6 +54,8 @@ class GrammarHolds:
         to start now, those among them and those held for an equal grammar."""
         for rid in rids:
             grammar = self.awaiting.pop(rid, None)
+            if grammar is None:  # a request that finished before its report came
+                grammar = self._gone.pop(rid, None)
             if grammar is not None:
                 self._compiled[grammar] = None
                 self._compiled.move_to_end(grammar)
@@ -80,9 +86,15 @@ class GrammarHolds:
         return self.held.pop(rid, None)
 
     def forget(self, rids: list[int]) -> None:
-        """``rids`` finished: a compile of theirs still queued is cancelled, never reported."""
+        """``rids`` finished: a compile of theirs still queued is cancelled, never reported;
+        one already running may still be, after the finish: its grammar is kept a while
+        (``GONE_KEPT`` finished requests) so that such a report still counts."""
         for rid in rids:
-            self.awaiting.pop(rid, None)
+            grammar = self.awaiting.pop(rid, None)
+            if grammar is not None:
+                self._gone[rid] = grammar
+                if len(self._gone) > GONE_KEPT:
+                    self._gone.popitem(last=False)
 
     def clear(self) -> list[Request]:
         """The runtime is gone (a new one's compiler starts empty): the held requests, dropped."""
@@ -90,4 +102,5 @@ class GrammarHolds:
         self.held.clear()
         self.awaiting.clear()
         self._compiled.clear()
+        self._gone.clear()
         return held
