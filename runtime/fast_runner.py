@@ -38,7 +38,8 @@ import numpy as np
 import torch
 
 from .models.batch import HostBatch, to_device
-from .models.fast import DECODE_MAX_NEW, AttnPlan, FastDeepseek, FastInputs, len_bucket
+from .models.fast import FastDeepseek
+from .models.fast_inputs import DECODE_MAX_NEW, AttnPlan, FastInputs, len_bucket
 
 log = logging.getLogger(__name__)
 

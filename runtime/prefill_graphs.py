@@ -15,7 +15,8 @@ import torch
 
 from .fast_runner import _PAD, StagedInputs
 from .models.batch import HostBatch
-from .models.fast import AttnPlan, FastInputs, Step
+from .models.fast import Step
+from .models.fast_inputs import AttnPlan, FastInputs
 
 if TYPE_CHECKING:
     from .fast_runner import FastRunner

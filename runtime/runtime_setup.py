@@ -59,7 +59,7 @@ class RuntimeAssembly:
                              "the host inside every MoE layer): use ep_dispatch 'padded' or cuda_graphs 'off'")
         # With a draft, a verify feeds 1 + k tokens a request: graphs sized for them (up to
         # the most tokens a sequence may feed and still replay one).
-        from .models.fast import DECODE_MAX_NEW
+        from .models.fast_inputs import DECODE_MAX_NEW
 
         k = int(opts.get("num_spec_tokens", 3)) if opts.get("draft_model") else 0
         cap = min(spec.max_num_seqs * min(1 + k, DECODE_MAX_NEW), max(spec.max_num_seqs, 1024))  # logits: ~0.4 GB

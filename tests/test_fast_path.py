@@ -36,7 +36,8 @@ from lockstep.runtime.base import NewRequests, RuntimeSpec  # noqa: E402
 from lockstep.runtime.models import load_model  # noqa: E402
 from lockstep.runtime.models.batch import ForwardBatch  # noqa: E402
 from lockstep.runtime.models.deepseek_v3 import FP8Cache  # noqa: E402
-from lockstep.runtime.models.fast import DECODE_MAX_NEW, FastDeepseek, layer_weights  # noqa: E402
+from lockstep.runtime.models.fast import FastDeepseek, layer_weights  # noqa: E402
+from lockstep.runtime.models.fast_inputs import DECODE_MAX_NEW  # noqa: E402
 from lockstep.runtime.sampling import sample_on_device  # noqa: E402
 from lockstep.runtime.torch_runtime import TorchRuntime  # noqa: E402
 

@@ -35,7 +35,7 @@ forward, so a decode forward can be captured as a CUDA graph.
   inside the next add + norm; rope and the latent's norm only with MLA_PREP_KERNEL off) are
   pure functions shared with the reference model, optionally ``torch.compile``d (once for
   every layer: weights are arguments) so a step launches a few hundred kernels, not
-  thousands. The router
+  thousands (``fast_ops``). The router
   is two kernels (``kernels.router``: up to ROUTER_GEMM_MAX_TOKENS tokens the float32 logits
   GEMM from bf16 activations, else cuBLAS's; then sigmoid, bias, group limit, top-k, and with
   fuse_shared the shared experts' columns).
@@ -48,26 +48,19 @@ reference forward and this one share every byte.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .batch import ForwardBatch, to_device
-from .deepseek_v3 import FP8Cache, DeepseekV3, rms_norm, route
+from .batch import ForwardBatch
+from .deepseek_v3 import FP8Cache, DeepseekV3
+from .fast_inputs import AttnPlan, FastInputs
+from .fast_ops import FastOps
 from .fast_weights import LayerWeights, fuse_shared_experts, layer_weights
-from .rope import apply_rope
-
-try:
-    from lockstep.kernels.fused_moe import moe_sum_reference
-except ImportError:  # no triton (it installs on x86_64 only): the fast path cannot run anyway
-    moe_sum_reference = None
 
 log = logging.getLogger(__name__)
 
-DECODE_MAX_NEW = 16  # a sequence feeding at most this many tokens attends per token
-MIN_LEN_BUCKET = 1024  # shortest context bound decode launches are shaped for
 # The shared experts run inside the fused MoE launch up to this many tokens. Beyond, their
 # tokens fill many row tiles of the same weights, and cuBLAS does that GEMM better: on the
 # H200 the fused form took v2-lite's step at batch 1 from 3.04 to 2.83 ms, was even at 8 and
@@ -111,162 +104,6 @@ MOE_SUM_IN_NORM_MAX_TOKENS = 64
 # 2.596 at 64 and 2.340 -> 2.993 at 128 (raw/2026-11-30-h200-session12-merge-ab*.txt).
 # 0: mla_decode's own merge launch, then bmm_row, everywhere (kept for A/B runs).
 MERGE_IN_W_UV_MAX_SPLITS = 32
-
-
-def len_bucket(max_len: int, cap: int) -> int:
-    """The context bound a decode launch is shaped for (its split count): a power of two, so
-    a CUDA graph serves a range of lengths."""
-    b = MIN_LEN_BUCKET
-    while b < max_len:
-        b *= 2
-    return max(min(b, cap), max_len)
-
-
-# -- the small fused steps ------------------------------------------------------------------
-
-def _add_norm(x, y, w, eps: float):
-    s = x + y
-    return s, rms_norm(s, w, eps)
-
-
-def _add2_norm(x, y, z, w, eps: float):
-    s = x + (y + z)  # the reference's order: routed + shared, then the residual
-    return s, rms_norm(s, w, eps)
-
-
-def _add_moe_norm(x, y, ids, experts: int, w, eps: float):
-    """``_add_norm`` of the fused MoE's unsummed terms y [T, k, H]: the kernel's last launch
-    (the sum over k) runs inside this step's."""
-    s = x + moe_sum_reference(y, ids, experts)
-    return s, rms_norm(s, w, eps)
-
-
-def _add2_moe_norm(x, y, ids, experts: int, z, w, eps: float):
-    s = x + (moe_sum_reference(y, ids, experts) + z)
-    return s, rms_norm(s, w, eps)
-
-
-def _mla_prep(q_pe, tail, cos, sin, kv_w, eps: float, dl: int, interleaved: bool):
-    """(rotated q_pe (T, H, dr), normed latent (T, dl), rotated k_pe (T, dr)). k_pe rotates
-    as one more head of q_pe (one launch for both); both come back as views with unit last
-    stride, which is all the kernels ask."""
-    latent = rms_norm(tail[:, :dl], kv_w, eps)
-    pe = apply_rope(torch.cat([q_pe, tail[:, None, dl:]], dim=1), cos[:, None], sin[:, None], interleaved)
-    return pe[:, :-1], latent, pe[:, -1]
-
-
-def _silu_mul(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-class _Op:
-    """A pure step, compiled when asked. A compile failure is logged and the step runs eagerly
-    from then on; inside a CUDA-graph capture it propagates (the capture must not go on)."""
-
-    def __init__(self, fn, compile: bool):
-        self.fn, self.name = fn, fn.__name__
-        self.compiled = torch.compile(fn, fullgraph=True) if compile else None
-        self.error: str | None = None
-
-    def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as e:  # noqa: BLE001 - any compiler failure: run eagerly instead
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise
-                self.error = f"{type(e).__name__}: {e}"
-                log.warning("torch.compile of %s failed, running it eagerly: %s", self.name, self.error)
-                self.compiled = None
-        return self.fn(*args)
-
-
-class FastOps:
-    def __init__(self, compile: bool):
-        if compile:
-            import torch._dynamo
-
-            # Every op meets a few shapes per model (static, dynamic tokens, one token) and a
-            # process may hold two models (a draft): stay above that.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.norm = _Op(rms_norm, compile)
-        self.add_norm = _Op(_add_norm, compile)
-        self.add2_norm = _Op(_add2_norm, compile)
-        self.add_moe_norm = _Op(_add_moe_norm, compile)
-        self.add2_moe_norm = _Op(_add2_moe_norm, compile)
-        self.mla_prep = _Op(_mla_prep, compile)
-        self.silu_mul = _Op(_silu_mul, compile)
-        # The router after its GEMM runs as one kernel (compiled, `route`'s torch.topk alone
-        # still launches two); `route` stays for settings the kernel does not take.
-        from lockstep.kernels.router import moe_route, moe_route_unsupported, router_logits, router_logits_split
-
-        self.moe_route, self.moe_route_unsupported = moe_route, moe_route_unsupported
-        self.router_logits = router_logits  # the gate's GEMM in one launch, for a few tokens
-        self.router_logits_split = router_logits_split  # and for more, on tensor cores
-        self.route = _Op(route, compile)
-
-    def errors(self) -> dict[str, str]:
-        return {op.name: op.error for op in vars(self).values() if isinstance(op, _Op) and op.error}
-
-
-# -- one forward's inputs ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class AttnPlan:
-    """How this forward's tokens attend, decided on the host before any launch."""
-
-    n_dec: int  # tokens that attend per token (absorbed decode)
-    dec: torch.Tensor | None  # their indices; None when every token does
-    dec_len_bound: int  # a bound on their context lengths (shapes the decode split)
-    n_pf: int  # tokens of prefilling sequences
-    pf: torch.Tensor | None  # their indices; None when every token prefills
-    pf_rows: torch.Tensor | None  # (P,) table rows of the prefilling sequences
-    pf_cu: torch.Tensor | None  # (P+1,) int32 offsets of their new tokens (in pf order)
-    pf_max_new: int
-    pf_prefix: list[int]  # cached tokens before each one's new tokens
-
-    @classmethod
-    def decode_only(cls, n: int, len_bound: int) -> AttnPlan:
-        return cls(n, None, len_bound, 0, None, None, None, 0, [])
-
-    @classmethod
-    def build(cls, num_new: np.ndarray, seq_lens: np.ndarray, rows: np.ndarray, len_cap: int,
-              device) -> AttnPlan:
-        dec_seq = num_new <= DECODE_MAX_NEW
-        t = int(num_new.sum())
-        bound = len_bucket(int(seq_lens[dec_seq].max()), len_cap) if dec_seq.any() else 0
-        if dec_seq.all():
-            return cls.decode_only(t, bound)
-        pf_seq = ~dec_seq
-        tok_dec = np.repeat(dec_seq, num_new)
-        mixed = bool(dec_seq.any())
-
-        def idx(mask: np.ndarray) -> torch.Tensor:
-            return to_device(np.flatnonzero(mask), device)
-
-        new = num_new[pf_seq]
-        cu = np.zeros(len(new) + 1, np.int32)
-        np.cumsum(new, out=cu[1:])
-        return cls(int(tok_dec.sum()), idx(tok_dec) if mixed else None, bound,
-                   int((~tok_dec).sum()), idx(~tok_dec) if mixed else None,
-                   to_device(rows[pf_seq].astype(np.int64), device), to_device(cu, device),
-                   int(new.max()), (seq_lens[pf_seq] - new).tolist())
-
-
-@dataclass(frozen=True)
-class FastInputs:
-    input_ids: torch.Tensor  # (T,) int64
-    positions: torch.Tensor  # (T,) int64
-    slot_mapping: torch.Tensor  # (T,) int64; -1 marks a padding token (nothing stored)
-    tables: torch.Tensor  # (R, W) int32 block tables
-    tok_rows: torch.Tensor  # (T,) int64: the table row of each token's sequence
-    plan: AttnPlan
-    sample_index: torch.Tensor | None = None  # rows whose logits are returned; None: all
-    padded: bool = False  # some tokens are padding (a CUDA-graph batch)
-    # Each row's last sampled token (int64 by table row): an input id of -1 (PLACEHOLDER)
-    # is read from it inside the forward, so a captured graph reads it at replay.
-    last: torch.Tensor | None = None
 
 
 class Step:

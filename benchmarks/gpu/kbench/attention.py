@@ -10,7 +10,7 @@ from lockstep.kernels import fused_moe as moe_mod
 from lockstep.kernels import mla_decode as dec_mod
 from lockstep.kernels.kv_store import kv_store, kv_store_reference, quantize_per_token
 from lockstep.kernels.mla_prefill import PREFILL_CONFIG, mla_attention, mla_prefill, mla_prefill_reference
-from lockstep.runtime.models.fast import len_bucket
+from lockstep.runtime.models.fast_inputs import len_bucket
 
 from .core import Bench
 
