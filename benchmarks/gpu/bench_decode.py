@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import statistics
@@ -65,18 +64,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit  # noqa: E402
 
 from lockstep.policy.request import SamplingParams  # noqa: E402
-from lockstep.policy.step import PLACEHOLDER, StepPlan  # noqa: E402
-from lockstep.runtime.base import NewRequests, RuntimeSpec  # noqa: E402
 from lockstep.runtime.models import preset  # noqa: E402
 from lockstep.runtime.sampling import sample  # noqa: E402
 from lockstep.runtime.torch_runtime import TorchRuntime  # noqa: E402
 
 from decode_checks import BS, MAX_MISMATCH_SHARE, close_to_fp32, compare, fp8_close_as_reference, serve  # noqa: E402
+from decode_pieces import (add_requests, copy_bandwidth, decode_plan, events_ms, fill_kv, free,  # noqa: E402
+                           runtime, step_bytes)
+from hf_baseline import bench_transformers  # noqa: E402
 
 # Issue 8's H200 facts (transformers 5.17, prompts of 512 tokens): roofline step ms and tokens/s.
 ISSUE_ROOFLINE = {1: (1.18, 851), 8: (4.30, 1859), 64: (7.64, 8381), 256: (8.39, 30498)}
-ISSUE_HF = {"forward_loop_ms": {1: 102, 8: 135, 64: 123, 256: 113},
-            "best_ms": {1: 6.7, 64: 138}}  # best: generate with a static cache and compile
 TARGET_TOK_S = {64: 5900, 256: 21000}  # the issue's: about 70% of its roofline with 512-token prompts
 ISSUE_CTX = 512
 COLS = ("section", "case", "batch", "ctx", "step_ms", "ahead_ms", "gpu_ms", "host_ms", "tokens_per_s", "roofline_ms",
@@ -121,101 +119,6 @@ class Run:
         print("  " + " | ".join(f"{c}={r[c]:.4g}" if isinstance(r[c], float) else f"{c}={r[c]}"
                                 for c in COLS if r[c] != ""), flush=True)
         return r
-
-
-# -- pieces -----------------------------------------------------------------------------------
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 2 GiB device-to-device copy."""
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        y.copy_(x)
-    b.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (a.elapsed_time(b) / 1e3)
-
-
-def runtime(model: str, device: str, *, blocks: int, max_seqs: int, max_len: int, overrides=None,
-            dtype: str = "bfloat16", **options) -> TorchRuntime:
-    rt = TorchRuntime()
-    opts = {"init_on_device": device != "cpu", **options}
-    if overrides:
-        opts["preset_overrides"] = overrides
-    rt.load(RuntimeSpec(model=model, device=device, dtype=dtype, num_blocks=blocks, block_size=BS,
-                        max_num_seqs=max_seqs, max_model_len=max_len, seed=0, options=opts))
-    return rt
-
-
-def free(*runtimes) -> None:
-    for rt in runtimes:
-        if rt is not None:
-            rt.shutdown()
-            rt.__dict__.clear()  # the model, its graphs and their memory pool go with it
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def step_bytes(cfg, batch: int, ctx: int, touched: float, expert_bytes: int = 2,
-               kv_token_bytes: float | None = None) -> float:
-    """Bytes a decode step must read: non-expert weights, ``touched`` routed experts per MoE
-    layer (``expert_bytes`` per weight), the latent KV of every sequence (``kv_token_bytes``
-    per token, every layer; default bf16), the embedding rows and the LM head."""
-    h, e2 = cfg.hidden_size, 2
-    if cfg.q_lora_rank is None:
-        q = h * cfg.num_attention_heads * cfg.qk_head_dim
-    else:
-        q = h * cfg.q_lora_rank + cfg.q_lora_rank * cfg.num_attention_heads * cfg.qk_head_dim
-    attn = (q + h * cfg.kv_cache_dim + cfg.kv_lora_rank * cfg.num_attention_heads
-            * (cfg.qk_nope_head_dim + cfg.v_head_dim) + cfg.num_attention_heads * cfg.v_head_dim * h) * e2
-    expert = 3 * h * cfg.moe_intermediate_size * e2
-    dense = cfg.first_k_dense_replace
-    moe = cfg.num_hidden_layers - dense
-    weights = (cfg.num_hidden_layers * attn + dense * 3 * h * cfg.intermediate_size * e2
-               + moe * (cfg.n_shared_experts * expert + touched * expert * expert_bytes / e2
-                        + cfg.n_routed_experts * h * 4))
-    if kv_token_bytes is None:
-        kv_token_bytes = cfg.num_hidden_layers * cfg.kv_cache_dim * e2
-    kv = batch * (ctx + 1) * kv_token_bytes
-    return weights + kv + cfg.vocab_size * h * e2 + batch * h * e2
-
-
-def decode_plan(step_id: int, req_ids: np.ndarray, pos: int, tables: np.ndarray | None) -> StepPlan:
-    """Every slot i < n decodes one token at position ``pos``; ``tables`` (n, blocks): the
-    whole block tables, sent with the first plan only."""
-    n = len(req_ids)
-    if tables is None:
-        blk, boff = np.zeros(0, np.int32), np.zeros(n + 1, np.int64)
-    else:
-        blk = tables.reshape(-1).astype(np.int32)
-        boff = np.arange(n + 1, dtype=np.int64) * tables.shape[1]
-    return StepPlan(step_id=step_id, req_ids=req_ids.astype(np.int64), slots=np.arange(n, dtype=np.int32),
-                    num_new=np.ones(n, np.int32), start_pos=np.full(n, pos, np.int32), samples=np.ones(n, bool),
-                    token_ids=np.full(n, PLACEHOLDER, np.int32), token_offsets=np.arange(n + 1, dtype=np.int64),
-                    block_start=np.zeros(n, np.int32), block_ids=blk, block_offsets=boff,
-                    num_tokens=n, num_padded_tokens=n)
-
-
-def add_requests(rt: TorchRuntime, req_ids, temperature=0.0, top_p=1.0, top_k=-1) -> None:
-    n = len(req_ids)
-    rt.add_requests(NewRequests([int(r) for r in req_ids], [temperature] * n, [top_p] * n, [top_k] * n, [-1] * n))
-
-
-def events_ms(fn, iters: int) -> float:
-    """Median GPU ms of fn() back to back (CUDA events)."""
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 # -- 2. correctness -------------------------------------------------------------------------------
@@ -441,18 +344,6 @@ def bench_decode(run: Run, args, device: str) -> None:
         free(rt)
 
 
-def fill_kv(rt: TorchRuntime) -> None:
-    """Cache content does not change the time; keep it finite (FP8: codes below 0x70, under
-    128 in magnitude, and every per-token scale 1/448)."""
-    with torch.no_grad():
-        if rt.kv_dtype is None:
-            rt.kv_pool.normal_(0.0, 1.0)
-            return
-        rt.kv_pool.random_(0, 0x70)
-        for layer in rt.kv:
-            layer.scales.fill_(1 / 448)
-
-
 def bench_fp8(run: Run, ctx: int, batches: tuple[int, ...], *, kv_cache: bool = False) -> None:
     """Routed experts in FP8 (block scales, W8A16): the roofline counts 1 byte per expert
     weight. ``kv_cache``: bf16 experts over an FP8 KV cache instead."""
@@ -498,70 +389,6 @@ def check_engine(run: Run) -> None:
                                               "launched_ahead_vs_one_at_a_time": ahead, **got}
     print(f"  engine: {same}/{len(prompts)} identical greedy outputs (fast vs reference), "
           f"{ahead}/{len(prompts)} (steps launched ahead vs one at a time)", flush=True)
-
-
-def hf_config(cfg):
-    import transformers
-
-    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-              moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
-              num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-              n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_routed_experts,
-              num_experts_per_tok=cfg.num_experts_per_tok, n_group=cfg.n_group, topk_group=cfg.topk_group,
-              first_k_dense_replace=cfg.first_k_dense_replace, q_lora_rank=cfg.q_lora_rank,
-              kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
-              qk_nope_head_dim=cfg.qk_nope_head_dim, v_head_dim=cfg.v_head_dim,
-              routed_scaling_factor=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob,
-              max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps)
-    rs = cfg.rope_scaling
-    rope = dict(rope_type="yarn", rope_theta=cfg.rope_theta, factor=rs.factor, mscale=rs.mscale,
-                mscale_all_dim=rs.mscale_all_dim, original_max_position_embeddings=rs.original_max_position_embeddings)
-    try:
-        return transformers.DeepseekV3Config(**kw, rope_parameters=rope)
-    except TypeError:  # transformers 4.x spelling
-        return transformers.DeepseekV3Config(**kw, rope_theta=cfg.rope_theta,
-                                             rope_scaling={**rope, "type": "yarn"})
-
-
-def bench_transformers(run: Run, batch: int, prompt: int, steps: int) -> None:
-    import transformers
-
-    run.info["transformers"] = transformers.__version__
-    cfg = preset("v2-lite")
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            hf = transformers.DeepseekV3ForCausalLM(hf_config(cfg)).eval()
-    finally:
-        torch.set_default_dtype(old)
-    try:
-        ids = torch.randint(3, cfg.vocab_size, (batch, prompt), device="cuda")
-        with torch.inference_mode():
-            try:  # logits of the last position only (a 64 x 512 x vocab tensor is 13 GB)
-                out = hf(input_ids=ids, use_cache=True, logits_to_keep=1)
-            except TypeError:
-                out = hf(input_ids=ids, use_cache=True)
-            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-            times = []
-            for i in range(steps + 1):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                out = hf(input_ids=nxt, past_key_values=past, use_cache=True)
-                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
-                torch.cuda.synchronize()
-                if i:
-                    times.append(time.perf_counter() - t)
-        ms = 1e3 * statistics.median(times)
-        run.info["hf_forward_loop_ms"] = {batch: ms}
-        run.row(section="transformers", case="DeepseekV3ForCausalLM forward loop (eager)", batch=batch, ctx=prompt,
-                step_ms=ms, tokens_per_s=batch / (ms / 1e3),
-                note=f"issue: {ISSUE_HF['forward_loop_ms'].get(batch)} ms; best (generate, static cache, compile) "
-                     f"{ISSUE_HF['best_ms'].get(batch)} ms")
-    finally:
-        del hf
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 # -- main -------------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def rank_bytes(layers: int, dep: int, batch: int, ctx: int) -> float:
     """Bytes one rank's decode step must read: bench_decode's step_bytes with the routed
     experts its ``batch`` tokens touch on this rank (of the pairs of every rank's tokens,
     the expected distinct experts among its 1/dep share of the experts)."""
-    from bench_decode import step_bytes
+    from decode_pieces import step_bytes
 
     from lockstep.runtime.models import preset
 

@@ -181,7 +181,7 @@ def dep_sweep(gpus: int, args, info: dict) -> list[dict]:
     import subprocess
 
     import bench_dep
-    from bench_decode import copy_bandwidth
+    from decode_pieces import copy_bandwidth
 
     levels = [int(x) for x in args.levels.split(",")]
     got = {}

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import step_bytes  # noqa: E402
+from decode_pieces import step_bytes  # noqa: E402
 
 from lockstep.runtime.models import preset  # noqa: E402
 
