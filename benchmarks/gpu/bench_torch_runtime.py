@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,18 +30,7 @@ from lockstep.runtime.models import load_model, preset  # noqa: E402
 from lockstep.runtime.models.batch import ForwardBatch  # noqa: E402
 from lockstep.runtime.models.deepseek_v3 import DeepseekV3  # noqa: E402
 
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t)  # bytes read + written
+from decode_pieces import copy_bandwidth  # noqa: E402
 
 
 def check_tiny() -> dict:
