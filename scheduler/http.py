@@ -119,7 +119,7 @@ def make_app(servers: Server | list[Server]) -> Starlette:
             tok = _tokenizer(server)
             chat = "messages" in body
             if chat:
-                from .openai_protocol import chat_prompt
+                from .openai_chat import chat_prompt
                 from .openai_tools import ToolError, check_tools
 
                 try:

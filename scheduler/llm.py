@@ -125,7 +125,8 @@ async def _chat_prompts(engine: Engine, convs: list, body: dict, tools, one: boo
                         chat_template: str | None = None) -> list[np.ndarray]:
     """Each conversation's token ids through the engine's chat template, or ``chat_template``
     (either writes its own bos)."""
-    from lockstep.openai_protocol import BadRequest, chat_prompt
+    from lockstep.openai_chat import chat_prompt
+    from lockstep.openai_protocol import BadRequest
     from lockstep.openai_tools import ToolError, check_tools
     from lockstep.runtime.tokenizer import TokenizerError, custom_chat_template
 
