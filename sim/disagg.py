@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 
 from lockstep.policy.config import ConfigError
-from lockstep.policy.request import Request, RequestError, SamplingParams
+from lockstep.policy.request import Request, RequestError
 from lockstep.policy.step import StepPlan, StepResult
 
 from .link import Link, descriptors
@@ -104,7 +104,7 @@ class PDFlow:
         hold = w.output_len > 1
         if hold:
             self._held_prompts[rid] = (prompt, hashes, acc)
-        return Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=1, ignore_eos=True),
+        return Request(id=rid, prompt=prompt, params=self.params_for(1),
                        arrival_time=now, block_hashes=hashes, hash_acc=acc, hold_kv=hold)
 
     def _prefill_finished(self, rid: int, idx: int, rank: int, t: float) -> None:
@@ -122,7 +122,7 @@ class PDFlow:
         first = self.out_tokens[self.out_base[rid]]
         full = np.concatenate([prompt, np.array([first], dtype=np.int32)])
         same = len(full) // bs == len(prompt) // bs  # else the core hashes the new block
-        req = Request(id=rid, prompt=full, params=SamplingParams(max_tokens=w.output_len - 1, ignore_eos=True),
+        req = Request(id=rid, prompt=full, params=self.params_for(w.output_len - 1),
                       arrival_time=t, block_hashes=hashes if same else np.empty((0, 2), np.uint64),
                       hash_acc=acc if same else None, remote_kv_tokens=len(prompt))
         loads = [self.instances[i].cores[r].load() for i, r in self._decode]

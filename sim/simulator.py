@@ -134,6 +134,7 @@ class Simulator(PDFlow):
         total_blocks = sum(len(i.cores) * i.cores[0].config.num_blocks for i in self.instances)
         self.metrics = Metrics(len(self.workload), total_blocks)
         self._events: list[tuple[float, int, int, object]] = []  # (time, seq, kind, argument)
+        self._params: dict[int, SamplingParams] = {}  # by max_tokens (``params_for``)
         self._seq = 0
         self._build_outputs()
         # Output tokens a request's core skips: a decode core starts at the second token.
@@ -169,6 +170,14 @@ class Simulator(PDFlow):
         np.cumsum(lens, out=self.out_base[1:])
         self.out_tokens = segment_tokens(ids, lens, vocab_size=self.model.vocab_size, seed=self.seed)
 
+    def params_for(self, max_tokens: int) -> SamplingParams:
+        """A trace request's sampling parameters: frozen, so one per output length is shared
+        (building and checking them is ~10 us, a few percent of a simulated request)."""
+        got = self._params.get(max_tokens)
+        if got is None:
+            got = self._params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return got
+
     def _too_long(self, w: TraceRequest) -> bool:
         return self.prompts.too_long(w)
 
@@ -182,7 +191,7 @@ class Simulator(PDFlow):
         if self.pd:
             req = self._pd_request(rid, prompt, hashes, acc, now)
         else:
-            req = Request(id=rid, prompt=prompt, params=SamplingParams(max_tokens=w.output_len, ignore_eos=True),
+            req = Request(id=rid, prompt=prompt, params=self.params_for(w.output_len),
                           arrival_time=now, block_hashes=hashes, hash_acc=acc,
                           private_prefix=self.prompts.private[rid])
         # One router over every rank of every instance: prefix affinity, then least loaded;
