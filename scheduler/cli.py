@@ -143,6 +143,8 @@ def _main(argv: list[str] | None) -> int:
         except (ConfigError, TraceFormatError, ValueError, NotImplementedError) as e:
             print(f"lockstep sim: error: {e}", file=sys.stderr)
             return 2
+        except BrokenPipeError:  # the table's reader stopped early (`| head`): the files are written
+            return 1
         except OSError as e:  # a missing or unreadable file
             print(f"lockstep sim: error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
             return 2

@@ -21,11 +21,15 @@ from .simulator import Simulator
 from .traces import TraceRequest, agentic_workload, read_trace
 
 
+RATE_SCALE = (1e-6, 1e6)  # beyond, a trace of seconds spans millennia or nanoseconds
+
+
 def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, limit: int | None,
                   skip_bad_rows: bool, console: Console) -> tuple[list[TraceRequest], str, int]:
     """(requests, the workload's name, bad rows skipped)."""
-    if not (math.isfinite(rate_scale) and rate_scale > 0):  # NaN arrivals never came: the run hung
-        raise ValueError(f"--rate-scale must be a finite number > 0, got {rate_scale}")
+    if not (math.isfinite(rate_scale) and RATE_SCALE[0] <= rate_scale <= RATE_SCALE[1]):  # NaN arrivals hung the run
+        raise ValueError(f"--rate-scale must be a number in [{RATE_SCALE[0]:g}, {RATE_SCALE[1]:g}] (x2: arrivals "
+                         f"twice as dense), got {rate_scale}")
     if trace is None:
         reqs, name, skipped = agentic_workload(seed=seed), "synthetic agentic (built-in)", 0
     else:
@@ -33,6 +37,12 @@ def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, 
         if load.skipped:
             console.print(f"[yellow]skipped {load.skipped} bad {'row' if load.skipped == 1 else 'rows'} of "
                           f"{escape(trace)}[/]")
+        if load.out_of_order:  # replayed in time order, which a file out of order may not mean
+            n = load.out_of_order
+            console.print(f"[yellow]note: {n} {'row' if n == 1 else 'rows'} of {escape(trace)} "
+                          f"{'is' if n == 1 else 'are'} stamped earlier than a row above; requests are replayed in "
+                          "timestamp order (check the trace's timestamps if that is not what it means)[/]",
+                          soft_wrap=True)
         reqs, name, skipped = load.requests, f"{Path(trace).name} ({load.format})", load.skipped
     if limit is not None:
         if limit < 1:
@@ -78,6 +88,14 @@ def check_outputs(args) -> None:
         parent = p.parent if str(p.parent) else Path(".")
         if not parent.is_dir() or not os.access(parent, os.W_OK):
             raise ValueError(f"{flag} {path}: directory {parent} does not exist or is not writable")
+    inputs = [(flag, p) for flag, p in (("--trace", args.trace), ("--deployment", args.deployment),
+                                        ("--profile", args.profile)) if p and Path(p).is_file()]
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and path != "-" and Path(path).exists():
+            for given, src in inputs:
+                if os.path.samefile(path, src):
+                    raise ValueError(f"{flag} {path} is the {given} file: writing the report there would "
+                                     "overwrite it; name another file")
     if args.plot is not None and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
         raise ValueError(f"--plot {args.plot}: the file name must end in one of {', '.join(PLOT_FORMATS)}")
 
@@ -86,6 +104,9 @@ def unmodeled(deployment: Deployment, no_eplb: bool) -> list[str]:
     """What the deployment (or a flag) says that this run does not model: shown, never
     dropped silently (the engine reads the same file, so none of it is an error)."""
     notes, eplb, cost = [], deployment.eplb, deployment.cost
+    if "hardware" in deployment.defaulted:
+        notes.append(f"{deployment.source} has no [hardware] table: priced as the {deployment.hardware.name} "
+                     "preset (give [hardware] preset = \"h200\" or \"gb300\", or its bandwidths)")
     skewed = cost.expert_skew > 0 and any(p.dep > 1 for p in deployment.pools)
     if not skewed and (eplb is not None or no_eplb):
         what = "[eplb]" if eplb is not None else "--no-eplb"
@@ -130,6 +151,13 @@ def flag_notes(deployment: Deployment, args) -> list[str]:
     if args.max_kv_loads is not None and not pd and deployment.hardware.host_kv_bytes == 0:
         notes.append("--max-kv-loads changes nothing here: KV loads are P/D pulls and host-tier loads, and this "
                      "deployment has neither")
+    if args.trace is None:
+        given = [f for f, on in (("--format", args.format != "auto"), ("--skip-bad-rows", args.skip_bad_rows)) if on]
+        if given:
+            many = len(given) > 1
+            notes.append(f"{' and '.join(given)} {'change' if many else 'changes'} nothing here: "
+                         f"{'they read' if many else 'it reads'} a --trace file, and the workload is the built-in "
+                         "synthetic one")
     if args.num_spec_tokens == 0 and deployment.speculative is None:
         notes.append("--num-spec-tokens 0 changes nothing here: the deployment has no [speculative] table")
     return notes
@@ -173,12 +201,15 @@ def run_sim(args) -> int:
                      "max_kv_loads": args.max_kv_loads, "num_spec_tokens": args.num_spec_tokens,
                      "no_eplb": args.no_eplb, "skip_bad_rows": args.skip_bad_rows}
     report["trace_rows_skipped"] = skipped  # bad rows --skip-bad-rows left out (never silently)
-    print_table(report, console if args.json == "-" else Console())  # (the JSON alone on stdout)
-    if args.json:
+    # The files first: a reader of the table that stops early (`| head`) must not lose them.
+    if args.json and args.json != "-":
         write_json(report, args.json)
-        if args.json != "-":
-            console.print(f"wrote {args.json}")
     if args.plot:
         plot(sim.metrics.series(), args.plot, title=f"{name} on {deployment.name}")
-        console.print(f"wrote {args.plot}")
+    print_table(report, console if args.json == "-" else Console())  # (the JSON alone on stdout)
+    if args.json == "-":
+        write_json(report, args.json)
+    for path in (args.json, args.plot):
+        if path and path != "-":
+            console.print(f"wrote {path}")
     return 0

@@ -73,6 +73,7 @@ class TraceLoad:
     skipped: int
     path: str
     format: str
+    out_of_order: int = 0  # rows stamped earlier than some row above them (replayed in time order)
 
 
 # --- content ---------------------------------------------------------------------------------
@@ -193,13 +194,19 @@ def _collect(
     if not good:
         raise TraceFormatError(f"{path}: no usable requests ({skipped} bad {'row' if skipped == 1 else 'rows'} skipped)")
     t0 = min(r.t for r in good)
+    late, top = 0, good[0].t
+    for r in good:  # (a trace is written in time order: say when it is not)
+        if r.t < top:
+            late += 1
+        else:
+            top = r.t
     good.sort(key=lambda r: r.t)  # stable: equal timestamps keep file order
     ids, lens, bounds = _flatten_segments(good)
     requests = [
         TraceRequest((r.t - t0) / per_s, r.input_len, r.output_len, ids[a:b], lens[a:b], line=r.line)
         for r, a, b in zip(good, bounds, bounds[1:])
     ]
-    return TraceLoad(requests, skipped, str(path), fmt)
+    return TraceLoad(requests, skipped, str(path), fmt, late)
 
 
 def _flatten_segments(rows: list[_Row]) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -235,14 +242,14 @@ _BlockId = Annotated[int, msgspec.Meta(ge=0, lt=SEG_ID_SPACE)]
 
 class _MooncakeRow(msgspec.Struct):
     # Types and ranges are checked inside msgspec's C decoder; Python only checks block counts.
-    timestamp: float
+    timestamp: Annotated[float, msgspec.Meta(ge=0)]
     input_length: _Count
     output_length: _Count
     hash_ids: list[_BlockId]
 
 
 _MOONCAKE_RULES = {
-    "timestamp": "a number (milliseconds)",
+    "timestamp": "a number >= 0 (milliseconds)",
     "input_length": "an integer in [1, 2**31 - 1]",
     "output_length": "an integer in [1, 2**31 - 1] (every request generates at least one token)",
     "hash_ids": f"a list of integer block ids in [0, 2**40), one per {MOONCAKE_BLOCK}-token block",
@@ -254,8 +261,11 @@ _MSGSPEC_MISSING = re.compile(r"missing required field `(\w+)`")
 def read_mooncake(path: str | Path, *, skip_bad_rows: bool = False) -> TraceLoad:
     """Mooncake JSONL rows {timestamp (ms), input_length, output_length, hash_ids}."""
     path = Path(path)
+    return _mooncake(path, _read_bytes(path), skip_bad_rows)
+
+
+def _mooncake(path: Path, data: bytes, skip_bad_rows: bool) -> TraceLoad:
     decoder = msgspec.json.Decoder(_MooncakeRow)
-    data = _read_bytes(path)
     lines = data.removeprefix(b"\xef\xbb\xbf").splitlines()  # a UTF-8 BOM is not part of row 1
     # Blank lines are not rows (files often end with one), so they are not counted as skipped.
     rows = ((n, _mooncake_row(decoder, raw, n)) for n, raw in enumerate(lines, 1) if raw.strip())
@@ -310,19 +320,39 @@ _INT = re.compile(r"[+-]?\d+")
 def read_azure(path: str | Path, *, skip_bad_rows: bool = False) -> TraceLoad:
     """Azure LLM inference CSV `TIMESTAMP,ContextTokens,GeneratedTokens`; nothing is shared."""
     path = Path(path)
+    return _azure(path, _read_bytes(path), skip_bad_rows)
+
+
+def _azure(path: Path, data: bytes, skip_bad_rows: bool) -> TraceLoad:
     try:
-        lines = _read_bytes(path).decode("utf-8-sig").splitlines()
+        lines = data.decode("utf-8-sig").splitlines()
     except UnicodeDecodeError as e:
-        raise TraceFormatError(f"{path}: not UTF-8 text ({e}); expected an Azure CSV trace") from None
+        line = data.count(b"\n", 0, e.start) + 1
+        raise TraceFormatError(f"{path} line {line}: not UTF-8 text ({e.reason} at byte {e.start}); expected an "
+                               "Azure CSV trace") from None
     if not lines:
         raise TraceFormatError(f"{path}: empty file; expected the header {','.join(_AZURE_COLUMNS)}")
     columns = _azure_header(path, lines[0])
-    rows = ((n, _azure_row(line, columns, n)) for n, line in enumerate(lines[1:], 2) if line.strip())
+    zones: list[bool] = []  # whether the first good row's TIMESTAMP has a UTC offset
+
+    def row(line: str, n: int) -> _Row | str:
+        got = _azure_row(line, columns, n)
+        if isinstance(got, str):
+            return got
+        r, aware = got
+        if not zones:
+            zones.append(aware)
+        elif aware != zones[0]:  # naive times are UTC here: mixed with offsets they shift by hours
+            return (f"field 'TIMESTAMP' {'has' if aware else 'lacks'} a UTC offset, unlike the rows above it: "
+                    "give every row one, or none")
+        return r
+
+    rows = ((n, row(line, n)) for n, line in enumerate(lines[1:], 2) if line.strip())
     return _collect(path, "azure", rows, 10**9, skip_bad_rows)
 
 
 def _azure_header(path: Path, header: str) -> tuple[list[int], int]:
-    names = [name.strip() for name in header.split(",")]
+    names = [_unquote(name) for name in header.split(",")]
     missing = [c for c in _AZURE_COLUMNS if c not in names]
     if missing:
         raise TraceFormatError(
@@ -332,14 +362,21 @@ def _azure_header(path: Path, header: str) -> tuple[list[int], int]:
     return [names.index(c) for c in _AZURE_COLUMNS], len(names)
 
 
-def _azure_row(line: str, columns: tuple[list[int], int], n: int) -> _Row | str:
+def _unquote(field: str) -> str:
+    """A CSV field without its spaces and its quotes, if any ("2023-11-16 18:17:04.1206440")."""
+    field = field.strip()
+    return field[1:-1].strip() if len(field) >= 2 and field[0] == field[-1] == '"' else field
+
+
+def _azure_row(line: str, columns: tuple[list[int], int], n: int) -> tuple[_Row, bool] | str:
+    """(the row, whether its TIMESTAMP has a UTC offset), or what is wrong with it."""
     where, width = columns
     fields = line.split(",")
     if len(fields) != width:
         return f"expected {width} comma-separated fields like the header, got {len(fields)}"
-    stamp, context, generated = (fields[i].strip() for i in where)
-    t = _timestamp_ns(stamp)
-    if t is None:
+    stamp, context, generated = (_unquote(fields[i]) for i in where)
+    got = _timestamp_ns(stamp)
+    if got is None:
         return (f"field 'TIMESTAMP' must be a date-time like '2023-11-16 18:17:03.9799600' (a UTC offset such as "
                 f"'+00:00' may follow), got {stamp!r}")
     input_len = int(context) if _INT.fullmatch(context) else context
@@ -349,10 +386,12 @@ def _azure_row(line: str, columns: tuple[list[int], int], n: int) -> _Row | str:
     if error:
         return error
     # One unique segment per request: the trace says nothing about shared content.
-    return _Row(n, t, input_len, output_len, [AZURE_SEG_BASE + n], [input_len])
+    t, aware = got
+    return _Row(n, t, input_len, output_len, [AZURE_SEG_BASE + n], [input_len]), aware
 
 
-def _timestamp_ns(text: str) -> int | None:
+def _timestamp_ns(text: str) -> tuple[int, bool] | None:
+    """(nanoseconds, whether the text gave a UTC offset), or None if it is not a date-time."""
     m = _TIMESTAMP.fullmatch(text)
     if m is None:
         return None
@@ -369,12 +408,12 @@ def _timestamp_ns(text: str) -> int | None:
         if hh > 23 or mm > 59:
             return None
         seconds -= sign * (hh * 60 + mm) * 60
-    return seconds * 10**9 + int((m[7] or "").ljust(9, "0"))  # exact integers: no float rounding
+    return seconds * 10**9 + int((m[7] or "").ljust(9, "0")), bool(m[8])  # exact integers: no float rounding
 
 
 # --- dispatch ----------------------------------------------------------------------------------
 
-_READERS = {"mooncake": read_mooncake, "azure": read_azure}
+_READERS = {"mooncake": _mooncake, "azure": _azure}
 _EXTENSIONS = {".jsonl": "mooncake", ".json": "mooncake", ".csv": "azure"}
 
 
@@ -384,6 +423,10 @@ def _sniff(path: Path) -> str | None:
         raw = f.read(1 << 16)
     if raw[:2] == b"\x1f\x8b" or any(raw.startswith(m) for m in _COMPRESSED):
         raw = _read_bytes(path)[: 1 << 16]  # (names any compression but gzip)
+    return _sniff_data(raw)
+
+
+def _sniff_data(raw: bytes) -> str | None:
     first = next((line for line in raw.splitlines() if line.strip()), b"").removeprefix(b"\xef\xbb\xbf").strip()
     if first.startswith(b"{"):
         return "mooncake"
@@ -396,7 +439,10 @@ def detect_format(path: str | Path) -> str:
     """The trace format from the first non-blank line where it shows it plainly, or else from
     the file extension."""
     path = Path(path)
-    seen = _sniff(path)
+    return _detect(path, _sniff(path))
+
+
+def _detect(path: Path, seen: str | None) -> str:
     if seen is not None:
         return seen
     suffix = Path(path.stem).suffix.lower() if path.suffix.lower() == ".gz" else path.suffix.lower()
@@ -410,14 +456,17 @@ def detect_format(path: str | Path) -> str:
 
 
 def read_trace(path: str | Path, fmt: str = "auto", *, skip_bad_rows: bool = False) -> TraceLoad:
-    """Read a trace; fmt is 'auto', 'mooncake' or 'azure'."""
-    name = detect_format(path) if fmt == "auto" else fmt
-    if name not in _READERS:
+    """Read a trace; fmt is 'auto', 'mooncake' or 'azure'. The file is read once (a pipe
+    such as /dev/stdin works too)."""
+    if fmt != "auto" and fmt not in _READERS:
         raise ValueError(f"unknown trace format {fmt!r}; choose one of: auto, {', '.join(_READERS)}")
+    path = Path(path)
+    data = _read_bytes(path)
+    seen = _sniff_data(data[: 1 << 16])
+    name = _detect(path, seen) if fmt == "auto" else fmt
     try:
-        return _READERS[name](path, skip_bad_rows=skip_bad_rows)
+        return _READERS[name](path, data, skip_bad_rows)
     except TraceFormatError as e:
-        seen = _sniff(Path(path)) if Path(path).is_file() else None
         if seen is not None and seen != name:  # a format given that the file plainly is not
             label = {"mooncake": "a Mooncake JSONL", "azure": "an Azure CSV"}[seen]
             said = str(e).replace(SKIP_HINT, "")  # (skipping rows is not the fix here)

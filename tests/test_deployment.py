@@ -1,6 +1,7 @@
 """The Deployment schema: the shipped examples load, and bad input names the field."""
 
 import copy
+import re
 import tomllib
 from pathlib import Path
 
@@ -168,10 +169,9 @@ def test_engine_config_from_a_deployment_file():
     with pytest.raises(ConfigError, match="engine.model must be a preset") as e:  # no checkpoint to run
         EngineConfig.from_deployment(load_deployment(EXAMPLES / "h200-dep8.toml"))
     assert "h200-dep8.toml" in str(e.value) and "give its [[models]] a checkpoint" in str(e.value)
-    bad = deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated"}],
-                                "engine": {"device": "cpu", "dtype": "fp32"}}, source="x.toml")
-    with pytest.raises(ConfigError, match=r"^x.toml: engine.dtype"):  # named by its file
-        EngineConfig.from_deployment(bad)
+    with pytest.raises(ConfigError, match=r"^x.toml: \[engine\]: dtype"):  # named by its file, where it is read
+        deployment_from_dict({"models": [{"preset": "tiny"}], "pools": [{"role": "colocated"}],
+                              "engine": {"device": "cpu", "dtype": "fp32"}}, source="x.toml")
     pd = EngineConfig.from_deployment(load_deployment(EXAMPLES / "serve-pd-cpu.toml"))
     assert (pd.prefill_instances, pd.instances, pd.kv_transport) == (1, 1, "nixl")
     two = load_deployment(EXAMPLES / "serve-two-models-cpu.toml")
@@ -302,3 +302,33 @@ def test_a_pool_names_its_model_when_there_are_several():
         d["models"].append({"preset": "tiny"})
         del d["pools"][0]["model"]
     assert "name the pool's model (model = one of" in bad(two)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("num_blocks", -5, "num_blocks must be an integer >= 0"),
+    ("device", "tpu", "device must be 'cpu' or 'cuda[:N]'"),
+    ("dtype", "int3", "dtype must be float32, float64, bfloat16 or float16"),
+    ("kv_transport", "carrier-pigeon", "kv_transport must be 'nixl' or 'shm'"),
+    ("kv_hold_timeout_s", -1, "kv_hold_timeout_s must be a finite number of seconds > 0"),
+    ("kv_cache_dtype", "fp4", "kv_cache_dtype must be 'auto' or 'fp8'"),
+    ("runtime", "", "runtime must name a runtime"),
+])
+def test_engine_values_are_checked_where_the_file_is_read(field, value, says):
+    """The simulator ignores [engine], but one schema serves both: a file it takes, the server takes."""
+    data = copy.deepcopy(BASE)
+    data["engine"] = {field: value}
+    with pytest.raises(ConfigError, match="^<dict>: \\[engine\\]: " + re.escape(says)):
+        deployment_from_dict(data)
+    data["engine"] = {"device": "cuda:1", "kv_transport": "shm", "kv_cache_dtype": "fp8", "num_blocks": 0}
+    assert deployment_from_dict(data).engine.device == "cuda:1"
+
+
+def test_a_file_without_hardware_says_so_and_a_bom_is_no_error(tmp_path):
+    data = copy.deepcopy(BASE)
+    assert deployment_from_dict(data).defaulted == ()
+    del data["hardware"]
+    dep = deployment_from_dict(data)
+    assert dep.defaulted == ("hardware",) and dep.hardware.name == "h200"
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + DEFAULT_DEPLOYMENT_TOML.encode())
+    assert load_deployment(path).hardware == default_deployment().hardware

@@ -372,3 +372,34 @@ def test_throughput_bins_follow_the_run_length():
     from lockstep.sim.report import _bin_width
 
     assert [_bin_width(s) for s in (27.0, 600.0, 3600.0, 0.5, 0.0)] == [0.5, 10.0, 100.0, 0.01, 1.0]
+
+
+def test_the_report_files_are_written_before_the_table(tmp_path, monkeypatch):
+    """A reader of the table that stops early (`| head`) must not cost the --json and --plot files."""
+    import lockstep.sim.run as run_mod
+
+    seen = []
+
+    def table(report, console):
+        seen.append(((tmp_path / "r.json").exists(), (tmp_path / "r.png").exists()))
+        raise BrokenPipeError
+
+    monkeypatch.setattr(run_mod, "print_table", table)
+    assert main(["sim", "--limit", "20", "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")]) == 1
+    assert seen == [(True, True)]
+
+
+def test_a_report_never_overwrites_an_input_and_idle_flags_are_noted(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_bytes(MOONCAKE.read_bytes())
+    assert main(["sim", "--trace", str(trace), "--limit", "5", "--json", str(trace)]) == 2
+    assert "--json" in capsys.readouterr().err and trace.read_bytes() == MOONCAKE.read_bytes()
+    dep = tmp_path / "d.toml"
+    dep.write_text(DEFAULT_DEPLOYMENT_TOML)
+    assert main(["sim", "--deployment", str(dep), "--limit", "5", "--plot", str(dep.with_suffix(".png")),
+                 "--json", str(dep)]) == 2
+    assert "is the --deployment file" in capsys.readouterr().err
+    assert main(["sim", "--limit", "5", "--format", "azure", "--skip-bad-rows"]) == 0
+    assert "--format and --skip-bad-rows change nothing here" in capsys.readouterr().err
+    assert main(["sim", "--limit", "5", "--rate-scale", "1e-300"]) == 2
+    assert "--rate-scale must be a number in [1e-06, 1e+06]" in capsys.readouterr().err

@@ -314,3 +314,52 @@ def test_a_wrong_format_does_not_suggest_skipping_rows():
     with pytest.raises(TraceFormatError) as e:
         read_trace(AZURE, "mooncake")
     assert "--skip-bad-rows" not in str(e.value)
+
+
+# --- walkthrough findings (session 27) -----------------------------------------------------------
+
+
+def test_a_negative_timestamp_is_a_bad_row_and_rows_out_of_order_are_counted(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(mooncake_line(timestamp=t) + "\n" for t in (0, -1000)))
+    with pytest.raises(TraceFormatError, match=r"line 2: field 'timestamp' must be a number >= 0 .*got -1000"):
+        read_mooncake(path)
+    path.write_text("".join(mooncake_line(timestamp=t) + "\n" for t in (0, 99_999, 10, 20, 100_000)))
+    load = read_mooncake(path)
+    assert load.out_of_order == 2 and [r.arrival_s for r in load.requests] == [0.0, 0.01, 0.02, 99.999, 100.0]
+    assert read_mooncake(MOONCAKE).out_of_order == 0 and read_azure(AZURE).out_of_order == 0
+
+
+def test_azure_quoted_fields_read_and_mixed_utc_offsets_are_refused(tmp_path):
+    path = write_azure(tmp_path, '"TIMESTAMP","ContextTokens","GeneratedTokens"\n'
+                       '"2023-11-16 18:17:04.1206440",7433,14\n"2023-11-16 18:17:05.1206440", "10" ,"3"\n')
+    assert [(r.arrival_s, r.input_len, r.output_len) for r in read_azure(path).requests] == [(0.0, 7433, 14),
+                                                                                             (1.0, 10, 3)]
+    mixed = AZURE_HEADER + "2023-11-16 18:17:04,10,1\n2023-11-16 18:17:05+05:00,10,1\n"
+    with pytest.raises(TraceFormatError, match="line 3: field 'TIMESTAMP' has a UTC offset, unlike the rows above"):
+        read_azure(write_azure(tmp_path, mixed))
+    assert len(read_azure(write_azure(tmp_path, mixed), skip_bad_rows=True).requests) == 1
+
+
+def test_a_csv_that_is_not_utf8_names_the_line(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_bytes(AZURE_HEADER.encode() + b"2023-11-16 18:17:04,10,1\n2023-11-16 18:17:05,1\xff0,1\n")
+    with pytest.raises(TraceFormatError, match="bad.csv line 3: not UTF-8 text"):
+        read_azure(path)
+
+
+def test_a_trace_from_a_pipe_is_read_once_with_its_format_detected(tmp_path):
+    """`--trace /dev/stdin`: detecting the format must not use up the stream."""
+    import os
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    text = MOONCAKE.read_bytes()
+    writer = threading.Thread(target=lambda: fifo.write_bytes(text))
+    writer.start()
+    try:
+        load = read_trace(fifo)
+    finally:
+        writer.join()
+    assert load.format == "mooncake" and len(load.requests) == len(read_mooncake(MOONCAKE).requests)

@@ -10,6 +10,7 @@ Errors name the file, the table and the field. This module holds the schema and 
 from __future__ import annotations
 
 import math
+import re
 
 import attrs
 
@@ -193,7 +194,7 @@ UNTUNED_HOST = HostSpec(scheduler_s=8.1e-3, dispatch_s=0.5e-3, sync="gloo", over
 
 @attrs.frozen
 class EngineSpec:
-    """How the engine and server run a pool's ranks (the simulator ignores this table)."""
+    """How the engine and server run a pool's ranks (the simulator checks it, then ignores it)."""
 
     runtime: str = "torch"  # a name in the lockstep.runtimes entry-point group
     device: str = "cuda"
@@ -202,6 +203,25 @@ class EngineSpec:
     kv_transport: str = "nixl"  # P/D pools: how decode runtimes pull KV ("nixl" or "shm")
     kv_hold_timeout_s: float = 120.0  # P/D: a prefill frees KV no decode rank claimed by then
     kv_cache_dtype: str = "auto"  # "fp8": e4m3 KV with a scale per token and layer
+
+    def __attrs_post_init__(self) -> None:
+        # The engine's own rules (lockstep.engine.config), checked where the file is read, so a
+        # file the simulator takes is one the server takes too.
+        if not (isinstance(self.runtime, str) and self.runtime):
+            raise ConfigError(f"engine.runtime must name a runtime (torch, timing, ...), got {self.runtime!r}")
+        if not (isinstance(self.device, str) and re.fullmatch(r"cpu|cuda(:\d+)?", self.device)):
+            raise ConfigError(f"engine.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in ("float32", "float64", "bfloat16", "float16"):
+            raise ConfigError(f"engine.dtype must be float32, float64, bfloat16 or float16, got {self.dtype!r}")
+        if not (isinstance(self.num_blocks, int) and not isinstance(self.num_blocks, bool) and self.num_blocks >= 0):
+            raise ConfigError(f"engine.num_blocks must be an integer >= 0 (0: from [hardware]), got {self.num_blocks!r}")
+        if self.kv_transport not in ("nixl", "shm"):
+            raise ConfigError(f"engine.kv_transport must be 'nixl' or 'shm', got {self.kv_transport!r}")
+        t = self.kv_hold_timeout_s
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0):
+            raise ConfigError(f"engine.kv_hold_timeout_s must be a finite number of seconds > 0, got {t!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ConfigError(f"engine.kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
 
 
 def _at_least_zero(inst, attribute, value):
@@ -308,6 +328,8 @@ class Deployment:
     hash_secret: str = "lockstep"
     seed: int = 0
     source: str = "<built-in>"
+    # Tables the file left out whose defaults price a run (the simulator says so): "hardware"
+    defaulted: tuple[str, ...] = ()
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:

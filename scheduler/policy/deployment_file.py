@@ -20,7 +20,7 @@ from .rebalance import EplbConfig
 def load_deployment(path: str | Path) -> Deployment:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # (a BOM is not TOML's, nor the file's)
     except FileNotFoundError:
         raise ConfigError(f"deployment file {path} does not exist") from None
     except IsADirectoryError:
@@ -83,6 +83,7 @@ def deployment_from_dict(data: dict, *, source: str = "<dict>") -> Deployment:
         speculative=spec,
         hash_secret=str(data.get("hash_secret", "lockstep")),
         seed=int(data.get("seed", 0)), source=source,
+        defaulted=tuple(t for t in ("hardware",) if t not in data),
     )
     for pool in pools:
         dep.scheduler_for(pool)  # fail now if the weights do not fit, or the host tier is too small
