@@ -74,6 +74,8 @@ def make_app(servers: Server | list[Server]) -> Starlette:
             return first
         if model is None:
             raise BadRequest(f"model is required: this server serves {sorted(by_name)}", "model")
+        if not isinstance(model, str):  # (a list is not even hashable)
+            raise BadRequest(f"model must be a string, one of {sorted(by_name)}; got {type(model).__name__}", "model")
         if model not in by_name:
             raise BadRequest(f"model {model!r} is not served here; available: {sorted(by_name)}", "model", status=404)
         return by_name[model]

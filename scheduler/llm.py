@@ -125,7 +125,7 @@ async def _chat_prompts(engine: Engine, convs: list, body: dict, tools, one: boo
                         chat_template: str | None = None) -> list[np.ndarray]:
     """Each conversation's token ids through the engine's chat template, or ``chat_template``
     (either writes its own bos)."""
-    from lockstep.openai_chat import chat_prompt
+    from lockstep.openai_chat import TemplateRefused, chat_prompt
     from lockstep.openai_protocol import BadRequest
     from lockstep.openai_tools import ToolError, check_tools
     from lockstep.runtime.tokenizer import TokenizerError, custom_chat_template
@@ -142,7 +142,11 @@ async def _chat_prompts(engine: Engine, convs: list, body: dict, tools, one: boo
         try:
             text = chat_prompt({**body, "messages": conv}, template, check_tools(tools))
         except (BadRequest, ToolError) as e:
-            field = getattr(e, "param", None)
+            # a template the caller gave that fails is theirs to mend (the model's: the messages)
+            if isinstance(e, TemplateRefused) and chat_template is not None:
+                e, field = f"chat_template failed on these messages: {e.cause}", "chat_template"
+            else:
+                field = getattr(e, "param", None)
             raise RequestError(str(e) if one else f"messages[{i}]: {e}", field=field) from None
         out.append(engine.tokenizer.encode(text))
     return out
@@ -189,7 +193,11 @@ async def _generate_all(engine: Engine, prompts: list, plist: list, single: bool
     by: list[list] = [[] for _ in prompts]  # each prompt's samples together (n > 1: Completion.outputs)
     for (i, _), r in zip(gens, results):
         by[i].append(r)
-    return [mine[0] if len(mine) == 1 else attrs.evolve(mine[0], samples=tuple(mine)) for mine in by]
+    out = []
+    for mine in by:  # n > 1: the samples numbered, as Engine.complete numbers them (vLLM's index)
+        mine = [attrs.evolve(c, index=k) for k, c in enumerate(mine)] if len(mine) > 1 else mine
+        out.append(mine[0] if len(mine) == 1 else attrs.evolve(mine[0], samples=tuple(mine)))
+    return out
 
 
 class _Runner:

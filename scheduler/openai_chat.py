@@ -6,6 +6,13 @@ from __future__ import annotations
 
 from .openai_protocol import BadRequest
 
+class TemplateRefused(BadRequest):
+    """The chat template raised while rendering the messages (the template's fault, or the
+    messages'; the server names messages, the Python API a chat_template it was given)."""
+
+    cause = ""  # what the template raised
+
+
 _RESERVED = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
 
 
@@ -34,7 +41,15 @@ def chat_prompt(body: dict, chat_template, tools: list[dict] | None = None) -> s
     opts = dict(kw)
     if tools:
         opts["tools"] = tools
-    text = chat_template(msgs, add_generation_prompt=gen, **opts) if (opts or not gen) else chat_template(msgs)
+    try:
+        text = chat_template(msgs, add_generation_prompt=gen, **opts) if (opts or not gen) else chat_template(msgs)
+    except BadRequest:
+        raise
+    except Exception as e:  # noqa: BLE001 - the template refused the conversation (roles must
+        # alternate, say: a ValueError, or jinja2's TemplateError from raise_exception), or failed
+        refused = TemplateRefused(f"messages: the model's chat template refused them: {e}", "messages")
+        refused.cause = str(e)
+        raise refused from None
     if cont:  # cut after the last message's text, as Hugging Face's continue_final_message does
         at = text.rfind(msgs[-1]["content"])
         if at < 0:

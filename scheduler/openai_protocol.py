@@ -81,6 +81,8 @@ def parse_body(raw: bytes) -> dict:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # (msgspec's decoder recurses per level of nesting)
+        raise BadRequest("request body is not valid JSON here: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -144,13 +146,7 @@ def parse_completion(body: dict, *, chat: bool, default_max_tokens: int, chat_te
             raise BadRequest(str(e), e.param) from None
         from .openai_chat import chat_prompt  # (it raises this module's BadRequest)
 
-        try:
-            prompts = (chat_prompt(body, chat_template, tools),)
-        except BadRequest:
-            raise
-        except Exception as e:  # noqa: BLE001 - the template refused the conversation (roles must
-            # alternate, say: a ValueError, or jinja2's TemplateError from raise_exception)
-            raise BadRequest(f"messages: the model's chat template refused them: {e}", "messages") from None
+        prompts = (chat_prompt(body, chat_template, tools),)
     else:
         prompts = _prompts(body.get("prompt"))
     n = _get(body, "n", int, 1)

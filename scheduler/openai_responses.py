@@ -134,11 +134,12 @@ async def whole_response(server, job: Job, gens: list, rid: str) -> Response:
                 if calls:
                     message.update(content=content, tool_calls=calls)
                     reason = "tool_calls" if reason == "stop" else reason
-            elif job.tool_choice and text is not None and (reason == "stop" or job.tool_choice != "required"):
-                calls = tool_calls(text, job.tool_choice)  # (text None: it never stopped thinking)
-                if calls is not None:  # (OpenAI's: a forced function's call ends with "stop", or "length")
-                    message.update(content=None, tool_calls=calls)
-                    reason = "tool_calls" if job.tool_choice == "required" else reason
+            elif job.tool_choice and text is not None:  # (text None: it never stopped thinking)
+                # (OpenAI's: a forced function's call ends with "stop", or "length"; a "required"
+                # answer cut at max_tokens keeps its whole calls and the one it was cut in)
+                calls = tool_calls(text, job.tool_choice)
+                message.update(content=None, **({"tool_calls": calls} if calls else {}))
+                reason = "tool_calls" if job.tool_choice == "required" and reason == "stop" else reason
             choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
                             "stop_reason": stop})
         else:
@@ -202,7 +203,9 @@ def stream_response(server, job: Job, gens: list, rid: str) -> SSEResponse:
     def chunk(choices: list, usage=None) -> bytes:
         body = {"id": rid, "object": kind, "created": created, "model": server.model_name, "choices": choices}
         if usage is None and job.include_usage and job.continuous_usage and choices:  # vLLM's: the usage so far
-            prompt = sum(o.num_prompt_tokens for o in latest[::job.n] if o is not None)
+            # (before a prompt's first output: its tokens, which were counted before the response began)
+            prompt = sum(o.num_prompt_tokens if o is not None else len(job.prompts[k])
+                         for k, o in enumerate(latest[::job.n]))
             done = sum(o.num_output_tokens for o in latest if o is not None)
             usage = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         if usage is not None or job.include_usage:  # OpenAI's: every other chunk then says "usage": null

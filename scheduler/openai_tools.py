@@ -122,21 +122,47 @@ def call_id() -> str:
     return "chatcmpl-tool-" + secrets.token_hex(12)  # (vLLM's form)
 
 
-def tool_calls(text: str, choice: str) -> list[dict] | None:
-    """The tool calls an answer holds: a named function's text is its call's arguments; a
-    "required" answer that is not complete JSON (cut at max_tokens) gives None (the text is
-    then returned as it is)."""
-    if choice != "required":  # a named function's call, whatever its text (cut at max_tokens too), as vLLM's
+def tool_calls(text: str, choice: str) -> list[dict]:
+    """The tool calls an answer holds: a named function's text is its call's arguments (cut at
+    max_tokens too, as vLLM's); a "required" answer's JSON array of calls, and where it was
+    cut at max_tokens its whole calls, then the one it was cut in if its name came whole,
+    with its arguments as far as they came (``_cut_calls``)."""
+    if choice != "required":
         return [{"id": call_id(), "type": "function", "function": {"name": choice, "arguments": text.strip()}}]
     try:
         value = json.loads(text, strict=False)  # (control characters in strings: the grammar's, not the client's)
     except ValueError:
-        return None
-    if isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value):
-        calls = [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value]
+        calls = _cut_calls(text)
     else:
-        return None
+        calls = [(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in value] \
+            if isinstance(value, list) and all(isinstance(c, dict) and "name" in c for c in value) else []
     return [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+
+
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
+
+
+def _cut_calls(text: str) -> list[tuple[str, str]]:
+    """(name, arguments) of a "required" answer cut short: ``[{"name": ..., "parameters": ...}, {"na``."""
+    dec, s = json.JSONDecoder(strict=False), text.strip()
+    if not s.startswith("["):
+        return []
+    out, i = [], 1
+    while True:
+        while i < len(s) and s[i] in " \t\r\n,":
+            i += 1
+        if i >= len(s) or s[i] == "]":
+            return out
+        try:
+            value, i = dec.raw_decode(s, i)
+        except ValueError:  # the call it was cut in
+            m = _CALL_HEAD.match(s, i)
+            if m is not None:
+                out.append((json.loads(f'"{m[1]}"'), s[m.end():]))
+            return out
+        if not (isinstance(value, dict) and "name" in value):
+            return out
+        out.append((value["name"], json.dumps(value.get("parameters", {}), ensure_ascii=False)))
 
 
 class ToolStream:
@@ -160,8 +186,5 @@ class ToolStream:
         self.text.append(text)
         if not finished:
             return None
-        whole = "".join(self.text)
-        calls = tool_calls(whole, "required")
-        if calls is None:
-            return {"content": whole} if whole else None
-        return {"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}
+        calls = tool_calls("".join(self.text), "required")  # (cut at max_tokens: its whole calls and the last's start)
+        return {"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]} if calls else None

@@ -154,10 +154,12 @@ def engine_config(args):
 
     from lockstep.engine.config import model_context
 
+    if args.max_model_len is not None and args.max_model_len < 1:  # (0 read as "not given" before)
+        raise ValueError(f"--max-model-len must be an integer >= 1, got {args.max_model_len}")
     sched = SchedulerConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len or 4096, policy=args.scheduling_policy)
-    if not args.max_model_len:  # the model's context, as far as one rank's KV cache holds it
+    if args.max_model_len is None:  # the model's context, as far as one rank's KV cache holds it
         sched = attrs.evolve(sched, max_model_len=min(model_context(args.model) or 4096, sched.request_tokens))
     return EngineConfig(model=args.model, runtime=args.runtime, device=args.device, dtype=args.dtype,
                         scheduler=sched, runtime_options=_options(args.runtime_option),
@@ -315,7 +317,10 @@ def _check_flags(args) -> None:
 
         path = Path(args.chat_template)
         try:
-            if len(args.chat_template) < 4096 and path.is_file():
+            if not any(c in args.chat_template for c in "{}\n"):  # no Jinja in it: a file (vLLM's rule)
+                if not path.is_file():
+                    raise ValueError(f"--chat-template {str(path)[:200]}: no such file (a template given inline "
+                                     "holds Jinja: {{ ... }} or {% ... %})")
                 args.chat_template = path.read_text()
             custom_chat_template(None, args.chat_template)  # (it parses: checked before any engine starts)
         except (OSError, UnicodeDecodeError, TokenizerError) as e:

@@ -12,6 +12,7 @@ import pytest
 from lockstep import LLM, ConfigError, RequestError
 from lockstep.api import open_engine
 from lockstep.cli import main
+from lockstep.engine.config import EngineConfig
 from lockstep.policy.request import SamplingParams
 from test_engine import config
 
@@ -100,6 +101,14 @@ def test_llm_tokenizer_chat_template_and_vllm_keywords():
         with pytest.raises(RequestError, match="chat_template does not parse") as e:
             llm.chat([{"role": "user", "content": "hi"}], chat_template="{% for %}")
         assert e.value.field == "chat_template"
+        # one that parses and fails on the messages is the caller's template too, not a crash
+        for bad in ("{{ raise_exception('no') }}", "{{ messages[5].content }}", "{{ 1 + 'a' }}"):
+            with pytest.raises(RequestError, match="chat_template failed on these messages") as e:
+                llm.chat([{"role": "user", "content": "a"}], SamplingParams(max_tokens=2), chat_template=bad)
+            assert e.value.field == "chat_template"
+        # n samples are numbered, as vLLM's CompletionOutput.index
+        (out,) = llm.generate("hi", SamplingParams(max_tokens=3, n=3, seed=1), use_tqdm=False)
+        assert [o.index for o in out.outputs] == [0, 1, 2]
 
 
 def test_cli_flags_are_never_abbreviations(capsys):
@@ -108,3 +117,11 @@ def test_cli_flags_are_never_abbreviations(capsys):
     assert "unrecognized arguments: --n" in capsys.readouterr().err
     assert main(["generate", "--stop-token-ids", "5,6", "--ignore-eos", "--max-tokens", "3", "hi"]) == 0
     assert "3 tokens, finish: length" in capsys.readouterr().err
+
+
+async def test_a_finished_requests_id_may_be_used_again():
+    """vLLM takes a finished request's id; the last prompt the frontend handled held on to it."""
+    async with open_engine(EngineConfig(model="tiny", runtime="timing")) as eng:
+        for _ in range(2):
+            outs = [o async for o in eng.generate([5, 6, 7], SamplingParams(max_tokens=2), request_id=1001)]
+            assert outs[-1].finished

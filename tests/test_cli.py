@@ -222,6 +222,9 @@ def test_a_lost_dep_instance_is_one_line_however_many_ranks_report_it(monkeypatc
     (["--max-tokens-default", "0"], "--max-tokens-default must be at least 1"),  # failed every request
     (["--start-timeout", "0"], "--start-timeout must be a finite number of seconds > 0"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
+    (["--max-model-len", "0"], "--max-model-len must be an integer >= 1"),  # became the default
+    # no Jinja in it: a file, which must exist (the path itself was the template)
+    (["--chat-template", "/nonexistent/tmpl.jinja"], "--chat-template /nonexistent/tmpl.jinja: no such file"),
 ])
 def test_serve_names_bad_numbers_before_starting(flags, message, capsys):
     assert main(["serve", "--model", "tiny", *flags]) == 2

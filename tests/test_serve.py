@@ -404,6 +404,35 @@ async def test_fuzzed_completion_bodies_never_get_a_5xx():
         assert stats.running == 0 and stats.kv_blocks_used == 0
 
 
+async def test_a_body_the_parser_cannot_take_is_a_400_naming_it():
+    """Found by a walkthrough: a non-string model (unhashable) and JSON nested past the
+    decoder's recursion were plain-text 500s; a template refusing /tokenize's messages too."""
+    template = "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}{% endif %}" \
+               "{{ m.content }}{% endfor %}"
+    async with InProcess(*TIMING, "--chat-template", template) as srv:
+        async with httpx.AsyncClient(timeout=30) as c:
+            chat = [{"role": "user", "content": "x"}]
+            for path, body in (("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+                               ("/v1/chat/completions", {"messages": chat, "max_tokens": 1}),
+                               ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+                r = await c.post(srv.url + path, json={"model": ["tiny"], **body})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "model", (path, r.text)
+            deep = b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}"
+            r = await c.post(srv.url + "/v1/completions", content=deep, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+            r = await c.post(srv.url + "/tokenize", json={"messages": [{"role": "system", "content": "s"}]})
+            assert r.status_code == 400 and "chat template refused them" in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == "messages"
+            # continuous usage: the first chunk already counts the prompt (vLLM's)
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            async with c.stream("POST", srv.url + "/v1/chat/completions", json=body) as r:
+                usages = [json.loads(line[6:])["usage"] async for line in r.aiter_lines()
+                          if line.startswith("data: {")]
+            n_prompt = usages[-1]["prompt_tokens"]
+            assert n_prompt > 0 and all(u["prompt_tokens"] == n_prompt for u in usages), usages
+
+
 async def post(c: httpx.AsyncClient, url: str, body) -> int:
     r = await c.post(url, content=json.dumps(body), headers={"content-type": "application/json"})
     await r.aread()
@@ -611,6 +640,10 @@ def test_tool_calls_through_the_openai_client(real_server):
     cut = client.chat.completions.create(model="tiny", messages=chat, tools=tools, max_tokens=3, temperature=0,
                                          tool_choice=named).choices[0]  # (vLLM's: a named call even cut short)
     assert cut.finish_reason == "length" and cut.message.tool_calls[0].function.name == "weather"
+    for n in (3, 6, 12):  # "required" cut short: never the internal array as content
+        cut = client.chat.completions.create(model="tiny", messages=chat, tools=tools, max_tokens=n, temperature=0,
+                                             tool_choice="required").choices[0]
+        assert cut.finish_reason == "length" and cut.message.content is None
     c = first_whole(tool_choice=named)
     assert c.finish_reason == "stop" and c.message.content is None and len(c.message.tool_calls) == 1
     call = c.message.tool_calls[0]

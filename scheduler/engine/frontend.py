@@ -55,6 +55,8 @@ class Frontend:
                             await self._admit(msg)
                         case _:
                             raise TypeError(f"Frontend got an unknown message {msg!r}")
+                    # handed on: not held here (Engine._made would keep its request id taken)
+                    msg = None
             finally:  # the engine is stopping: the prompt being admitted and those queued end too
                 error, now = RuntimeError("the engine shut down"), trio.current_time()
                 if isinstance(msg, Prompt):
