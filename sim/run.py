@@ -21,6 +21,7 @@ from .simulator import Simulator
 from .traces import TraceRequest, agentic_workload, read_trace
 
 
+LONG_SPAN_S = 30 * 86400  # public traces span an hour to a week
 RATE_SCALE = (1e-6, 1e6)  # beyond, a trace of seconds spans millennia or nanoseconds
 
 
@@ -44,6 +45,12 @@ def load_workload(trace: str | None, fmt: str, *, seed: int, rate_scale: float, 
                           "timestamp order (check the trace's timestamps if that is not what it means)[/]",
                           soft_wrap=True)
         reqs, name, skipped = load.requests, f"{Path(trace).name} ({load.format})", load.skipped
+        span = reqs[-1].arrival_s - reqs[0].arrival_s
+        if span > LONG_SPAN_S:  # a unit slip or a stray row, more likely than a trace of months
+            gap, i = max((b.arrival_s - a.arrival_s, j) for j, (a, b) in enumerate(zip(reqs, reqs[1:])))
+            console.print(f"[yellow]note: the arrivals of {escape(trace)} span {span / 86400:,.0f} days; the longest "
+                          f"gap, {gap / 86400:,.1f} days, comes before line {reqs[i + 1].line} (check the trace's "
+                          "timestamps if that is not what it means)[/]", soft_wrap=True)
     if limit is not None:
         if limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")

@@ -403,3 +403,13 @@ def test_a_report_never_overwrites_an_input_and_idle_flags_are_noted(tmp_path, c
     assert "--format and --skip-bad-rows change nothing here" in capsys.readouterr().err
     assert main(["sim", "--limit", "5", "--rate-scale", "1e-300"]) == 2
     assert "--rate-scale must be a number in [1e-06, 1e+06]" in capsys.readouterr().err
+
+
+def test_a_trace_spanning_months_is_noted_with_its_longest_gap(tmp_path, capsys):
+    rows = [json.loads(line) for line in MOONCAKE.read_text().splitlines()[:5]]
+    rows[-1]["timestamp"] = 1e20  # a stray row (or ms read as ns): the run would span aeons
+    path = tmp_path / "far.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["sim", "--trace", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "span" in err and "comes before line 5" in err
