@@ -210,7 +210,11 @@ class Engine:
                 lps = stream.take_logprobs() if params.logprobs is not None else None
                 stop_reason = None  # the stop string or stop token id that ended it (vLLM's stop_reason)
                 if stops and len(tokens):
-                    tokens, hit = cut_at_stop_ids(tokens, stops, params.min_tokens - n)
+                    kept, hit = cut_at_stop_ids(tokens, stops, params.min_tokens - n)
+                    # vLLM checks the length first: a stop id that is the last token max_tokens allows
+                    # ends the request by length (no stop_reason), its text written
+                    at_length = reason is FinishReason.LENGTH and len(kept) == len(tokens)
+                    tokens, hit = kept, hit and not at_length
                     if hit:  # (vLLM's stop_reason is None for the end of sequence, a stop id or not)
                         reason = self._stopped(stream)
                         stop_reason = None if int(tokens[-1]) == self.frontend.eos and not params.ignore_eos \
@@ -219,7 +223,8 @@ class Engine:
                 # The token that ended the request (end of sequence, a stop id) is not written,
                 # as vLLM's (it shows only with skip_special_tokens false, or as a stop id's text)
                 ended = reason is not None and len(tokens) and (
-                    int(tokens[-1]) in stops or (int(tokens[-1]) == self.frontend.eos and not params.ignore_eos))
+                    (int(tokens[-1]) in stops and reason is not FinishReason.LENGTH)
+                    or (int(tokens[-1]) == self.frontend.eos and not params.ignore_eos))
                 written = tokens[:-1] if ended else tokens
                 if cut is not None:  # token by token: a stop string ends the tokens where it ends
                     text, upto = feed_stop_strings(cut, detok, written, final=reason is not None,

@@ -9,8 +9,17 @@ import errno
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported as one `error:` line, as every other bad input is
+    (not the usage block first); ``--help`` still shows it all. Subcommands' parsers are of
+    this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lockstep", description=__doc__)
+    p = _Parser(prog="lockstep", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("sim", help="replay a trace against a deployment in virtual time")
     s.add_argument("--trace", help="trace file (Mooncake JSONL or Azure CSV); default: synthetic agentic")

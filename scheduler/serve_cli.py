@@ -27,8 +27,10 @@ def add_parser(sub) -> None:
 
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     s.add_argument("--deployment", help="deployment TOML (the simulator's schema, with an [engine] table): "
-                   "its pools are served, an engine per model; --model, --runtime, --device, --dtype and the "
-                   "scheduler flags are refused with it (the file says what to run)")
+                   "its pools are served, an engine per model; every engine flag typed (--model, --runtime, "
+                   "--device, --dtype, --dep, the scheduler flags, ...) is refused with it, even at its default "
+                   "(the file says what to run); the server's own flags (--host, --port, --served-model-name, "
+                   "...) still apply")
     s.add_argument("--served-model-name", help="the model id clients use (default: --model)")
     add_engine_flags(s)
     s.add_argument("--nodes", type=int, default=1,

@@ -106,6 +106,14 @@ def test_llm_tokenizer_chat_template_and_vllm_keywords():
             with pytest.raises(RequestError, match="chat_template failed on these messages") as e:
                 llm.chat([{"role": "user", "content": "a"}], SamplingParams(max_tokens=2), chat_template=bad)
             assert e.value.field == "chat_template"
+        # a stop id that is the last token max_tokens allows ends it by length, as vLLM checks
+        # the length first (no stop_reason, its text written); one token earlier, a stop
+        greedy = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+        stop = int(greedy.token_ids[-1])
+        at, before = (llm.generate("hello", SamplingParams(max_tokens=m, temperature=0, stop_token_ids=[stop]),
+                                   use_tqdm=False)[0] for m in (3, 4))
+        assert (at.finish_reason, at.stop_reason, at.text) == ("length", None, greedy.text)
+        assert (before.finish_reason, before.stop_reason) == ("stop", stop) and before.text != greedy.text
         # n samples are numbered, as vLLM's CompletionOutput.index
         (out,) = llm.generate("hi", SamplingParams(max_tokens=3, n=3, seed=1), use_tqdm=False)
         assert [o.index for o in out.outputs] == [0, 1, 2]
