@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
@@ -42,3 +43,19 @@ def emit(bench: str, rows: list[dict], headline: dict, as_json: bool) -> None:
               f"{h['baseline']['value']:.4g}; {h['ratio']:.1f}x better; target {h['target']}: {verdict})")
     if as_json:
         print(json.dumps({"bench": bench, "rows": rows, "headline": h}))
+
+
+def at_least(low: int):
+    """An argparse type: an integer >= ``low`` (a bad one is a usage error naming the flag,
+    not a traceback from deep inside the run)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse

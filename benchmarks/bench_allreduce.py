@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import emit  # noqa: E402
+from _common import at_least, emit  # noqa: E402
 
 from lockstep.transports import shm_rendezvous
 from lockstep.transports.collective_shm import ShmCollective, ShmGroup, recv_group, send_group
@@ -42,6 +42,11 @@ RANKS = (2, 4, 8)
 LENGTHS = (1, 16)
 SHM_CALLS = {2: 20000, 4: 4000, 8: 2000}  # per block; Gloo is ~100x slower, so fewer
 GLOO_CALLS = {2: 2000, 4: 1000, 8: 400}
+
+
+def _calls(table: dict[int, int], n: int) -> int:
+    """Calls per block for n ranks: the entry of the largest rank count <= n."""
+    return table[max(k for k in table if k <= n)]
 
 
 def time_shm(coll: ShmCollective, m: int, calls: int) -> np.ndarray:
@@ -73,7 +78,7 @@ def rank_main(rank: int, n: int, sock: socket.socket, store: str, conn, repeat: 
     torch.set_num_threads(1)
     coll = ShmCollective(recv_group(sock), rank)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=n)
-    shm_calls, gloo_calls = int(SHM_CALLS[n] * scale), int(GLOO_CALLS[n] * scale)
+    shm_calls, gloo_calls = int(_calls(SHM_CALLS, n) * scale), int(_calls(GLOO_CALLS, n) * scale)
     out: dict[tuple[str, int], list[np.ndarray]] = {}
     for _ in range(repeat):
         for m in LENGTHS:
@@ -198,10 +203,11 @@ def summarize(blocks: list[list[np.ndarray]]) -> tuple[float, float, float, floa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--repeat", type=int, default=3, help="blocks per link and length")
+    ap.add_argument("--repeat", type=at_least(1), default=3, help="blocks per link and length")
     ap.add_argument("--quick", action="store_true", help="a tenth of the calls")
-    ap.add_argument("--ranks", type=int, nargs="*", default=list(RANKS))
-    ap.add_argument("--node-ranks", type=int, nargs="*", default=[2],
+    ap.add_argument("--ranks", type=at_least(2), nargs="+", default=list(RANKS),
+                    help="ranks of the rank-group rows (the headline: the fewest; the target is at 2)")
+    ap.add_argument("--node-ranks", type=at_least(2), nargs="*", default=[2],
                     help="engine processes for the node-link rows (NodeGroup's shm vs TCP, in trio)")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
@@ -233,7 +239,8 @@ def main() -> None:
         "metric": f"all-reduce median latency, {head['ranks']} ranks, 1 int64, shared memory", "unit": "us",
         "value": ours, "baseline": {"name": "torch.distributed Gloo all_reduce, same run", "value": base},
         "ratio": base / ours, "target": ">= 30x lower than Gloo at 2 ranks (<= 12 us)",
-        "meets_target": head["ranks"] == 2 and ours <= 12 and base / ours >= 30,
+        # (judged at 2 ranks only: a run without them gives no verdict)
+        "meets_target": (ours <= 12 and base / ours >= 30) if head["ranks"] == 2 else None,
     }, args.json)
 
 

@@ -36,8 +36,9 @@ ARRIVALS, PROMPT, BLOCK = 8, 4096, 64
 VLLM_PER_REQUEST_S = 24e-6
 DESCRIPTOR_S = {"unmerged": 3.4e-6, "merged": 0.1e-6}  # NIXL per descriptor, measured here
 # bench_admission on an 855K-token prompt, medians of 2026-11-30 (session 18): vLLM's default
-# sha256(pickle) chain 106.4 ms, lockstep's keyed vectorized hash with admission 1.175 ms
-HASH_S_PER_TOKEN = {"sha256": 106.4e-3 / 855e3, "keyed": 1.175e-3 / 855e3}
+# sha256(pickle) chain 89.54 ms, lockstep's keyed vectorized hash with admission 1.028 ms
+# (raw/2026-11-30-cpu-session18-bench_admission.txt)
+HASH_S_PER_TOKEN = {"sha256": 89.54e-3 / 855e3, "keyed": 1.028e-3 / 855e3}
 
 
 def gpu_step(dep: int) -> float:

@@ -60,7 +60,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import emit  # noqa: E402
+from _common import at_least, emit  # noqa: E402
 
 from lockstep.policy.eplb import Placement, Topology, bound, evaluate, naive, plan
 
@@ -234,8 +234,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="only EP32/288 and EP64/320")
     ap.add_argument("--settings", type=_settings, help="only these, e.g. 72x288 or 72x288x9 (EPxSLOTS[xNODES]), comma-separated")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=5, help="timed runs of each fresh plan (median)")
+    ap.add_argument("--seed", type=at_least(0), default=0)
+    ap.add_argument("--repeat", type=at_least(1), default=5, help="timed runs of each fresh plan (median)")
     args = ap.parse_args()
     settings = args.settings or [(ep, slots, None) for ep, slots in ([(32, 288), (64, 320)] if args.quick else SETTINGS)]
     rows = [run_setting(ep, slots, nodes, skew, args.seed, args.repeat)
@@ -272,10 +272,19 @@ def main() -> None:
 def _settings(text: str) -> list[tuple[int, int, int | None]]:
     out = []
     for part in text.split(","):
-        nums = [int(x) for x in part.lower().split("x")]
+        try:
+            nums = [int(x) for x in part.lower().split("x")]
+        except ValueError:
+            nums = []
         if len(nums) not in (2, 3):
             raise argparse.ArgumentTypeError(f"a setting is EPxSLOTS or EPxSLOTSxNODES, e.g. 72x288; got {part!r}")
-        out.append((nums[0], nums[1], nums[2] if len(nums) == 3 else None))
+        ep, slots = nums[:2]
+        for nodes in (nums[2],) if len(nums) == 3 else (ep // 8, 1):  # as the run will make it
+            try:
+                Topology(experts=EXPERTS, slots=slots, ranks=ep, nodes=nodes)
+            except ValueError as e:  # (the planner's own rules: slots a multiple of EP, ...)
+                raise argparse.ArgumentTypeError(f"{part}: {e}") from None
+        out.append((ep, slots, nums[2] if len(nums) == 3 else None))
     return out
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import emit  # noqa: E402
+from _common import at_least, emit  # noqa: E402
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs to stdout; keep the table clean
 
@@ -299,7 +299,7 @@ def print_kv_sizes() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--repeat", type=int, default=15, help="timed rounds (one wave per mode each)")
+    ap.add_argument("--repeat", type=at_least(1), default=15, help="timed rounds (one wave per mode each)")
     ap.add_argument("--pool-mib", type=int, default=512, help="each pool (prefill and decode side)")
     ap.add_argument("--wave-mib", type=int, default=256, help="bytes moved per wave, roughly")
     ap.add_argument("--seed", type=int, default=0)

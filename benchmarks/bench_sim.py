@@ -43,6 +43,8 @@ def main() -> None:
                     help="replays per deployment; the figures are their median (this VM is noisy)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if not Path(args.trace).is_file():
+        ap.error(f"--trace {args.trace}: no such file (the Azure code trace lies in ../shared/traces/azure2023/)")
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
     workload = read_trace(args.trace).requests

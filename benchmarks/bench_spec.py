@@ -26,11 +26,12 @@ import numpy as np
 import trio
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import emit  # noqa: E402
+from _common import at_least, emit  # noqa: E402
 
 from lockstep.api import open_engine
 from lockstep.engine.config import EngineConfig
-from lockstep.policy.config import SchedulerConfig
+from lockstep.policy.config import ConfigError, SchedulerConfig
+from lockstep.policy.deployment_file import load_deployment
 from lockstep.policy.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,16 +71,27 @@ async def one_run(dep: str, concurrency: int, speculate: bool) -> tuple[float, d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=at_least(1), default=3)
     ap.add_argument("--concurrency", default="1,8,32,128")
     ap.add_argument("--rates", default="0.75,0.65,0.6", help="acceptance of drafts 1..3 given the ones before")
     args = ap.parse_args()
-    rates = [float(r) for r in args.rates.split(",")]
+    try:
+        rates = [float(r) for r in args.rates.split(",")]
+        concurrency = [int(x) for x in args.concurrency.split(",")]
+    except ValueError as e:
+        ap.error(f"--rates takes numbers and --concurrency integers, comma-separated ({e})")
+    if min(concurrency) < 1:
+        ap.error(f"--concurrency must be integers >= 1, got {args.concurrency}")
+    with tempfile.TemporaryDirectory() as tmp:  # the deployment checks the rates: an error names them
+        try:
+            load_deployment(deployment(False, rates, Path(tmp)))
+        except ConfigError as e:
+            ap.error(f"--rates {args.rates}: {e}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for profiled in (False, True):
             dep = deployment(profiled, rates, Path(tmp))
-            for c in (int(x) for x in args.concurrency.split(",")):
+            for c in concurrency:
                 base = sorted(trio.run(one_run, dep, c, False)[0] for _ in range(args.repeat))
                 spec_runs = [trio.run(one_run, dep, c, True) for _ in range(args.repeat)]
                 spec = sorted(r[0] for r in spec_runs)
