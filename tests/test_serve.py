@@ -516,7 +516,8 @@ def test_openai_client_completions_chat_and_errors(real_server):
     stop_id = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, logprobs=0,
                                         extra_body={"ignore_eos": True}).choices[0]
     ids = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": full.choices[0].text}).json()["tokens"]
-    got = client.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=0, extra_body={
+    # (one token of room past it: a stop id that is the last token allowed ends by length, as in vLLM)
+    got = client.completions.create(model="tiny", prompt="hello", max_tokens=7, temperature=0, extra_body={
         "ignore_eos": True, "stop_token_ids": [ids[-1]], "top_k": 0, "include_stop_str_in_output": False,
         "skip_special_tokens": True})
     assert got.choices[0].finish_reason == "stop" and got.choices[0].model_extra["stop_reason"] == ids[-1]
