@@ -780,3 +780,41 @@ async def test_what_leaves_an_open_engine_block_leaves_it_as_itself():
         SamplingParams(temperature=-1)
     p = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.0), allowed_token_ids=np.arange(5, 9))
     assert p.max_tokens == 3 and type(p.max_tokens) is int and p.allowed_token_ids == (5, 6, 7, 8)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"dep": 2, "eplb": 2}, "engine.eplb must be None, an EplbConfig or a dict of its fields"),
+    ({"dep": 2, "eplb": {"bogus": 1}}, "engine.eplb: "),
+    ({"draft_model": "tiny-draft", "spec_adaptive": "no"}, "engine.spec_adaptive must be true or false"),
+    ({"prefill_instances": True}, "engine.prefill_instances must be an integer"),
+    # each would start runtimes that fail at load with tracebacks: named before anything starts
+    ({"prefill_instances": 1, "prefill_dep": 3}, "engine.prefill_dep 3 must divide the routed experts"),
+    ({"dep": 8, "draft_model": "tiny-draft", "draft_experts": "sharded"}, "engine.dep 8 must divide the draft's"),
+])
+def test_engine_config_names_bad_fields_found_in_a_walkthrough(fields, says):
+    import re
+
+    from lockstep.engine.config import EngineConfig
+    from lockstep.policy.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        EngineConfig(model="tiny", **fields)
+    assert EngineConfig(model="tiny", dep=2, eplb={"redundant_experts": 2}).eplb.redundant_experts == 2
+
+
+def test_a_deployment_with_several_colocated_pools_of_one_model_is_refused_by_the_engine(tmp_path):
+    """The engine runs one colocated pool of a model: serving the first alone dropped the others."""
+    from pathlib import Path
+
+    from lockstep.engine.config import EngineConfig
+    from lockstep.policy.config import ConfigError
+    from lockstep.policy.deployment_file import load_deployment
+
+    text = (Path(__file__).parents[1] / "examples" / "serve-tiny-cpu.toml").read_text()
+    pool = text[text.index("[[pools]]"):].split("\n\n")[0]
+    path = tmp_path / "two.toml"
+    path.write_text(text + "\n" + pool.replace('name = "main"', 'name = "b"') + "\n")
+    dep = load_deployment(path)
+    with pytest.raises(ConfigError, match="all serve model 'tiny' colocated"):
+        EngineConfig.from_deployment(dep)
+    assert EngineConfig.from_deployment(dep, pool_index=1).model == "tiny"

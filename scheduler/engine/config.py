@@ -21,6 +21,18 @@ def _small_scheduler() -> SchedulerConfig:
     return SchedulerConfig(num_blocks=1024, max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=4096)
 
 
+def _eplb(value):
+    """EngineConfig.eplb from a dict of EplbConfig's fields (the class need not be imported);
+    anything else is left for the type check to name."""
+    if isinstance(value, dict):
+        try:
+            return EplbConfig(**value)
+        except TypeError as e:  # an unknown field
+            raise ConfigError(f"engine.eplb: {e} (EplbConfig's fields: "
+                              f"{', '.join(f.name for f in attrs.fields(EplbConfig))})") from None
+    return value
+
+
 @attrs.frozen
 class EngineConfig:
     model: str = "tiny"  # a preset name or a Hugging Face checkpoint directory
@@ -35,7 +47,8 @@ class EngineConfig:
     runtime_options: dict = attrs.field(factory=dict)
     mailbox_size: int = 256
     dep: int = 1  # data-parallel ranks per instance (one Scheduler and runtime each)
-    eplb: EplbConfig | None = None  # expert load balancing (physical slots, rebalancing)
+    # expert load balancing (physical slots, rebalancing); a dict of EplbConfig's fields works too
+    eplb: EplbConfig | None = attrs.field(default=None, converter=lambda v: _eplb(v))
     instances: int = 1  # colocated instances, or with P/D the decode pool's
     # Prefill/decode disaggregation: prefill instances (0: colocated serving), their ranks,
     # how KV moves between the pools, and how long a prefill keeps unclaimed KV.
@@ -113,7 +126,7 @@ class EngineConfig:
                               f"({self.ring_bytes}, a third): lower it or raise ring_bytes")
         if self.draft_model:
             self._check_draft()
-        if self.runtime == "torch" and (self.dep > 1 or self.eplb is not None):
+        if self.runtime == "torch" and (self.dep > 1 or self.eplb is not None or self.prefill_dep > 1):
             self._check_experts()
         if self.draft_experts not in ("replicated", "sharded"):
             raise ConfigError(f"engine.draft_experts must be 'replicated' or 'sharded', got {self.draft_experts!r}")
@@ -150,6 +163,17 @@ class EngineConfig:
             fits = [d for d in range(1, slots + 1) if slots % d == 0]
             raise ConfigError(f"engine.dep {self.dep} must divide the expert slots: model {self.model!r} has {what} "
                               f"= {slots} (dep may be one of {fits})")
+        if self.prefill_instances and experts % self.prefill_dep:  # the prefill pool's ranks shard them too
+            fits = [d for d in range(1, experts + 1) if experts % d == 0]
+            raise ConfigError(f"engine.prefill_dep {self.prefill_dep} must divide the routed experts: model "
+                              f"{self.model!r} has {experts} (prefill_dep may be one of {fits})")
+        if self.draft_model and self.draft_experts == "sharded" and self.dep > 1:
+            name = self.draft_model
+            draft = cfg if name.startswith("layers:") else model_config(name)  # ("layers:N": the target's)
+            n = draft.n_routed_experts if draft is not None else 0
+            if n and n % self.dep:
+                raise ConfigError(f"engine.draft_experts 'sharded': engine.dep {self.dep} must divide the draft's "
+                                  f"routed experts: {name!r} has {n} (or keep the draft's experts replicated)")
         if spare > experts * (self.dep - 1):
             room = (f"so at most {experts * (self.dep - 1)} replicas fit beside model {self.model!r}'s {experts} "
                     "experts" if self.dep > 1 else "so one rank has no room for replicas: use dep >= 2")
@@ -241,11 +265,11 @@ class EngineConfig:
                               "draft model)")
 
     @classmethod
-    def from_deployment(cls, dep, pool_index: int = 0, model: str | None = None) -> EngineConfig:
+    def from_deployment(cls, dep, pool_index: int | None = None, model: str | None = None) -> EngineConfig:
         """What the deployment's pools for ``model`` say to run (the only model when None),
-        as its [engine] table says to run them: the ``pool_index``-th of its pools when they
-        are colocated, or its prefill and decode pools together. The engine has no
-        host-memory KV tier yet, so it is left off here."""
+        as its [engine] table says to run them: its colocated pool (the ``pool_index``-th where
+        it has several: an engine runs one), or its prefill and decode pools together. The
+        engine has no host-memory KV tier yet, so it is left off here."""
         served = sorted({p.model for p in dep.pools})
         if model is None and len(served) > 1:
             raise ConfigError(f"{dep.source}: the pools serve several models {served}: name one "
@@ -260,6 +284,11 @@ class EngineConfig:
             pd = dict(prefill_instances=prefill.instances, prefill_dep=prefill.dep,
                       kv_transport=dep.engine.kv_transport, kv_hold_timeout_s=dep.engine.kv_hold_timeout_s)
         elif set(roles) == {"colocated"}:
+            if pool_index is None and len(pools) > 1:  # (serving the first alone dropped the others)
+                raise ConfigError(f"{dep.source}: pools {[p.name for p in pools]} all serve model {pools[0].model!r} "
+                                  "colocated, and an engine runs one such pool (its instances field makes copies "
+                                  "of it): keep one of them")
+            pool_index = pool_index or 0
             if not 0 <= pool_index < len(pools):
                 raise ConfigError(f"{dep.source}: no pool #{pool_index + 1} (it has {len(pools)})")
             pool, pd = pools[pool_index], {}
@@ -330,6 +359,14 @@ class EngineConfig:
                               f"only), got {self.tokenizer!r}")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError(f"engine.scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
+        if self.eplb is not None and not isinstance(self.eplb, EplbConfig):
+            raise ConfigError(f"engine.eplb must be None, an EplbConfig or a dict of its fields, got {self.eplb!r}")
+        if not isinstance(self.spec_adaptive, bool):  # (tested for truth: 'no' turned it on)
+            raise ConfigError(f"engine.spec_adaptive must be true or false, got {self.spec_adaptive!r}")
+        for name in ("num_spec_tokens", "instances", "prefill_instances", "prefill_dep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"engine.{name} must be an integer, got {v!r}")
         if not isinstance(self.runtime_options, dict) or not all(isinstance(k, str) for k in self.runtime_options):
             raise ConfigError(f"engine.runtime_options must be a dict with string keys, got {self.runtime_options!r}")
         for name, low in (("seed", 0), ("dep", 1), ("mailbox_size", 1), ("nodes", 1), ("node_rank", 0)):
