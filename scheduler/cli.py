@@ -169,6 +169,26 @@ _COMMANDS = {  # command -> (module, function, name in error messages)
 }
 
 
+_AS_FLAG = {"engine.eplb": "redundant_experts", "eplb.redundant_experts": "redundant_experts"}
+
+
+def _in_flags(message: str, label: str, args) -> str:
+    """An engine error in the words the command line used: ``engine.dep`` as ``--dep`` (the
+    fields the flags set), for serve and generate without --deployment (whose errors name
+    the file's fields, as they should)."""
+    import re
+
+    if label not in ("serve", "generate") or getattr(args, "deployment", None):
+        return message
+    given = vars(args)
+
+    def flag(m: re.Match) -> str:
+        dest = _AS_FLAG.get(m[0], m[2])
+        return "--" + dest.replace("_", "-") if dest in given else m[0]
+
+    return re.sub(r"\b(engine|scheduler|eplb)\.(\w+)", flag, message)
+
+
 def _run(module: str, fn: str, label: str, args) -> int:
     """Bad input ends the command with one line naming it and exit status 2."""
     from importlib import import_module
@@ -182,7 +202,7 @@ def _run(module: str, fn: str, label: str, args) -> int:
     try:
         return getattr(import_module(module), fn)(args)
     except handled as e:
-        print(f"lockstep {label}: error: {e}", file=sys.stderr)
+        print(f"lockstep {label}: error: {_in_flags(str(e), label, args)}", file=sys.stderr)
         return 2
     except BaseExceptionGroup as eg:  # trio wraps what a task raised: one bad input is still one line
         from lockstep.engine.node_group import InstanceLost
@@ -209,7 +229,7 @@ def _run(module: str, fn: str, label: str, args) -> int:
         from lockstep.engine import runtime_client
         if start and runtime_client._STDERR_SINK is not None and "Traceback" in message:
             message = message.splitlines()[0].rstrip(":") + " (its traceback is in the log)"  # an event there
-        print(f"lockstep {label}: error: {message}", file=sys.stderr)
+        print(f"lockstep {label}: error: {_in_flags(message, label, args)}", file=sys.stderr)
         return 2
 
 

@@ -115,7 +115,7 @@ def test_speculation_and_pd_flags_that_would_do_nothing_are_refused(capsys):
     assert "--node-rank, --node-link: only used with --nodes" in capsys.readouterr().err
     assert main(["generate", "--draft-model", "layers:4", "hi"]) == 2  # one line, before anything loads
     err = capsys.readouterr().err
-    assert "draft_model 'layers:4': N must be in [1, 4)" in err and "Traceback" not in err
+    assert "--draft-model 'layers:4': N must be in [1, 4)" in err and "Traceback" not in err  # (the flag's name)
 
 
 async def test_serve_logs_throughput_while_requests_run_and_nothing_when_idle(autojump_clock):
@@ -240,3 +240,12 @@ def test_serve_with_a_deployment_refuses_flags_given_even_at_their_default(capsy
     assert main(["serve", "--deployment", deployment, "--model", "tiny", "--num-blocks", "4096"]) == 2
     err = capsys.readouterr().err
     assert "--model, --num-blocks: not used with --deployment" in err
+
+
+def test_engine_errors_name_the_flags_typed(capsys):
+    """serve and generate build an EngineConfig from flags: its errors say --dep, not engine.dep
+    (with --deployment they name the file's fields, as they should)."""
+    assert main(["generate", "--prefill-instances", "1", "--prefill-dep", "3", "hi"]) == 2
+    assert capsys.readouterr().err.startswith("lockstep generate: error: --prefill-dep 3 must divide")
+    assert main(["generate", "--prefill-instances", "1", "--dep", "2", "--redundant-experts", "2", "hi"]) == 2
+    assert "error: --redundant-experts balances one colocated instance" in capsys.readouterr().err
