@@ -155,7 +155,7 @@ def engine_config(args):
         from lockstep.policy.deployment_file import load_deployment
         return EngineConfig.from_deployment(load_deployment(args.deployment))
 
-    from lockstep.engine.config import model_context
+    from lockstep.engine.config_checks import model_context
 
     if args.max_model_len is not None and args.max_model_len < 1:  # (0 read as "not given" before)
         raise ValueError(f"--max-model-len must be an integer >= 1, got {args.max_model_len}")

@@ -17,7 +17,8 @@ from lockstep.policy.config import ConfigError
 from lockstep.runtime.models.config import ModelConfig, ModelConfigError, preset_names
 
 from .balancer import Balancer
-from .config import EngineConfig, model_context
+from .config import EngineConfig
+from .config_checks import model_context
 from .disagg import DecodeSide, Disagg, PrefillSide
 from .frontend import Frontend
 from .group import LocalGroup
